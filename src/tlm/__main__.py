@@ -1,0 +1,3 @@
+from tlm.cli import main
+
+raise SystemExit(main())

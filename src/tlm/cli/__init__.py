@@ -1,0 +1,35 @@
+"""The `tlm` command line: argument parsing only; the work is done by the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tlm.cli import demo, info
+from tlm.cli.args import UsageError, error_exit
+from tlm.config import ConfigError
+
+COMMANDS = [info, demo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tlm",
+        description="Transformer language models as the textbook describes them.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS:
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except (UsageError, ConfigError) as exc:
+        return error_exit(str(exc))
+    except KeyboardInterrupt:
+        print("tlm: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,55 @@
+"""Helpers shared by the commands: config fields as `--kebab-case` flags, one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any, NoReturn, get_type_hints
+
+from tlm.config import coerce
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+def fail(message: str) -> NoReturn:
+    raise UsageError(message)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """One `--kebab-case` flag per field of dataclass `cls`; unset flags stay None."""
+    group = parser.add_argument_group(title)
+    hints = get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        default = field.default if field.default is not dataclasses.MISSING else None
+        kinds = getattr(hints[field.name], "__args__", (hints[field.name],))
+        kind = "|".join(k.__name__ for k in kinds if k is not type(None))
+        group.add_argument(
+            flag(field.name),
+            dest=field.name,
+            default=None,
+            metavar=kind.upper(),
+            help=f"default: {default}",
+        )
+
+
+def config_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of `cls` given on the command line, converted to their types."""
+    hints = get_type_hints(cls)
+    out = {}
+    for field in dataclasses.fields(cls):
+        value = getattr(args, field.name, None)
+        if value is not None:
+            out[field.name] = coerce(field.name, value, hints[field.name])
+    return out
+
+
+def error_exit(message: str) -> int:
+    print(f"tlm: error: {message}", file=sys.stderr)
+    return 2

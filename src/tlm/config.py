@@ -1,0 +1,161 @@
+"""Configuration: frozen, validated dataclasses, and their conversion to and from dicts.
+
+Every error names the field and what it accepts, so a typo in a TOML file or a `--flag`
+is a one-line message rather than a stack trace deep inside the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, get_type_hints
+
+NORMS = ("pre", "post")
+POSITIONS = ("learned", "sinusoidal", "rope", "none")
+ACTIVATIONS = ("relu", "gelu")
+ATTENTION_IMPLS = ("fused", "reference")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the field."""
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape and the choices of a decoder-only transformer LM (J&M ch. 9).
+
+    `d_head` defaults to `d_model // n_heads` (and then `n_heads` must divide `d_model`);
+    `d_ff` defaults to `4 * d_model`. Both are resolved in `__post_init__`, so after
+    construction they are always integers.
+
+    `activation="gelu"` is GELU with the tanh approximation, as GPT-2 uses.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int | None = None
+    context_length: int = 256
+    d_head: int | None = None
+    norm: str = "pre"
+    position: str = "learned"
+    activation: str = "gelu"
+    tie_embeddings: bool = True
+    bias: bool = True
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+    attention_impl: str = "fused"
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
+            _check_positive(name, getattr(self, name))
+        if self.d_head is None:
+            if self.d_model % self.n_heads != 0:
+                raise ConfigError(
+                    f"n_heads ({self.n_heads}) must divide d_model ({self.d_model}) "
+                    "unless d_head is given"
+                )
+            object.__setattr__(self, "d_head", self.d_model // self.n_heads)
+        _check_positive("d_head", self.d_head)
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        _check_positive("d_ff", self.d_ff)
+        _check_choice("norm", self.norm, NORMS)
+        _check_choice("position", self.position, POSITIONS)
+        _check_choice("activation", self.activation, ACTIVATIONS)
+        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        if self.position == "rope" and self.d_head % 2 != 0:
+            raise ConfigError(f"d_head must be even for position='rope', got {self.d_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.layer_norm_eps > 0:
+            raise ConfigError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
+        if not self.rope_base > 1:
+            raise ConfigError(f"rope_base must be > 1, got {self.rope_base!r}")
+
+    @property
+    def d_attn(self) -> int:
+        """Width of the concatenated heads, A * d_head (eq. 9.19)."""
+        return self.n_heads * self.d_head
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        return from_dict(cls, values)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def from_dict(cls: type, values: dict[str, Any]) -> Any:
+    """Build dataclass `cls` from `values`; unknown keys and wrong types are errors."""
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown {cls.__name__} key(s): {', '.join(unknown)} "
+            f"(known: {', '.join(sorted(names))})"
+        )
+    return cls(**{k: coerce(k, v, hints[k]) for k, v in values.items()})
+
+
+def coerce(name: str, value: Any, hint: Any) -> Any:
+    """Convert `value` (from TOML, JSON or a command-line string) to the field's type."""
+    kinds = _kinds(hint)
+    if value is None:
+        if type(None) in kinds:
+            return None
+        raise ConfigError(f"{name} must not be empty")
+    if isinstance(value, str) and str not in kinds:
+        return _parse_string(name, value, kinds)
+    for kind in kinds:
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if kind is str and isinstance(value, str):
+            return value
+    expected = " or ".join(k.__name__ for k in kinds if k is not type(None))
+    raise ConfigError(f"{name} must be {expected}, got {value!r}")
+
+
+def _kinds(hint: Any) -> tuple[type, ...]:
+    args = getattr(hint, "__args__", None)
+    return tuple(args) if args else (hint,)
+
+
+def _parse_string(name: str, text: str, kinds: tuple[type, ...]) -> Any:
+    lowered = text.strip().lower()
+    if type(None) in kinds and lowered in ("none", "null", ""):
+        return None
+    if bool in kinds:
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{name} must be true or false, got {text!r}")
+    for kind in (int, float):
+        if kind in kinds:
+            try:
+                return kind(text)
+            except ValueError:
+                continue
+    expected = " or ".join(k.__name__ for k in kinds if k is not type(None))
+    raise ConfigError(f"{name} must be {expected}, got {text!r}")

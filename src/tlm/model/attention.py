@@ -1,0 +1,134 @@
+"""Attention (J&M §9.1, §9.3): the equations written out, the fused kernel, and the module.
+
+Shape legend: B batch, T query positions, S key positions, H heads, d model width,
+d_head per-head width.
+
+`attention_reference` computes softmax(mask(QKᵀ/√d_k))V step by step and returns the
+pattern α; `attention_fused` calls `F.scaled_dot_product_attention`. They mean the same
+thing and a test holds them equal; `ModelConfig.attention_impl` picks one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tlm.config import ModelConfig
+from tlm.model.functional import linear
+from tlm.model.hooks import HookPoint
+from tlm.model.positions import Rotary
+
+
+def causal_mask(T: int, S: int, device: torch.device | None = None) -> Tensor:
+    """Boolean [T, S] mask, True where query i may attend to key j (Fig. 9.9).
+
+    Queries are the last T of the S positions, so query i sits at absolute position
+    S - T + i and sees keys j <= S - T + i. With T == S this is the lower triangle.
+    """
+    rows = torch.arange(T, device=device).unsqueeze(1) + (S - T)  # [T,1]
+    cols = torch.arange(S, device=device).unsqueeze(0)  # [1,S]
+    return cols <= rows
+
+
+def simplified_attention(x: Tensor) -> tuple[Tensor, Tensor]:
+    """The intuition of eq. 9.6-9.8: no projections, score(x_i, x_j) = x_i · x_j.
+
+    x: [..., T, d] -> (a [..., T, d], alpha [..., T, T]).
+    """
+    T = x.shape[-2]
+    scores = x @ x.transpose(-2, -1)  # eq. 9.7  [...,T,d] @ [...,d,T] -> [...,T,T]
+    scores = scores.masked_fill(~causal_mask(T, T, x.device), float("-inf"))  # only j <= i
+    alpha = torch.softmax(scores, dim=-1)  # eq. 9.8
+    return alpha @ x, alpha  # eq. 9.6  a_i = sum_j alpha_ij x_j
+
+
+def attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Scaled dot-product attention written out (eq. 9.11-9.13, 9.35).
+
+    q: [B,H,T,d_head], k and v: [B,H,S,d_head]; mask: bool broadcastable to [B,H,T,S],
+    True = may attend (None = attend everywhere). Returns (heads [B,H,T,d_head],
+    pattern α [B,H,T,S]).
+    """
+    d_k = q.shape[-1]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # eq. 9.11  [B,H,T,d_head] @ [B,H,d_head,S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # -inf above the diagonal (Fig. 9.9)
+    pattern = torch.softmax(scores, dim=-1)  # eq. 9.12  α_ij, each row sums to 1
+    weights = F.dropout(pattern, dropout_p) if dropout_p > 0 else pattern
+    return weights @ v, pattern  # eq. 9.13  head_i = sum_j α_ij v_j   [B,H,T,S] @ [B,H,S,d_head]
+
+
+def attention_fused(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+) -> Tensor:
+    """The same attention through PyTorch's fused kernel; the pattern is never materialised.
+
+    `is_causal=True` (only with T == S and no mask) lets the kernel skip the masked half.
+    """
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
+    )
+
+
+class MultiHeadAttention(nn.Module):
+    """Causal multi-head self-attention, eq. 9.15-9.19 in the parallel form of eq. 9.34-9.36.
+
+    Parameters are named after the equations: W_Q, W_K, W_V [d, H*d_head] and W_O
+    [H*d_head, d], right-multiplied as in the book (x @ W_Q).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, d_attn = config.d_model, config.d_attn
+        self.n_heads, self.d_head = config.n_heads, config.d_head
+        self.impl = config.attention_impl
+        self.dropout = config.dropout
+        self.W_Q = nn.Parameter(torch.empty(d, d_attn))
+        self.W_K = nn.Parameter(torch.empty(d, d_attn))
+        self.W_V = nn.Parameter(torch.empty(d, d_attn))
+        self.W_O = nn.Parameter(torch.empty(d_attn, d))
+        if config.bias:
+            self.b_Q = nn.Parameter(torch.zeros(d_attn))
+            self.b_K = nn.Parameter(torch.zeros(d_attn))
+            self.b_V = nn.Parameter(torch.zeros(d_attn))
+            self.b_O = nn.Parameter(torch.zeros(d))
+        else:
+            self.b_Q = self.b_K = self.b_V = self.b_O = None
+        self.rotary = Rotary(config) if config.position == "rope" else None
+        self.q, self.k, self.v = HookPoint(), HookPoint(), HookPoint()
+        self.pattern = HookPoint()
+        self.z = HookPoint()  # the concatenated heads before W_O
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # [B,T,H*dh] -> [B,H,T,dh]
+
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        """x: [B,T,d] -> a: [B,T,d]. `positions` [T] are absolute positions for rope."""
+        B, T, _ = x.shape
+        q = self.split_heads(linear(x, self.W_Q, self.b_Q))  # eq. 9.34  Q = X W^Q
+        k = self.split_heads(linear(x, self.W_K, self.b_K))  # K = X W^K
+        v = self.split_heads(linear(x, self.W_V, self.b_V))  # V = X W^V
+        if self.rotary is not None:  # relative positions: rotate q and k, never v
+            if positions is None:
+                positions = torch.arange(T, device=x.device)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        q, k, v = self.q(q), self.k(k), self.v(v)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.impl == "reference":
+            heads, pattern = attention_reference(q, k, v, causal_mask(T, T, x.device), dropout_p)
+            self.pattern(pattern)
+        else:
+            heads = attention_fused(q, k, v, dropout_p=dropout_p, is_causal=True)
+        z = self.z(heads.transpose(1, 2).reshape(B, T, -1))  # concat: [B,H,T,dh] -> [B,T,H*dh]
+        return linear(z, self.W_O, self.b_O)  # eq. 9.19  (head_1 ⊕ ... ⊕ head_A) W^O

@@ -1,0 +1,49 @@
+"""Parameter and FLOP counts of a `ModelConfig`, computed from the shapes alone.
+
+A test holds `parameter_counts(config)["total"]` equal to the sum over
+`model.parameters()`; the book's estimate N ≈ 12·n_layers·d² (eq. 10.55) is reported beside.
+"""
+
+from __future__ import annotations
+
+from tlm.config import ModelConfig
+
+
+def parameter_counts(config: ModelConfig) -> dict[str, int]:
+    """Parameters by part. `non_embedding` leaves out E, P and an untied W_U (Kaplan et al.)."""
+    d, d_attn, d_ff, L = config.d_model, config.d_attn, config.d_ff, config.n_layers
+    bias = int(config.bias)
+    embedding = config.vocab_size * d
+    positions = config.context_length * d if config.position == "learned" else 0
+    attention = L * (4 * d * d_attn + bias * (3 * d_attn + d))  # W_Q W_K W_V W_O (+ b)
+    ffn = L * (2 * d * d_ff + bias * (d_ff + d))  # W_1 W_2 (+ b_1 b_2)
+    norm_params = d * (1 + bias)  # gamma (+ beta)
+    n_norms = 2 * L + (1 if config.norm == "pre" else 0)  # the final LayerNorm of pre-norm
+    norms = n_norms * norm_params
+    head = 0 if config.tie_embeddings else config.vocab_size * d
+    total = embedding + positions + attention + ffn + norms + head
+    return {
+        "embedding": embedding,
+        "positions": positions,
+        "attention": attention,
+        "ffn": ffn,
+        "norms": norms,
+        "head": head,
+        "total": total,
+        "non_embedding": attention + ffn + norms,
+        "estimate_12Ld2": 12 * L * d * d,  # eq. 10.55, with d_attn = d_ff/4 = d
+    }
+
+
+def flops_per_token(config: ModelConfig, seq_len: int | None = None, training: bool = False) -> int:
+    """Matmul FLOPs to process one token in a window of `seq_len` (context length by default).
+
+    Forward: 2 FLOPs per multiply-add for every weight matrix (attention, FFN, LM head) plus
+    2·2·seq_len·d_attn per layer for QKᵀ and αV over the whole window (the usual convention,
+    not halved for the causal mask). Training (forward + backward) is 3x the forward.
+    """
+    T = config.context_length if seq_len is None else seq_len
+    d, d_attn, d_ff, L = config.d_model, config.d_attn, config.d_ff, config.n_layers
+    weights = L * (4 * d * d_attn + 2 * d * d_ff) + config.vocab_size * d
+    forward = 2 * weights + L * 4 * T * d_attn
+    return 3 * forward if training else forward
