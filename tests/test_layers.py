@@ -33,14 +33,14 @@ def test_gelu_is_gpt2_tanh_approximation():
     assert torch.allclose(gelu_tanh(x), F.gelu(x, approximate="tanh"), atol=1e-6)
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
 def test_ffn_is_eq_9_21(activation):
     torch.manual_seed(1)
     ffn = FeedForward(tiny_config(activation=activation))
     for p in ffn.parameters():
         torch.nn.init.normal_(p)
     x = torch.randn(2, 5, 64)
-    act = torch.relu if activation == "relu" else gelu_tanh
+    act = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": gelu_tanh}[activation]
     expected = act(x @ ffn.W_1 + ffn.b_1) @ ffn.W_2 + ffn.b_2
     assert torch.allclose(ffn(x), expected, atol=1e-4)
 

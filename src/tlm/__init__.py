@@ -1,7 +1,16 @@
 """tlm: transformer language models as the textbook describes them."""
 
-from tlm.config import ModelConfig
+from tlm._version import __version__
+from tlm.checkpoint import load_model
+from tlm.config import ModelConfig, TrainConfig
 from tlm.model import TransformerLM
+from tlm.tokenizer import load_tokenizer
 
-__all__ = ["ModelConfig", "TransformerLM"]
-__version__ = "0.1.0"
+__all__ = [
+    "ModelConfig",
+    "TrainConfig",
+    "TransformerLM",
+    "__version__",
+    "load_model",
+    "load_tokenizer",
+]

@@ -5,11 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tlm.cli import demo, info
+from tlm.checkpoint import CheckpointError
+from tlm.cli import demo, evaluate, generate, info, prepare, train
 from tlm.cli.args import UsageError, error_exit
 from tlm.config import ConfigError
+from tlm.data import CorpusError
+from tlm.tokenizer import TokenizerError
+from tlm.train import RunError
 
-COMMANDS = [info, demo]
+USER_ERRORS = (UsageError, ConfigError, CorpusError, TokenizerError, CheckpointError, RunError)
+
+COMMANDS = [prepare, train, generate, evaluate, info, demo]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args) or 0
-    except (UsageError, ConfigError) as exc:
+        return args.handler(args) or 0
+    except USER_ERRORS as exc:
         return error_exit(str(exc))
     except KeyboardInterrupt:
         print("tlm: interrupted", file=sys.stderr)

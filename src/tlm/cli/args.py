@@ -14,6 +14,15 @@ class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
 
 
+def add_command(
+    sub: argparse._SubParsersAction, name: str, help: str, example: str = ""
+) -> argparse.ArgumentParser:
+    """A subcommand whose --help ends with its examples, printed as written."""
+    return sub.add_parser(
+        name, help=help, epilog=example, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
 def fail(message: str) -> NoReturn:
     raise UsageError(message)
 

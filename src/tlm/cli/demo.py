@@ -16,7 +16,7 @@ from tlm.model.hooks import run_with_cache
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("demo", help="show the model's shapes, sizes and an attention pattern")
     parser.add_argument("--text", default="Thanks for all the fish", help="text to run")
-    parser.set_defaults(run=run)
+    parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:

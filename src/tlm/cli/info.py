@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tlm.cli.args import add_config_flags, config_overrides
+from tlm.cli.args import add_command, add_config_flags, config_overrides
 from tlm.config import ModelConfig
 from tlm.model.counts import flops_per_token, parameter_counts
 
@@ -15,15 +15,12 @@ EXAMPLE = """example:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "info",
-        help="parameter counts and FLOPs of a model configuration",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        sub, "info", "parameter counts and FLOPs of a model configuration", EXAMPLE
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_config_flags(parser, ModelConfig, "model")
-    parser.set_defaults(run=run)
+    parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,5 +31,6 @@ def gelu_tanh(x: Tensor) -> Tensor:
 
 ACTIVATIONS = {
     "relu": F.relu,  # eq. 9.21
-    "gelu": lambda x: F.gelu(x, approximate="tanh"),  # same as gelu_tanh, one kernel
+    "gelu": F.gelu,  # exact: x·Φ(x)
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # == gelu_tanh, in one kernel
 }

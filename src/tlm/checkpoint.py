@@ -1,0 +1,166 @@
+"""Run directories: what `train` writes and everything else reads.
+
+    RUN/config.json          {"model": ModelConfig, "train": TrainConfig, "tlm": version}
+    RUN/model.safetensors    the latest weights (a tied E is stored once)
+    RUN/tokenizer.json
+    RUN/train_state/latest   names the newest complete checkpoint, e.g. "step-000500"
+    RUN/train_state/step-000500/{model,optimizer}.safetensors, state.json
+
+A checkpoint folder is written in full under a temporary name and renamed; only then does
+`latest` (rewritten atomically) point to it, and only then is the previous one removed. A
+crash at any moment leaves the last good checkpoint intact. Nothing is loaded through
+pickle: tensors go through safetensors, everything else through JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tlm._version import __version__
+from tlm.config import ModelConfig
+from tlm.io import atomic_path, write_text_atomic
+from tlm.model import TransformerLM
+
+STATE_DIR = "train_state"
+
+
+class CheckpointError(ValueError):
+    """A run directory or checkpoint that cannot be read."""
+
+
+def save_weights(path: str | Path, model: nn.Module) -> None:
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt", "tlm": __version__})
+
+
+def load_weights(path: str | Path, model: nn.Module) -> None:
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"cannot read weights {path}: {exc}") from None
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} does not fit the config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+
+
+def write_config(run: Path, model_config: ModelConfig, train: dict[str, Any]) -> None:
+    payload = {"model": model_config.to_dict(), "train": train, "tlm": __version__}
+    write_text_atomic(run / "config.json", json.dumps(payload, indent=2) + "\n")
+
+
+def read_config(run: str | Path) -> dict[str, Any]:
+    path = Path(run) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{run} is not a run directory (no config.json)")
+    try:
+        payload = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    if "model" not in payload:
+        raise CheckpointError(f"{path} has no 'model' section")
+    return payload
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> TransformerLM:
+    """A run directory of ours -> TransformerLM with its latest weights, in eval mode."""
+    run = Path(path)
+    config = ModelConfig.from_dict(read_config(run)["model"])
+    model = TransformerLM(config)
+    weights = run / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{run} has no model.safetensors yet")
+    load_weights(weights, model)
+    return model.to(device).eval()
+
+
+def latest_checkpoint(run: str | Path) -> Path | None:
+    pointer = Path(run) / STATE_DIR / "latest"
+    if not pointer.is_file():
+        return None
+    folder = pointer.parent / pointer.read_text().strip()
+    if not (folder / "state.json").is_file():
+        raise CheckpointError(f"{pointer} names {folder.name}, which is incomplete")
+    return folder
+
+
+def save_checkpoint(
+    run: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> Path:
+    """Write train_state/step-N atomically, point `latest` at it, refresh model.safetensors."""
+    root = run / STATE_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{state['step']:06d}"
+    folder = root / name
+    with atomic_path(folder) as tmp:
+        tmp.mkdir()
+        save_weights(tmp / "model.safetensors", model)
+        tensors, groups = _flatten_optimizer(optimizer)
+        tensors["rng.cpu"] = torch.get_rng_state()
+        if torch.cuda.is_available():
+            tensors["rng.cuda"] = torch.cuda.get_rng_state()
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        (tmp / "state.json").write_text(json.dumps({**state, "param_groups": groups}, indent=2))
+        if folder.exists():  # re-saving the same step (e.g. interrupted right after a save)
+            shutil.rmtree(folder)
+    write_text_atomic(root / "latest", name + "\n")
+    _link_or_copy(folder / "model.safetensors", run / "model.safetensors")
+    for old in root.glob("step-*"):
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def load_checkpoint(
+    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Restore weights, optimizer and RNG from a checkpoint folder; returns its state.json."""
+    load_weights(folder / "model.safetensors", model)
+    state = json.loads((folder / "state.json").read_text())
+    tensors = load_file(str(folder / "optimizer.safetensors"))
+    torch.set_rng_state(tensors.pop("rng.cpu"))
+    cuda_rng = tensors.pop("rng.cuda", None)
+    if cuda_rng is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda_rng)
+    optimizer.load_state_dict(_unflatten_optimizer(tensors, state.pop("param_groups")))
+    return state
+
+
+def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
+    sd = optimizer.state_dict()
+    tensors = {
+        f"state.{index}.{key}": value.detach().contiguous().cpu()
+        for index, slots in sd["state"].items()
+        for key, value in slots.items()
+    }
+    return tensors, sd["param_groups"]
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list) -> dict:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        _, index, key = name.split(".", 2)
+        state.setdefault(int(index), {})[key] = value
+    for group in groups:
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    return {"state": state, "param_groups": groups}
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Make `dst` the same file as `src` in one atomic rename (a hard link, else a copy)."""
+    with atomic_path(dst) as tmp:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)

@@ -1,0 +1,66 @@
+"""`tlm eval`: loss, perplexity and bits per byte of a model on a split or on text files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tlm.checkpoint import load_model
+from tlm.cli.args import add_command, fail
+from tlm.data import TokenData
+from tlm.evaluate import evaluate_text, evaluate_tokens
+from tlm.tokenizer import load_tokenizer
+
+EXAMPLE = """examples:
+  tlm eval runs/shakespeare_char --data data/shakespeare_char --split val --json
+  tlm eval runs/shakespeare_char --text some.txt other.txt
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(sub, "eval", "loss, perplexity and bits per byte", EXAMPLE)
+    parser.add_argument("run", help="run directory (or model directory)")
+    parser.add_argument("--data", help="prepared data folder")
+    parser.add_argument("--split", default="val", help="train or val (default val)")
+    parser.add_argument("--text", nargs="+", metavar="FILE", help="raw UTF-8 text files")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if bool(args.data) == bool(args.text):
+        fail("give either --data DIR (with --split) or --text FILE...")
+    model = load_model(args.run)
+    tokenizer = load_tokenizer(args.run)
+    if args.data:
+        data = TokenData(args.data)
+        if data.vocab_size != model.config.vocab_size:
+            V = model.config.vocab_size
+            fail(f"{args.data} has vocabulary {data.vocab_size}; the model has {V}")
+        results = evaluate_tokens(
+            model, data.split(args.split), tokenizer.token_bytes(), args.batch_size
+        )
+        results = {"split": args.split, **results}
+    else:
+        text = "".join(_read(path) for path in args.text)
+        results = {"text": args.text, **evaluate_text(model, tokenizer, text, args.batch_size)}
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print(
+            f"loss {results['loss']:.4f} nats/token, perplexity {results['perplexity']:.2f}, "
+            f"{results['bits_per_byte']:.4f} bits/byte over {results['tokens']:,} tokens "
+            f"({results['bytes']:,} bytes)"
+        )
+    return 0
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        fail(f"{path}: no such file")
+    except UnicodeDecodeError as exc:
+        fail(f"{path}: not valid UTF-8 (byte {exc.start})")

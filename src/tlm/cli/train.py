@@ -1,0 +1,80 @@
+"""`tlm train`: a config (TOML file and/or flags) -> a trained run directory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tlm.cli.args import add_command, add_config_flags, config_overrides, fail
+from tlm.config import ModelConfig, TrainConfig, load_toml, split_fields
+from tlm.tokenizer import load_tokenizer
+from tlm.train import Diverged, Interrupted, Trainer, new_run_configs, resume_run_configs
+
+EXAMPLE = """example:
+  tlm prepare ../shared/data/tinyshakespeare.txt --tokenizer char --out data/shakespeare_char
+  tlm train --data data/shakespeare_char --out runs/shakespeare_char --n-layers 4 \\
+      --n-heads 4 --d-model 128 --context-length 64 --batch-size 12 --max-steps 2000
+  tlm train --out runs/shakespeare_char --resume      # continue after Ctrl-C or a crash
+
+Every field of ModelConfig and TrainConfig is a flag (--d-model, --lr, ...); a TOML file
+given with --config holds the same keys, flat or under [model] and [train].
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(sub, "train", "train a model on a prepared corpus", EXAMPLE)
+    parser.add_argument("--config", help="TOML file of model and train settings")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_config_flags(parser, TrainConfig, "training")
+    add_config_flags(parser, ModelConfig, "model")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model_values, train_values = split_fields(load_toml(args.config)) if args.config else ({}, {})
+    model_values |= config_overrides(args, ModelConfig)
+    train_values |= config_overrides(args, TrainConfig)
+    if args.resume:
+        out = train_values.get("out") or fail("--resume needs --out RUN")
+        model_config, train_config, data = resume_run_configs(out, model_values, train_values)
+    else:
+        model_config, train_config, data = new_run_configs(model_values, train_values)
+    tokenizer = load_tokenizer(data.folder)
+    trainer = Trainer(
+        model_config,
+        train_config,
+        data,
+        tokenizer.to_json(),
+        resume=args.resume,
+        progress_bar=not args.quiet,
+    )
+    params = trainer.model.num_parameters()
+    print(
+        f"training {params:,} parameters on {trainer.device} ({trainer.dtype}) "
+        f"for {train_config.max_steps:,} steps -> {train_config.out}",
+        file=sys.stderr,
+    )
+    try:
+        results = trainer.fit()
+    except Interrupted as exc:
+        print(
+            f"tlm: interrupted; saved step {exc.step} to {train_config.out}. "
+            f"Continue with: tlm train --out {train_config.out} --resume",
+            file=sys.stderr,
+        )
+        return 130
+    except Diverged as exc:
+        print(
+            f"tlm: error: {exc}; stopped. The last good checkpoint is in "
+            f"{train_config.out}/train_state; try a lower --lr or --grad-clip",
+            file=sys.stderr,
+        )
+        return 1
+    val = results["val_loss"]
+    print(
+        f"done: step {results['step']:,}, train loss {results['train_loss']:.4f}, "
+        f"val loss {'n/a' if val is None else f'{val:.4f}'}, {results['elapsed']:.1f} s; "
+        f"run in {train_config.out} (MODEL_CARD.md, plots/loss.png)"
+    )
+    return 0

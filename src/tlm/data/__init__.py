@@ -1,0 +1,16 @@
+"""Data: corpora read as streams of documents, tokenized, packed into memmapped token files."""
+
+from tlm.data.batches import batch_generator, eval_windows, random_windows
+from tlm.data.corpus import CorpusError, Source, resolve_sources
+from tlm.data.prepare import TokenData, prepare
+
+__all__ = [
+    "CorpusError",
+    "Source",
+    "TokenData",
+    "batch_generator",
+    "eval_windows",
+    "prepare",
+    "random_windows",
+    "resolve_sources",
+]

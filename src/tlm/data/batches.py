@@ -1,0 +1,51 @@
+"""Batches of context windows cut from a token stream (J&M §10.9.1).
+
+Training draws windows at random offsets of the packed stream; the offsets of step s come
+from a generator seeded by (seed, step, micro-batch), so a resumed run sees exactly the
+batches an uninterrupted one would. Evaluation walks the stream in non-overlapping windows
+so that every token after the first is predicted exactly once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tlm.data.corpus import CorpusError
+
+
+def batch_generator(seed: int, step: int, micro: int = 0) -> torch.Generator:
+    """A generator that depends only on (seed, step, micro): the data order is resumable."""
+    state = np.random.SeedSequence([seed, step, micro]).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(state))
+
+
+def random_windows(
+    tokens: np.ndarray, batch_size: int, T: int, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """Inputs x [B,T] and targets y [B,T] = x shifted left by one (teacher forcing), int64."""
+    if len(tokens) < T + 1:
+        raise CorpusError(f"{len(tokens)} tokens are fewer than one window of {T} + 1")
+    starts = torch.randint(0, len(tokens) - T, (batch_size,), generator=generator).numpy()
+    window = torch.from_numpy(tokens[starts[:, None] + np.arange(T + 1)].astype(np.int64))
+    return window[:, :-1], window[:, 1:]  # [B,T+1] -> x [B,T], y [B,T]
+
+
+def eval_windows(tokens: np.ndarray, T: int, max_tokens: int | None = None) -> list[Tensor]:
+    """Windows [N, T+1] overlapping by one token, so each token after the first is a target once.
+
+    Returns the full windows as one tensor, then the remainder as a window [1, r+1]; at most
+    `max_tokens` targets.
+    """
+    n_targets = max(0, len(tokens) - 1)
+    if max_tokens is not None:
+        n_targets = min(n_targets, max_tokens)
+    n_full, rest = divmod(n_targets, T)
+    out = []
+    if n_full:
+        index = np.arange(n_full)[:, None] * T + np.arange(T + 1)  # [N, T+1]
+        out.append(torch.from_numpy(tokens[index].astype(np.int64)))
+    if rest:
+        out.append(torch.from_numpy(tokens[n_full * T : n_full * T + rest + 1].astype(np.int64))[None])
+    return out

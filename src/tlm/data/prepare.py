@@ -1,0 +1,217 @@
+"""`prepare`: sources -> a tokenizer and packed token files (J&M §10.9.1).
+
+Two streaming passes over the sources: the first trains the tokenizer, the second encodes
+every document, appends `<|endoftext|>` and writes the ids to disk as they come. The stream
+is then cut into a training split and a held-out validation split (its last
+`val_fraction`). The output folder:
+
+    OUT/tokenizer.json
+    OUT/train.bin, OUT/val.bin   raw token ids, uint16 when V <= 65535 else uint32
+    OUT/meta.json                tokenizer, counts, bytes, sha256 of every source
+
+It is built under a temporary name and renamed at the end, so a failure leaves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from tlm._version import __version__
+from tlm.data.corpus import CorpusError, Piece, Source, resolve_sources
+from tlm.io import atomic_path, write_text_atomic
+from tlm.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+
+SPLITS = ("train", "val")
+ENCODE_BATCH_CHARS = 1 << 20  # text handed to the tokenizer at once (BPE encodes in parallel)
+
+
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+    return np.uint16 if vocab_size <= 65535 else np.uint32
+
+
+def prepare(
+    inputs: list[str],
+    out: str | Path,
+    tokenizer: str = "bpe",
+    vocab_size: int | None = None,
+    val_fraction: float = 0.1,
+    line_docs: bool = False,
+    force: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenize `inputs` into folder `out`; returns (and writes) its meta.json."""
+    out = Path(out)
+    if not 0 <= val_fraction < 1:
+        raise CorpusError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if out.exists() and not force:
+        raise CorpusError(f"{out} already exists; pass --force to replace it")
+    sources = resolve_sources(inputs, line_docs)
+    total_bytes = sum(s.path.stat().st_size for s in sources if s.path is not None)
+    bar = _bar(progress, total_bytes, "training tokenizer")
+    texts = _texts(sources, bar)
+    try:
+        tok = train_tokenizer(tokenizer, texts, vocab_size)
+    except TokenizerError:
+        if texts.documents == 0:  # say why the tokenizer found nothing to learn
+            raise CorpusError("corpus is empty: no document has any text") from None
+        raise
+    finally:
+        bar.close()
+    if texts.documents == 0:
+        raise CorpusError("corpus is empty: no document has any text")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        meta = _write_tokens(tmp, sources, tok, val_fraction, progress, total_bytes)
+        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
+        tok.save(tmp / "tokenizer.json")
+        if out.exists():  # --force: the old folder goes only once the new one is complete
+            shutil.rmtree(out)
+    return meta
+
+
+class _texts:
+    """Iterate the pieces' texts (for tokenizer training), counting documents."""
+
+    def __init__(self, sources: list[Source], bar: tqdm) -> None:
+        self.sources, self.bar, self.documents = sources, bar, 0
+
+    def __iter__(self) -> Iterator[str]:
+        for piece in _pieces(self.sources, self.bar):
+            self.documents += piece.ends_document
+            if piece.text:
+                yield piece.text
+
+
+def _pieces(sources: list[Source], bar: tqdm) -> Iterator[Piece]:
+    for source in sources:
+        before = 0
+        for piece in source.pieces():
+            bar.update(source.bytes - before)
+            before = source.bytes
+            yield piece
+
+
+def _write_tokens(
+    folder: Path,
+    sources: list[Source],
+    tok: Tokenizer,
+    val_fraction: float,
+    progress: bool,
+    total_bytes: int,
+) -> dict[str, Any]:
+    dtype = token_dtype(tok.vocab_size)
+    stream = folder / "tokens.bin"
+    bar = _bar(progress, total_bytes, "encoding")
+    documents = 0
+    with open(stream, "wb") as f:
+        for ids, ended in _encoded(_pieces(sources, bar), tok):
+            np.asarray(ids, dtype=dtype).tofile(f)
+            documents += ended
+    bar.close()
+    n_total = stream.stat().st_size // np.dtype(dtype).itemsize
+    n_val = round(n_total * val_fraction)
+    _cut(stream, n_total - n_val, folder / "train.bin", folder / "val.bin", dtype)
+    token_bytes = tok.token_bytes()
+    splits = {}
+    for name in SPLITS:
+        path = folder / f"{name}.bin"
+        n = n_total - n_val if name == "train" else n_val
+        part = read_tokens(path, dtype, n)
+        splits[name] = {"file": path.name, "tokens": n, "bytes": _bytes(part, token_bytes)}
+    return {
+        "tokenizer": tok.kind,
+        "vocab_size": tok.vocab_size,
+        "eot_id": tok.eot_id,
+        "dtype": np.dtype(dtype).name,
+        "documents": documents,
+        "val_fraction": val_fraction,
+        "splits": splits,
+        "sources": [s.describe() for s in sources],
+        "tlm": __version__,
+    }
+
+
+def _encoded(pieces: Iterator[Piece], tok: Tokenizer) -> Iterator[tuple[list[int], int]]:
+    """Encode pieces in batches; yields (ids with <|endoftext|> after each document, #docs)."""
+    batch: list[Piece] = []
+    size = 0
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece.text)
+        if size >= ENCODE_BATCH_CHARS:
+            yield _encode_batch(batch, tok)
+            batch, size = [], 0
+    if batch:
+        yield _encode_batch(batch, tok)
+
+
+def _encode_batch(batch: list[Piece], tok: Tokenizer) -> tuple[list[int], int]:
+    ids: list[int] = []
+    for piece, encoded in zip(batch, tok.encode_batch([p.text for p in batch]), strict=True):
+        ids.extend(encoded)
+        if piece.ends_document:
+            ids.append(tok.eot_id)
+    return ids, sum(p.ends_document for p in batch)
+
+
+def _cut(stream: Path, n_train: int, train: Path, val: Path, dtype: type) -> None:
+    """Move the stream's tail (from token `n_train`) into `val`, the head becomes `train`."""
+    offset = n_train * np.dtype(dtype).itemsize
+    with open(stream, "r+b") as src, open(val, "wb") as dst:
+        src.seek(offset)
+        shutil.copyfileobj(src, dst, 1 << 24)
+        src.truncate(offset)
+    stream.rename(train)
+
+
+def _bytes(tokens: np.ndarray, token_bytes: np.ndarray) -> int:
+    """UTF-8 bytes the tokens spell (<|endoftext|> spells none)."""
+    step = 1 << 24
+    return int(sum(token_bytes[tokens[i : i + step]].sum() for i in range(0, len(tokens), step)))
+
+
+def _bar(progress: bool, total: int, what: str) -> tqdm:
+    return tqdm(
+        total=total or None, desc=what, unit="B", unit_scale=True, disable=not progress, leave=False
+    )
+
+
+class TokenData:
+    """A folder written by `prepare`: its meta, tokenizer and memory-mapped splits."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        path = self.folder / "meta.json"
+        if not path.is_file():
+            raise CorpusError(f"{folder} is not a prepared data folder (no meta.json); run tlm prepare")
+        try:
+            self.meta = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"{path} is not valid JSON: {exc}") from None
+        self.vocab_size: int = self.meta["vocab_size"]
+        self.dtype = np.dtype(self.meta["dtype"])
+
+    def split(self, name: str) -> np.ndarray:
+        """The token ids of split `name` ("train" or "val"), memory-mapped read-only."""
+        if name not in SPLITS:
+            raise CorpusError(f"unknown split {name!r}; choose train or val")
+        info = self.meta["splits"][name]
+        path = self.folder / info["file"]
+        if info["tokens"] and not path.is_file():
+            raise CorpusError(f"{path} is missing; prepare the data again")
+        return read_tokens(path, self.dtype, info["tokens"])
+
+
+def read_tokens(path: Path, dtype: np.dtype | type, n: int) -> np.ndarray:
+    """`n` token ids from `path`, memory-mapped read-only (an empty array when n is 0)."""
+    if n == 0:
+        return np.empty(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(n,))

@@ -1,0 +1,53 @@
+"""Evaluation: cross-entropy, perplexity and bits per byte of a model on tokens or text.
+
+loss        mean negative log-likelihood per predicted token, in nats (eq. 10.51)
+perplexity  exp(loss)
+bits_per_byte  total nats / ln 2 / UTF-8 bytes of the predicted text; tokens that spell no
+            bytes (<|endoftext|>) count in neither sum, so tokenizers can be compared
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from tlm.data import eval_windows
+from tlm.model.loss import window_nll
+from tlm.tokenizer import Tokenizer
+
+
+def evaluate_tokens(
+    model: nn.Module,
+    tokens: np.ndarray,
+    token_bytes: np.ndarray,
+    batch_size: int = 32,
+    max_tokens: int | None = None,
+) -> dict[str, float]:
+    """Score every token of `tokens` after the first, in non-overlapping context windows."""
+    nll_sum, byte_nll_sum, n_tokens, n_bytes = 0.0, 0.0, 0, 0
+    for windows in eval_windows(tokens, model.config.context_length, max_tokens):
+        nll = window_nll(model, windows, batch_size).double()  # [N, T]
+        spelled = torch.from_numpy(token_bytes[windows[:, 1:].numpy()])  # bytes of each target
+        nll_sum += nll.sum().item()
+        n_tokens += nll.numel()
+        byte_nll_sum += nll[spelled > 0].sum().item()
+        n_bytes += int(spelled.sum())
+    loss = nll_sum / n_tokens
+    return {
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "bits_per_byte": byte_nll_sum / math.log(2) / n_bytes if n_bytes else float("nan"),
+        "tokens": n_tokens,
+        "bytes": n_bytes,
+    }
+
+
+def evaluate_text(
+    model: nn.Module, tokenizer: Tokenizer, text: str, batch_size: int = 32
+) -> dict[str, float]:
+    """Score raw text: <|endoftext|> is prepended, so every token of the text is predicted."""
+    ids = np.array([tokenizer.eot_id, *tokenizer.encode(text)], dtype=np.int64)
+    return evaluate_tokens(model, ids, tokenizer.token_bytes(), batch_size)

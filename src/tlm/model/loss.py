@@ -1,0 +1,41 @@
+"""The language-modeling loss (J&M §10.9, eq. 10.50-10.51) and scoring of token windows.
+
+L_CE = -log ŷ_t[w_{t+1}]: the negative log probability the model gives the true next token,
+averaged over the positions of a window (teacher forcing: the input at every position is
+the true prefix, never the model's own guess).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    """logits [B,T,V], targets [B,T] -> mean of eq. 10.51 over all B·T positions (fused kernel)."""
+    V = logits.shape[-1]
+    loss = F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), reduction=reduction)
+    return loss if reduction == "mean" else loss.view(targets.shape)
+
+
+def cross_entropy_reference(logits: Tensor, targets: Tensor) -> Tensor:
+    """Eq. 10.50-10.51 written out: y = softmax(u) (eq. 9.46), L = -log y[w_{t+1}], averaged."""
+    y_hat = torch.softmax(logits.double(), dim=-1)  # [B,T,V]
+    p_true = y_hat.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # ŷ_t[w_{t+1}]  [B,T]
+    return (-torch.log(p_true)).mean()
+
+
+@torch.no_grad()
+def window_nll(model: nn.Module, windows: Tensor, batch_size: int = 32) -> Tensor:
+    """Per-token negative log-likelihood (nats) of windows [N, T+1]: returns [N, T].
+
+    Position t of window n scores token t+1 given tokens 0..t.
+    """
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, len(windows), batch_size):
+        batch = windows[i : i + batch_size].to(device)
+        logits = model(batch[:, :-1])
+        out.append(cross_entropy(logits, batch[:, 1:], reduction="none").cpu())
+    return torch.cat(out)

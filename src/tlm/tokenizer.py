@@ -1,0 +1,178 @@
+"""Tokenizers: byte-level BPE (trained with the `tokenizers` library) and characters.
+
+Both save to and load from one `tokenizer.json` and share one interface: `encode(str) ->
+list[int]`, `decode(list[int]) -> str`, `eot_id`, `vocab_size`, `token_bytes()` (the UTF-8
+length of each token, for bits per byte). `<|endoftext|>` separates documents.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from tlm.io import write_text_atomic
+
+EOT = "<|endoftext|>"
+KINDS = ("bpe", "char")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built or loaded, or text it cannot encode."""
+
+
+class CharTokenizer:
+    """One id per character of the training corpus (sorted), then `<|endoftext|>`.
+
+    Encoding a character the corpus never contained is an error: a character model has
+    no way to spell it.
+    """
+
+    kind = "char"
+
+    def __init__(self, chars: Iterable[str]) -> None:
+        self.chars = sorted(set(chars))
+        self.eot_id = len(self.chars)
+        self.vocab_size = len(self.chars) + 1
+        self._codepoints = np.array([ord(c) for c in self.chars], dtype=np.int64)
+
+    @classmethod
+    def train(cls, texts: Iterable[str]) -> CharTokenizer:
+        seen: set[str] = set()
+        for text in texts:
+            seen.update(text)
+        if not seen:
+            raise TokenizerError("corpus is empty: no characters to build a vocabulary from")
+        return cls(seen)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Vectorised encode: code points -> positions in the sorted alphabet."""
+        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+        ids = np.searchsorted(self._codepoints, points)
+        ids = np.minimum(ids, len(self.chars) - 1)
+        unknown = self._codepoints[ids] != points
+        if unknown.any():
+            bad = chr(points[np.argmax(unknown)])
+            raise TokenizerError(f"character {bad!r} is not in the tokenizer's vocabulary")
+        return ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(EOT if i == self.eot_id else self.chars[i] for i in ids)
+
+    def token_bytes(self) -> np.ndarray:
+        lengths = [len(c.encode("utf-8")) for c in self.chars] + [0]
+        return np.array(lengths, dtype=np.int64)
+
+    def to_json(self) -> str:
+        return json.dumps({"type": "char", "chars": "".join(self.chars), "eot": EOT})
+
+    def save(self, path: str | Path) -> None:
+        write_text_atomic(path, self.to_json())
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2's scheme): any Unicode string round-trips exactly."""
+
+    kind = "bpe"
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self.tokenizer = tokenizer
+        eot_id = tokenizer.token_to_id(EOT)
+        if eot_id is None:
+            raise TokenizerError(f"tokenizer has no {EOT} token")
+        self.eot_id = eot_id
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def train(
+        cls, texts: Iterable[str], vocab_size: int, length: int | None = None
+    ) -> BPETokenizer:
+        if vocab_size < 257:
+            raise TokenizerError(f"BPE vocab size must be at least 257 (256 bytes + {EOT})")
+        tokenizer = HFTokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
+        made = tokenizer.get_vocab_size(with_added_tokens=True)
+        if made < vocab_size:
+            raise TokenizerError(
+                f"vocab size {vocab_size} is more than this corpus can fill: BPE found only "
+                f"{made} tokens; use --vocab-size {made} or less, or a larger corpus"
+            )
+        return cls(tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self) -> np.ndarray:
+        """Bytes per token: a byte-level token spells one byte per character; specials 0."""
+        special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, i in self.tokenizer.get_vocab(with_added_tokens=True).items():
+            lengths[i] = 0 if token in special else len(token)
+        return lengths
+
+    def to_json(self) -> str:
+        return self.tokenizer.to_str()
+
+    def save(self, path: str | Path) -> None:
+        write_text_atomic(path, self.to_json())
+
+
+Tokenizer = CharTokenizer | BPETokenizer
+
+
+def train_tokenizer(
+    kind: str, texts: Iterable[str], vocab_size: int | None = None, length: int | None = None
+) -> Tokenizer:
+    """Train a tokenizer of `kind` ("bpe" or "char") on an iterator of texts."""
+    if kind == "char":
+        if vocab_size is not None:
+            raise TokenizerError("--vocab-size applies to bpe; a char vocabulary is the corpus's")
+        return CharTokenizer.train(texts)
+    if kind == "bpe":
+        return BPETokenizer.train(texts, vocab_size or 4096, length)
+    raise TokenizerError(f"unknown tokenizer {kind!r}; choose one of {', '.join(KINDS)}")
+
+
+def tokenizer_from_json(text: str) -> Tokenizer:
+    data = json.loads(text)
+    if data.get("type") == "char":
+        return CharTokenizer(data["chars"])
+    return BPETokenizer(HFTokenizer.from_str(text))
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load `tokenizer.json` from a file, a run directory or a prepared data directory."""
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise TokenizerError(f"no tokenizer at {path} (expected {file})")
+    try:
+        return tokenizer_from_json(file.read_text(encoding="utf-8"))
+    except TokenizerError:
+        raise
+    except Exception as exc:  # json, KeyError, or the tokenizers library's own errors
+        raise TokenizerError(f"{file} is not a tokenizer.json tlm can read: {exc}") from None

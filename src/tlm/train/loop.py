@@ -1,0 +1,203 @@
+"""The training loop (J&M §10.9): self-supervised next-token prediction with teacher forcing.
+
+Each step: for every micro-batch, cross-entropy (eq. 10.51) averaged over the windows and
+backpropagated; then gradient clipping, one AdamW step at the scheduled learning rate.
+Periodically: validation loss, metrics, plot and an atomic checkpoint. Ctrl-C saves
+and stops; a loss that becomes NaN or inf stops without saving over the last good state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tlm.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    write_config,
+)
+from tlm.config import ModelConfig, TrainConfig
+from tlm.data import TokenData, batch_generator, eval_windows, random_windows
+from tlm.io import write_text_atomic
+from tlm.model import TransformerLM
+from tlm.model.loss import cross_entropy, window_nll
+from tlm.train.optim import build_optimizer, learning_rate
+from tlm.train.report import Metrics, plot_losses, write_model_card
+from tlm.train.run import pick_device, pick_dtype
+
+
+class Diverged(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C: the run was saved at `step` and can be resumed."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"interrupted; saved at step {step}")
+        self.step = step
+
+
+@dataclass
+class Progress:
+    step: int = 0  # optimizer steps completed
+    tokens: int = 0
+    elapsed: float = 0.0  # seconds of training, summed over resumes
+
+
+class Trainer:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: TrainConfig,
+        data: TokenData,
+        tokenizer_json: str,
+        resume: bool = False,
+        progress_bar: bool = True,
+    ) -> None:
+        self.config, self.model_config, self.data = config, model_config, data
+        self.run = Path(config.out)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        self.model = TransformerLM(model_config)
+        self.model.reset_parameters(seed=config.seed)
+        self.model.to(self.device)
+        self.optimizer = build_optimizer(self.model, config)
+        self.forward = torch.compile(self.model) if config.compile else self.model
+        self.progress_bar = progress_bar
+        self.state = Progress()
+        self.tokens_per_step = config.batch_size * config.grad_accum * model_config.context_length
+        self.val_windows = self._val_windows()
+        if resume:
+            saved = load_checkpoint(latest_checkpoint(self.run), self.model, self.optimizer)
+            self.state = Progress(saved["step"], saved["tokens"], saved["elapsed"])
+        else:
+            self.run.mkdir(parents=True, exist_ok=True)
+            write_config(self.run, model_config, config.to_dict())
+            write_text_atomic(self.run / "tokenizer.json", tokenizer_json)
+        self.metrics = Metrics(self.run / "metrics.jsonl", self.state.step if resume else None)
+
+    def _val_windows(self) -> list[torch.Tensor]:
+        val = self.data.split("val")
+        if len(val) < 2:
+            return []
+        return eval_windows(val, self.model_config.context_length, self.config.eval_tokens)
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def train_step(self, step: int) -> float:
+        """One optimizer step; returns the mean training loss of its windows."""
+        c, T = self.config, self.model_config.context_length
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(step, c)
+        tokens = self.data.split("train")
+        total = 0.0
+        for micro in range(c.grad_accum):
+            x, y = random_windows(tokens, c.batch_size, T, batch_generator(c.seed, step, micro))
+            with self.autocast():
+                loss = cross_entropy(self.forward(x.to(self.device)), y.to(self.device))
+            (loss / c.grad_accum).backward()
+            total += loss.item() / c.grad_accum
+        if not math.isfinite(total):
+            raise Diverged(f"loss became {total} at step {step + 1}")
+        if c.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+    @torch.no_grad()
+    def validation_loss(self) -> float | None:
+        if not self.val_windows:
+            return None
+        self.model.eval()
+        with self.autocast():
+            nll = torch.cat([window_nll(self.forward, w).flatten() for w in self.val_windows])
+        self.model.train()
+        return nll.mean().item()
+
+    def fit(self) -> dict[str, Any]:
+        """Train to `max_steps`; returns the final results (also in MODEL_CARD.md)."""
+        c = self.config
+        self.model.train()
+        bar = tqdm(
+            total=c.max_steps, initial=self.state.step, unit="step", disable=not self.progress_bar
+        )
+        window: list[float] = []
+        started, base = time.perf_counter(), self.state.elapsed
+        try:
+            while self.state.step < c.max_steps:
+                loss = self.train_step(self.state.step)
+                s = self.state
+                s.step, s.tokens = s.step + 1, s.tokens + self.tokens_per_step
+                s.elapsed = base + time.perf_counter() - started
+                window.append(loss)
+                if s.step % c.log_interval == 0 or s.step == c.max_steps:
+                    self._log(bar, window)
+                    window = []
+                bar.update(1)
+                if s.step % c.eval_interval == 0 or s.step == c.max_steps:
+                    self._evaluate()
+                    started, base = time.perf_counter(), s.elapsed  # eval time is not training
+                if s.step % c.checkpoint_interval == 0 or s.step == c.max_steps:
+                    self.save()
+        except KeyboardInterrupt:
+            bar.close()
+            self.save()
+            raise Interrupted(self.state.step) from None
+        bar.close()
+        return self.finish()
+
+    def _log(self, bar: tqdm, losses: list[float]) -> None:
+        s = self.state
+        mean = sum(losses) / len(losses)
+        row = {"step": s.step, "tokens": s.tokens, "time": round(s.elapsed, 3)}
+        row |= {"lr": learning_rate(s.step - 1, self.config), "train_loss": mean}
+        row["tokens_per_s"] = round(s.tokens / max(s.elapsed, 1e-9))
+        self.metrics.log(row)
+        bar.set_postfix(loss=f"{mean:.4f}", tok_s=f"{row['tokens_per_s']:,}")
+
+    def _evaluate(self) -> None:
+        val = self.validation_loss()
+        if val is None:
+            return
+        s = self.state
+        self.metrics.log(
+            {"step": s.step, "tokens": s.tokens, "time": round(s.elapsed, 3), "val_loss": val}
+        )
+        plot_losses(self.metrics.rows, self.run / "plots" / "loss.png")
+
+    def save(self) -> None:
+        state = {
+            "step": self.state.step,
+            "tokens": self.state.tokens,
+            "elapsed": self.state.elapsed,
+        }
+        save_checkpoint(self.run, self.model, self.optimizer, state)
+
+    def finish(self) -> dict[str, Any]:
+        rows = self.metrics.rows
+        train = [r["train_loss"] for r in rows if "train_loss" in r]
+        val = [r["val_loss"] for r in rows if "val_loss" in r]
+        results = {
+            "step": self.state.step,
+            "tokens": self.state.tokens,
+            "elapsed": self.state.elapsed,
+            "train_loss": train[-1] if train else float("nan"),
+            "val_loss": val[-1] if val else None,
+        }
+        plot_losses(rows, self.run / "plots" / "loss.png")
+        write_model_card(self.run, self.model_config, self.config, self.data.meta, results)
+        return results

@@ -1,0 +1,140 @@
+"""What a run leaves for people: metrics.jsonl, plots/loss.png and MODEL_CARD.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tlm.config import ModelConfig, TrainConfig
+from tlm.io import atomic_path, write_text_atomic
+from tlm.model.counts import parameter_counts
+
+
+class Metrics:
+    """Append-only JSON lines; on resume, rows after the checkpoint's step are dropped."""
+
+    def __init__(self, path: Path, keep_until_step: int | None = None) -> None:
+        self.path = path
+        self.rows = read_metrics(path)
+        if keep_until_step is not None:
+            self.rows = [r for r in self.rows if r["step"] <= keep_until_step]
+            write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in self.rows))
+        elif path.exists():
+            path.unlink()
+            self.rows = []
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_losses(rows: list[dict[str, Any]], path: Path) -> None:
+    """Train and validation loss against tokens seen and against wall time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in rows if "train_loss" in r]
+    val = [r for r in rows if "val_loss" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    for ax, x, label in (
+        (axes[0], "tokens", "tokens seen"),
+        (axes[1], "time", "training time (s)"),
+    ):
+        ax.plot([r[x] for r in train], [r["train_loss"] for r in train], label="train", lw=1)
+        ax.plot([r[x] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+        ax.set_xlabel(label)
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("loss (eq. 10.51)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)
+
+
+def write_model_card(
+    run: Path,
+    model_config: ModelConfig,
+    train_config: TrainConfig,
+    data_meta: dict[str, Any],
+    results: dict[str, Any],
+) -> None:
+    counts = parameter_counts(model_config)
+    sources = "\n".join(
+        f"| `{s['name']}` | {s['bytes']:,} | `{s['sha256'][:16]}…` |" for s in data_meta["sources"]
+    )
+    splits = data_meta["splits"]
+    model_json = json.dumps(model_config.to_dict(), indent=2)
+    train_json = json.dumps(train_config.to_dict(), indent=2)
+    val_loss = results.get("val_loss")
+    val = f"{val_loss:.4f}" if val_loss is not None else "n/a (no validation split)"
+    card = f"""# Model card: `{run.name}`
+
+A causal transformer language model trained with tlm (J&M ch. 9-10) by next-token
+prediction on the data below.
+
+## Data
+
+| source | bytes | sha256 |
+|---|---|---|
+{sources}
+
+Tokenizer: {data_meta["tokenizer"]}, vocabulary {data_meta["vocab_size"]}. Documents:
+{data_meta["documents"]:,}. Tokens: {splits["train"]["tokens"]:,} train,
+{splits["val"]["tokens"]:,} validation (the last {data_meta["val_fraction"]:.0%} of the stream).
+
+## Model
+
+{counts["total"]:,} parameters ({counts["non_embedding"]:,} non-embedding;
+12·L·d² = {counts["estimate_12Ld2"]:,}).
+
+```json
+{model_json}
+```
+
+## Training
+
+```json
+{train_json}
+```
+
+## Results
+
+| | |
+|---|---|
+| steps | {results["step"]:,} |
+| tokens seen | {results["tokens"]:,} |
+| wall time | {results["elapsed"]:.1f} s |
+| final train loss (nats/token) | {results["train_loss"]:.4f} |
+| final validation loss (nats/token) | {val} |
+
+## How to use
+
+```
+tlm generate {run} --prompt "..." --max-new-tokens 200
+tlm eval {run} --data {train_config.data} --split val
+```
+
+## Limits (J&M §10.10)
+
+- **Hallucination.** The model continues text with what is probable under its training
+  data, not with what is true; fluent output can be false.
+- **Bias and toxicity.** It reproduces the patterns of its data, including stereotypes and
+  offensive language; nothing here filters them.
+- **Memorisation.** Small corpora and many epochs make a model repeat its training text
+  verbatim; do not train on data you may not republish, or on private information.
+- **Scope.** It was trained only on the sources above; it knows nothing else, and its
+  validation loss says how well it predicts held-out text from the same sources only.
+"""
+    write_text_atomic(run / "MODEL_CARD.md", card)

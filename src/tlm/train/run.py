@@ -1,0 +1,90 @@
+"""Starting or resuming a run: resolve the configs, refuse what would lose work."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlm.checkpoint import latest_checkpoint, read_config
+from tlm.config import ConfigError, ModelConfig, TrainConfig, from_dict
+from tlm.data import TokenData
+
+
+class RunError(ValueError):
+    """A run that cannot start as asked; the message says why."""
+
+
+def new_run_configs(
+    model_values: dict[str, Any], train_values: dict[str, Any]
+) -> tuple[ModelConfig, TrainConfig, TokenData]:
+    """Configs for a fresh run; the vocabulary size comes from the prepared data."""
+    train_config = from_dict(TrainConfig, train_values)
+    if not train_config.data:
+        raise RunError("--data is required: a folder written by tlm prepare")
+    if not train_config.out:
+        raise RunError("--out is required: the run directory to create")
+    out = Path(train_config.out)
+    if out.exists() and any(out.iterdir()):
+        raise RunError(f"{out} already exists; pass --resume to continue it or choose a new --out")
+    data = TokenData(train_config.data)
+    model_values = dict(model_values)
+    given = model_values.setdefault("vocab_size", data.vocab_size)
+    if given != data.vocab_size:
+        raise RunError(f"--vocab-size {given} differs from the data's vocabulary {data.vocab_size}")
+    model_config = from_dict(ModelConfig, model_values)
+    _check_window(data, model_config)
+    return model_config, train_config, data
+
+
+def resume_run_configs(
+    out: str, model_values: dict[str, Any], train_values: dict[str, Any]
+) -> tuple[ModelConfig, TrainConfig, TokenData]:
+    """The saved configs of run `out`; any value given now must equal the saved one."""
+    if latest_checkpoint(out) is None:
+        raise RunError(f"{out} has no checkpoint to resume from")
+    saved = read_config(out)
+    model_config = ModelConfig.from_dict(saved["model"])
+    train_config = TrainConfig.from_dict(saved["train"])
+    differ = _differences(model_config, model_values) + _differences(train_config, train_values)
+    if differ:
+        raise RunError(f"--resume: config differs from the saved run: {'; '.join(differ)}")
+    data = TokenData(train_config.data)
+    if data.vocab_size != model_config.vocab_size:
+        raise RunError(
+            f"{train_config.data} has vocabulary {data.vocab_size}; "
+            f"the run was trained on {model_config.vocab_size}"
+        )
+    return model_config, train_config, data
+
+
+def _differences(config: Any, values: dict[str, Any]) -> list[str]:
+    given = dataclasses.asdict(type(config).from_dict({**config.to_dict(), **values}))
+    saved = config.to_dict()
+    return [f"{k}: saved {saved[k]!r}, given {given[k]!r}" for k in values if given[k] != saved[k]]
+
+
+def _check_window(data: TokenData, config: ModelConfig) -> None:
+    n = len(data.split("train"))
+    if n < config.context_length + 1:
+        raise RunError(
+            f"training split has {n} tokens, fewer than one context window "
+            f"({config.context_length} + 1); use a larger corpus or a smaller --context-length"
+        )
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda was asked for, but no CUDA device is available")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """fp32 on CPU, bf16 autocast on CUDA, unless asked otherwise."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]

@@ -1,0 +1,144 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tlm.data import (
+    CorpusError,
+    TokenData,
+    batch_generator,
+    eval_windows,
+    prepare,
+    random_windows,
+    resolve_sources,
+)
+from tlm.data import corpus as corpus_module
+from tlm.data.prepare import token_dtype
+from tlm.tokenizer import load_tokenizer
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("first document\nwith two lines\n")
+    (folder / "sub" / "b.txt").write_text("second document ✓\n")
+    (folder / "c.jsonl").write_text('{"text": "third"}\n\n{"text": "fourth", "id": 4}\n')
+    (folder / "ignored.bin").write_bytes(b"\x00\x01")
+    return folder
+
+
+def test_resolve_sources(corpus):
+    names = [s.name for s in resolve_sources([str(corpus)])]
+    assert names == [str(corpus / "a.txt"), str(corpus / "c.jsonl"), str(corpus / "sub/b.txt")]
+    assert [s.name for s in resolve_sources([str(corpus / "*.txt")])] == [str(corpus / "a.txt")]
+    assert resolve_sources(["python-docs"])[0].path is None
+    with pytest.raises(CorpusError, match="nope.txt: no such file"):
+        resolve_sources([str(corpus / "nope.txt")])
+    with pytest.raises(CorpusError, match="no files match"):
+        resolve_sources([str(corpus / "*.md")])
+
+
+def test_prepare_joins_documents_with_eot(corpus, tmp_path):
+    meta = prepare([str(corpus)], tmp_path / "out", tokenizer="char", val_fraction=0.25)
+    tok = load_tokenizer(tmp_path / "out")
+    data = TokenData(tmp_path / "out")
+    stream = np.concatenate([data.split("train"), data.split("val")])
+    docs = ["first document\nwith two lines\n", "third", "fourth", "second document ✓\n"]
+    expected = [i for doc in docs for i in [*tok.encode(doc), tok.eot_id]]
+    assert stream.tolist() == expected
+    assert meta["documents"] == 4 and meta["dtype"] == "uint16"
+    assert meta["splits"]["val"]["tokens"] == round(len(expected) * 0.25)
+    total_bytes = sum(len(d.encode()) for d in docs)
+    assert meta["splits"]["train"]["bytes"] + meta["splits"]["val"]["bytes"] == total_bytes
+    names = {str(corpus / "a.txt"), str(corpus / "c.jsonl"), str(corpus / "sub" / "b.txt")}
+    assert {s["name"] for s in meta["sources"]} == names
+    assert all(len(s["sha256"]) == 64 for s in meta["sources"])
+    assert json.loads((tmp_path / "out" / "meta.json").read_text()) == meta
+
+
+def test_line_docs_make_one_document_per_line(tmp_path):
+    names = tmp_path / "names.txt"
+    names.write_text("emma\nolivia\n\nava\n")
+    meta = prepare([str(names)], tmp_path / "out", tokenizer="char", line_docs=True, val_fraction=0)
+    assert meta["documents"] == 3
+    tok = load_tokenizer(tmp_path / "out")
+    assert tok.decode(TokenData(tmp_path / "out").split("train")) == (
+        "emma<|endoftext|>olivia<|endoftext|>ava<|endoftext|>"
+    )
+
+
+def test_streaming_in_small_chunks_gives_the_same_tokens(tmp_path, monkeypatch):
+    big = tmp_path / "big.txt"
+    big.write_text("".join(f"line {i} of a longer document\n" for i in range(2000)))
+    prepare([str(big)], tmp_path / "whole", tokenizer="char", val_fraction=0)
+    monkeypatch.setattr(corpus_module, "CHUNK_BYTES", 100)
+    meta = prepare([str(big)], tmp_path / "chunks", tokenizer="char", val_fraction=0)
+    assert meta["documents"] == 1
+    whole, chunks = TokenData(tmp_path / "whole"), TokenData(tmp_path / "chunks")
+    assert np.array_equal(whole.split("train"), chunks.split("train"))
+
+
+def test_builtin_python_docs_with_bpe(tmp_path):
+    meta = prepare(["python-docs"], tmp_path / "pd", vocab_size=512, progress=False)
+    assert meta["tokenizer"] == "bpe" and meta["vocab_size"] == 512
+    assert meta["documents"] > 50 and meta["splits"]["train"]["tokens"] > 100_000
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"text\x00with a NUL", "binary"),
+        (b"caf\xe9 latin-1", "not valid UTF-8 at line 1"),
+        (b"", "corpus is empty"),
+        (b"  \n\n", "corpus is empty"),
+    ],
+)
+def test_bad_input_names_the_file_and_leaves_nothing(tmp_path, content, message):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(content)
+    with pytest.raises(CorpusError, match=message):
+        prepare([str(bad)], tmp_path / "out", tokenizer="char")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.txt"]
+
+
+def test_jsonl_without_text_field(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"body": "no"}\n')
+    with pytest.raises(CorpusError, match=r"bad.jsonl:2: no string field 'text'"):
+        prepare([str(bad)], tmp_path / "out", tokenizer="char")
+
+
+def test_existing_output_needs_force(corpus, tmp_path):
+    prepare([str(corpus)], tmp_path / "out", tokenizer="char")
+    with pytest.raises(CorpusError, match="already exists"):
+        prepare([str(corpus)], tmp_path / "out", tokenizer="char")
+    prepare([str(corpus / "a.txt")], tmp_path / "out", tokenizer="char", force=True)
+    assert TokenData(tmp_path / "out").meta["documents"] == 1
+
+
+def test_token_dtype():
+    assert token_dtype(65535) == np.uint16 and token_dtype(65536) == np.uint32
+
+
+def test_random_windows_are_shifted_and_reproducible():
+    tokens = np.arange(1000, dtype=np.uint16)
+    x, y = random_windows(tokens, 4, 16, batch_generator(seed=1, step=7))
+    assert x.shape == y.shape == (4, 16) and x.dtype == torch.int64
+    assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:, -1], x[:, -1] + 1)
+    again, _ = random_windows(tokens, 4, 16, batch_generator(seed=1, step=7))
+    other, _ = random_windows(tokens, 4, 16, batch_generator(seed=1, step=8))
+    assert torch.equal(x, again) and not torch.equal(x, other)
+    with pytest.raises(CorpusError, match="fewer than one window"):
+        random_windows(tokens[:10], 1, 16, batch_generator(1, 0))
+
+
+def test_eval_windows_predict_every_token_once():
+    tokens = np.arange(103, dtype=np.uint16)
+    batches = eval_windows(tokens, 10)
+    assert [tuple(b.shape) for b in batches] == [(10, 11), (1, 3)]
+    targets = torch.cat([b[:, 1:].flatten() for b in batches])
+    assert targets.tolist() == list(range(1, 103))
+    capped = eval_windows(tokens, 10, max_tokens=30)
+    assert len(capped) == 1 and capped[0].shape == (3, 11)

@@ -1,0 +1,149 @@
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from tlm import load_model
+from tlm.checkpoint import latest_checkpoint
+from tlm.cli import main
+from tlm.config import TrainConfig
+from tlm.data import prepare
+from tlm.model import TransformerLM
+from tlm.model.loss import cross_entropy, cross_entropy_reference
+from tlm.train import Diverged, Trainer, new_run_configs
+from tlm.train.optim import learning_rate, parameter_groups
+
+TINY = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--context-length", "32"]
+TINY += ["--batch-size", "8", "--warmup-steps", "5", "--log-interval", "5", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data") / "python-docs"
+    prepare(["python-docs"], folder, tokenizer="char", progress=False)
+    return folder
+
+
+def train(data, out, *extra):
+    return main(["train", "--data", str(data), "--out", str(out), *TINY, *extra])
+
+
+def test_cross_entropy_is_eq_10_51():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    assert torch.allclose(
+        cross_entropy(logits, targets).double(), cross_entropy_reference(logits, targets)
+    )
+
+
+def test_schedule_warms_up_then_follows_a_cosine():
+    c = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
+    assert learning_rate(0, c) == pytest.approx(1e-4)
+    assert learning_rate(9, c) == pytest.approx(1e-3)
+    assert learning_rate(60, c) == pytest.approx((1e-3 + 1e-4) / 2)
+    assert learning_rate(110, c) == pytest.approx(1e-4)
+    steps = [learning_rate(s, c) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(steps, steps[1:], strict=False))
+
+
+def test_no_weight_decay_on_biases_norms_and_embeddings():
+    model = TransformerLM(tiny_config(tie_embeddings=False))
+    decay, no_decay = parameter_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)].rsplit(".", 1)[-1] for p in decay["params"]}
+    kept = {names[id(p)].rsplit(".", 1)[-1] for p in no_decay["params"]}
+    assert decayed == {"W_Q", "W_K", "W_V", "W_O", "W_1", "W_2", "W_U"}
+    assert kept == {"E", "P", "gamma", "beta", "b_Q", "b_K", "b_V", "b_O", "b_1", "b_2"}
+    assert no_decay["weight_decay"] == 0.0
+
+
+def test_train_writes_the_run_directory(data, tmp_path):
+    run = tmp_path / "run"
+    assert train(data, run, "--max-steps", "40", "--eval-interval", "20") == 0
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl"):
+        assert (run / name).is_file(), name
+    assert (run / "plots" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_losses = [r["train_loss"] for r in rows if "train_loss" in r]
+    assert train_losses[-1] < train_losses[0] - 0.5  # it learns
+    assert [r["step"] for r in rows if "val_loss" in r] == [20, 40]
+    card = (run / "MODEL_CARD.md").read_text()
+    for needle in ("python-docs", "Hallucination", "Memorisation", "tlm generate", "sha256"):
+        assert needle in card
+    assert latest_checkpoint(run).name == "step-000040"
+    model = load_model(run)
+    assert model.config.vocab_size == json.loads((data / "meta.json").read_text())["vocab_size"]
+
+
+def test_toml_config_and_overrides(data, tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text('max_steps = 10\n[model]\nd_ff = 48\nposition = "rope"\n[train]\nlr = 3e-3\n')
+    assert train(data, tmp_path / "run", "--config", str(config), "--lr", "2e-3") == 0
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["model"]["d_ff"] == 48 and saved["model"]["position"] == "rope"
+    assert saved["train"]["max_steps"] == 10
+    assert saved["train"]["lr"] == 2e-3  # a flag overrides the file
+    config.write_text("d_modle = 48\n")
+    assert train(data, tmp_path / "run2", "--config", str(config)) == 2
+    assert "unknown config key 'd_modle'" in capsys.readouterr().err
+
+
+def test_bad_runs_are_refused_with_one_line(data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(data, run, "--max-steps", "5") == 0
+    assert train(data, run, "--max-steps", "5") == 2
+    assert "already exists; pass --resume" in capsys.readouterr().err
+    assert main(["train", "--out", str(run), "--resume", "--lr", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "config differs" in err and "lr" in err and err.count("\n") == 1
+    assert train(data, tmp_path / "r2", "--context-length", "1000000") == 2
+    assert "fewer than one context window" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "nothing"), "--resume"]) == 2
+    assert train(tmp_path / "missing", tmp_path / "r3") == 2
+    assert "not a prepared data folder" in capsys.readouterr().err
+
+
+def test_tiny_corpus_shorter_than_a_window(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("too short")
+    prepare([str(text)], tmp_path / "d", tokenizer="char", val_fraction=0, progress=False)
+    assert train(tmp_path / "d", tmp_path / "run") == 2
+    assert "fewer than one context window" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data, tmp_path):
+    values = {
+        "data": str(data),
+        "out": str(tmp_path / "run"),
+        "max_steps": 10,
+        "batch_size": 4,
+        "checkpoint_interval": 5,
+        "eval_interval": 5,
+    }
+    model_config, train_config, token_data = new_run_configs(
+        {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}, values
+    )
+    tokenizer_json = (data / "tokenizer.json").read_text()
+    trainer = Trainer(
+        model_config,
+        train_config.__class__.from_dict({**values, "max_steps": 5}),
+        token_data,
+        tokenizer_json,
+        progress_bar=False,
+    )
+    trainer.fit()
+    good = load_model(tmp_path / "run").state_dict()
+    resumed = Trainer(
+        model_config, train_config, token_data, tokenizer_json, resume=True, progress_bar=False
+    )
+    with torch.no_grad():
+        resumed.model.blocks[0].attn.W_Q.fill_(float("nan"))
+    with pytest.raises(Diverged, match="loss became nan at step 6"):
+        resumed.fit()
+    assert latest_checkpoint(tmp_path / "run").name == "step-000005"
+    after = load_model(tmp_path / "run").state_dict()
+    assert all(torch.equal(good[k], after[k]) for k in good)
+    assert all(math.isfinite(v.sum().item()) for v in after.values())
