@@ -7,6 +7,7 @@ from tlm.tokenizer import (
     EOT,
     BPETokenizer,
     CharTokenizer,
+    TextStream,
     TokenizerError,
     load_tokenizer,
     train_tokenizer,
@@ -93,3 +94,13 @@ def test_char_vocab_size_is_the_corpus_alphabet():
         train_tokenizer("char", ["abc"], vocab_size=10)
     assert isinstance(train_tokenizer("char", ["abc"]), CharTokenizer)
     assert isinstance(train_tokenizer("bpe", PYTHON_DOCS[:5], vocab_size=300), BPETokenizer)
+
+
+def test_text_stream_never_splits_a_character(bpe):
+    text = "naïve ✓ 漢字 done"
+    ids = bpe.encode(text)
+    assert any("\ufffd" in bpe.decode([i]) for i in ids)  # single tokens carry partial bytes
+    stream = TextStream(bpe)
+    pieces = [stream.push([i]) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)

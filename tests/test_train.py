@@ -12,6 +12,7 @@ from tlm.config import TrainConfig
 from tlm.data import prepare
 from tlm.model import TransformerLM
 from tlm.model.loss import cross_entropy, cross_entropy_reference
+from tlm.tokenizer import load_tokenizer
 from tlm.train import Diverged, Trainer, new_run_configs
 from tlm.train.optim import learning_rate, parameter_groups
 
@@ -147,3 +148,35 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data, tmp_path):
     after = load_model(tmp_path / "run").state_dict()
     assert all(torch.equal(good[k], after[k]) for k in good)
     assert all(math.isfinite(v.sum().item()) for v in after.values())
+
+
+def test_generate_and_eval_commands(data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(data, run, "--max-steps", "30") == 0
+    capsys.readouterr()
+    command = ["generate", str(run), "--prompt", "The", "--max-new-tokens", "20", "--seed", "3"]
+    assert main(command) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("The") and len(first) > len("The\n")
+    assert main(command) == 0 and capsys.readouterr().out == first  # a seed fixes the sample
+
+    text = tmp_path / "t.txt"
+    text.write_text("The list type.")  # shorter than one window: scored in one forward
+    assert main(["eval", str(run), "--text", str(text), "--json"]) == 0
+    scores = json.loads(capsys.readouterr().out)
+    model, tok = load_model(run), load_tokenizer(run)
+    ids = torch.tensor([[tok.eot_id, *tok.encode("The list type.")]])
+    expected = cross_entropy_reference(model(ids[:, :-1]), ids[:, 1:]).item()
+    assert scores["loss"] == pytest.approx(expected, rel=1e-5)
+    assert scores["perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
+    assert scores["tokens"] == scores["bytes"] == len("The list type.")
+    assert scores["bits_per_byte"] == pytest.approx(expected / math.log(2), rel=1e-5)
+
+    assert main(["eval", str(run), "--data", str(data), "--split", "val", "--json"]) == 0
+    scores = json.loads(capsys.readouterr().out)
+    assert (
+        scores["tokens"]
+        == json.loads((data / "meta.json").read_text())["splits"]["val"]["tokens"] - 1
+    )
+    assert main(["generate", str(run), "--top-k", "0"]) == 2
+    assert "--top-k must be >= 1" in capsys.readouterr().err

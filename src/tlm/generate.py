@@ -5,10 +5,12 @@ The model never sees text: `generate` takes token ids and yields token ids.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+
+from tlm.tokenizer import TextStream, Tokenizer
 
 
 def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
@@ -68,3 +70,42 @@ def generate(
         ids = torch.cat([ids, next_ids.unsqueeze(-1)], dim=1)
         if eos_token_id is not None and bool((next_ids == eos_token_id).all()):
             return
+
+
+def complete(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int | None = None,
+    on_truncate: Callable[[int, int], None] | None = None,
+) -> Iterator[str]:
+    """Continue `prompt` (after <|endoftext|>, as documents start in training); yield text.
+
+    A prompt longer than the context keeps its last tokens; `on_truncate(n, kept)` is told.
+    Generation stops early at <|endoftext|>.
+    """
+    ids = [tokenizer.eot_id, *tokenizer.encode(prompt)]
+    N = model.config.context_length
+    if len(ids) > N:
+        if on_truncate is not None:
+            on_truncate(len(ids), N)
+        ids = ids[-N:]
+    device = next(model.parameters()).device
+    stream = TextStream(tokenizer)
+    tokens = generate(
+        model,
+        torch.tensor([ids], device=device),
+        max_new_tokens,
+        temperature,
+        top_k,
+        seed,
+        eos_token_id=tokenizer.eot_id,
+    )
+    for next_ids in tokens:
+        if next_ids.item() == tokenizer.eot_id:
+            break
+        yield stream.push(next_ids.tolist())
+    yield stream.flush()

@@ -144,6 +144,31 @@ class BPETokenizer:
 Tokenizer = CharTokenizer | BPETokenizer
 
 
+class TextStream:
+    """Token ids arriving one by one -> text, holding back a partly generated character.
+
+    A byte-level token may carry only some bytes of a UTF-8 character; decoding tokens one
+    at a time would print replacement characters. `push` returns only text that is final.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+
+    def push(self, ids: Iterable[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # the rest of a multi-byte character is still to come
+            return ""
+        return self._take(text)
+
+    def flush(self) -> str:
+        return self._take(self.tokenizer.decode(self.ids))
+
+    def _take(self, text: str) -> str:
+        new, self.shown = text[self.shown :], len(text)
+        return new
+
+
 def train_tokenizer(
     kind: str, texts: Iterable[str], vocab_size: int | None = None, length: int | None = None
 ) -> Tokenizer:

@@ -1,41 +1,117 @@
-"""`tlm demo`: the model of ch. 9 on random weights (the training demo comes with `tlm train`)."""
+"""`tlm demo`: the main job end to end: prepare a corpus, train, generate, evaluate, plot."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
+import time
+from pathlib import Path
 
 import torch
 
-from tlm.cli.info import describe
-from tlm.config import ModelConfig
-from tlm.model import TransformerLM
-from tlm.model.counts import flops_per_token, parameter_counts
-from tlm.model.hooks import run_with_cache
+from tlm.cli.args import add_command, fail
+from tlm.data import TokenData, prepare
+from tlm.evaluate import evaluate_tokens
+from tlm.generate import complete
+from tlm.interpret import attention_patterns, plot_attention
+from tlm.tokenizer import load_tokenizer
+from tlm.train import Trainer, new_run_configs
+
+EXAMPLE = """examples:
+  tlm demo                                  # python-docs, about three minutes on a laptop CPU
+  tlm demo ../shared/data/tinyshakespeare.txt --data data/demo-shakespeare \
+      --out runs/demo-shakespeare
+"""
+
+MODEL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "context_length": 128}
+TRAIN = {"batch_size": 16, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 50, "eval_interval": 100}
+PROMPTS = ["The for statement", "A list is", "def "]
+MARKER = ".tlm-demo"  # the demo replaces only folders it made itself
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("demo", help="show the model's shapes, sizes and an attention pattern")
-    parser.add_argument("--text", default="Thanks for all the fish", help="text to run")
+    parser = add_command(
+        sub, "demo", "prepare a corpus, train a small model, generate, plot", EXAMPLE
+    )
+    parser.add_argument("inputs", nargs="*", default=["python-docs"], help="corpus (python-docs)")
+    parser.add_argument("--data", default="data/demo", help="prepared data folder (data/demo)")
+    parser.add_argument("--out", default="runs/demo", help="run directory (runs/demo)")
+    parser.add_argument("--max-steps", type=int, default=1200, help="training steps (1200)")
+    parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary (1024)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, context_length=64)
-    torch.manual_seed(0)
-    model = TransformerLM(config.replace(attention_impl="reference")).eval()
-    counts = parameter_counts(config)
-    flops = {
-        "forward_flops_per_token": flops_per_token(config),
-        "training_flops_per_token": flops_per_token(config, training=True),
-    }
-    print(describe(config, counts, flops))
-    ids = torch.tensor([list(args.text.encode("utf-8"))[: config.context_length]])
-    logits, cache = run_with_cache(model, ids)
-    print(f"\ninput_ids {tuple(ids.shape)} -> logits {tuple(logits.shape)} (random weights)")
-    for name in ("embed", "blocks.0.attn.q", "blocks.0.attn.pattern", "final"):
-        print(f"  {name:<24} {tuple(cache[name].shape)}")
-    pattern = cache["blocks.0.attn.pattern"][0, 0, :6, :6]
-    print("\nattention pattern α of layer 0, head 0 (first 6 bytes; zero above the diagonal):")
-    for row in pattern.tolist():
-        print("  " + " ".join(f"{a:.2f}" for a in row))
+    started = time.perf_counter()
+    data_dir, out = _claim(Path(args.data)), _claim(Path(args.out))
+    corpus = " ".join(args.inputs)
+    print(f"[1/4] prepare {corpus} -> {data_dir} (byte-level BPE, {args.vocab_size})")
+    meta = prepare(
+        args.inputs,
+        data_dir,
+        vocab_size=args.vocab_size,
+        val_fraction=0.1,
+        progress=not args.quiet,
+    )
+    (data_dir / MARKER).touch()
+    splits = meta["splits"]
+    print(
+        f"      {meta['documents']:,} documents, {splits['train']['tokens']:,} train tokens, "
+        f"{splits['val']['tokens']:,} validation tokens"
+    )
+
+    train_values = {**TRAIN, "data": str(data_dir), "out": str(out), "max_steps": args.max_steps}
+    model_config, train_config, data = new_run_configs(MODEL, train_values)
+    tokenizer = load_tokenizer(data_dir)
+    trainer = Trainer(
+        model_config, train_config, data, tokenizer.to_json(), progress_bar=not args.quiet
+    )
+    (out / MARKER).touch()
+    print(
+        f"[2/4] train {trainer.model.num_parameters():,} parameters for {args.max_steps} steps "
+        f"on {trainer.device} -> {out}"
+    )
+    results = trainer.fit()
+    print(
+        f"      {results['tokens']:,} tokens in {results['elapsed']:.0f} s: "
+        f"train loss {results['train_loss']:.3f}, validation loss {results['val_loss']:.3f}"
+    )
+
+    model = trainer.model.eval()
+    print("[3/4] generate (temperature 0.8, top-k 40)")
+    for prompt in PROMPTS:
+        text = prompt + "".join(complete(model, tokenizer, prompt, 80, 0.8, 40, seed=0))
+        print("      " + "\n      ".join(f">>> {text}".splitlines()[:8]))
+
+    print("[4/4] evaluate and plot")
+    scores = evaluate_tokens(model, TokenData(data_dir).split("val"), tokenizer.token_bytes())
+    print(
+        f"      validation: {scores['loss']:.3f} nats/token, "
+        f"perplexity {scores['perplexity']:.1f}, {scores['bits_per_byte']:.3f} bits/byte"
+    )
+    _plot_attention(model, tokenizer, out / "plots" / "attention.png")
+    print(
+        f"\nDone in {time.perf_counter() - started:.0f} s. Look at:\n"
+        f"  {out / 'plots' / 'loss.png'}        loss against tokens and time\n"
+        f"  {out / 'plots' / 'attention.png'}   what each head attends to\n"
+        f"  {out / 'MODEL_CARD.md'}          data, sizes, results, limits\n"
+        f'  tlm generate {out} --prompt "The while statement" --temperature 0.8'
+    )
     return 0
+
+
+def _claim(folder: Path) -> Path:
+    """The demo may replace a folder it made before, and nothing else."""
+    if folder.exists():
+        if not (folder / MARKER).is_file():
+            fail(f"{folder} exists and was not made by tlm demo; choose another --data/--out")
+        shutil.rmtree(folder)
+    return folder
+
+
+def _plot_attention(model, tokenizer, path: Path) -> None:
+    ids = [tokenizer.eot_id, *tokenizer.encode("for item in items:\n    print(item)")][:24]
+    patterns = attention_patterns(model, torch.tensor([ids]))
+    tokens = [tokenizer.decode([i]) for i in ids]
+    plot_attention(patterns, tokens, path)

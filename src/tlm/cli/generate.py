@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from tlm.checkpoint import load_model
 from tlm.cli.args import add_command, fail
-from tlm.generate import generate
+from tlm.generate import complete
 from tlm.tokenizer import load_tokenizer
 
 EXAMPLE = """example:
@@ -37,17 +35,23 @@ def run(args: argparse.Namespace) -> int:
         fail(f"--top-k must be >= 1, got {args.top_k}")
     model = load_model(args.run)
     tokenizer = load_tokenizer(args.run)
-    ids = [tokenizer.eot_id, *tokenizer.encode(args.prompt)]
-    N = model.config.context_length
-    if len(ids) > N:
-        print(f"tlm: prompt has {len(ids)} tokens; keeping the last {N}", file=sys.stderr)
-        ids = ids[-N:]
     sys.stdout.write(args.prompt)
-    stream = generate(
-        model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k, args.seed
+    pieces = complete(
+        model,
+        tokenizer,
+        args.prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.seed,
+        on_truncate=_say_truncated,
     )
-    for next_ids in stream:
-        sys.stdout.write(tokenizer.decode(next_ids.tolist()))
+    for text in pieces:
+        sys.stdout.write(text)
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def _say_truncated(n: int, kept: int) -> None:
+    print(f"tlm: prompt has {n} tokens; keeping the last {kept}", file=sys.stderr)

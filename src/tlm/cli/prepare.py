@@ -12,6 +12,7 @@ EXAMPLE = """examples:
   tlm prepare ../shared/data/tinyshakespeare.txt --tokenizer char --val-fraction 0.1 \\
       --out data/shakespeare_char
   tlm prepare names.txt --line-docs --tokenizer char --out data/names
+  tlm prepare more.txt --tokenizer runs/my_model --out data/finetune   # reuse a tokenizer
 """
 
 
@@ -21,7 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("inputs", nargs="+", help="files, folders, globs, or python-docs")
     parser.add_argument("--out", required=True, help="folder to create")
-    parser.add_argument("--tokenizer", default="bpe", help="bpe (default) or char")
+    parser.add_argument(
+        "--tokenizer",
+        default="bpe",
+        help="bpe (default), char, or an existing tokenizer.json / run / data folder to reuse",
+    )
     parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (4096)")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="held-out share (0.1)")
     parser.add_argument("--line-docs", action="store_true", help="one document per line")

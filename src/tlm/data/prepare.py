@@ -26,9 +26,10 @@ from tqdm import tqdm
 from tlm._version import __version__
 from tlm.data.corpus import CorpusError, Piece, Source, resolve_sources
 from tlm.io import atomic_path, write_text_atomic
-from tlm.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+from tlm.tokenizer import KINDS, Tokenizer, TokenizerError, load_tokenizer, train_tokenizer
 
 SPLITS = ("train", "val")
+EMPTY = "corpus is empty: no document has any text"
 ENCODE_BATCH_CHARS = 1 << 20  # text handed to the tokenizer at once (BPE encodes in parallel)
 
 
@@ -54,27 +55,51 @@ def prepare(
         raise CorpusError(f"{out} already exists; pass --force to replace it")
     sources = resolve_sources(inputs, line_docs)
     total_bytes = sum(s.path.stat().st_size for s in sources if s.path is not None)
-    bar = _bar(progress, total_bytes, "training tokenizer")
-    texts = _texts(sources, bar)
-    try:
-        tok = train_tokenizer(tokenizer, texts, vocab_size)
-    except TokenizerError:
-        if texts.documents == 0:  # say why the tokenizer found nothing to learn
-            raise CorpusError("corpus is empty: no document has any text") from None
-        raise
-    finally:
-        bar.close()
-    if texts.documents == 0:
-        raise CorpusError("corpus is empty: no document has any text")
+    if tokenizer in KINDS:
+        tok = _train_tokenizer(tokenizer, sources, vocab_size, progress, total_bytes)
+    elif vocab_size is not None:
+        raise CorpusError("--vocab-size applies when training a tokenizer (bpe)")
+    else:  # an existing tokenizer, e.g. the one of the model to fine-tune
+        tok = load_tokenizer(_existing_tokenizer(tokenizer))
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         tmp.mkdir()
         meta = _write_tokens(tmp, sources, tok, val_fraction, progress, total_bytes)
+        if meta["documents"] == 0:
+            raise CorpusError(EMPTY)
         write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
         tok.save(tmp / "tokenizer.json")
         if out.exists():  # --force: the old folder goes only once the new one is complete
             shutil.rmtree(out)
     return meta
+
+
+def _train_tokenizer(
+    kind: str, sources: list[Source], vocab_size: int | None, progress: bool, total_bytes: int
+) -> Tokenizer:
+    bar = _bar(progress, total_bytes, "training tokenizer")
+    texts = _texts(sources, bar)
+    try:
+        tok = train_tokenizer(kind, texts, vocab_size)
+    except TokenizerError:
+        if texts.documents == 0:  # say why the tokenizer found nothing to learn
+            raise CorpusError(EMPTY) from None
+        raise
+    finally:
+        bar.close()
+    if texts.documents == 0:
+        raise CorpusError(EMPTY)
+    return tok
+
+
+def _existing_tokenizer(name: str) -> Path:
+    path = Path(name)
+    if not path.exists():
+        raise TokenizerError(
+            f"unknown tokenizer {name!r}: give {' or '.join(KINDS)}, or the path of a "
+            "tokenizer.json (or of a run or data folder holding one)"
+        )
+    return path
 
 
 class _texts:

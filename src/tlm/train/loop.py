@@ -21,6 +21,7 @@ from tqdm import tqdm
 from tlm.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
+    load_model,
     save_checkpoint,
     write_config,
 )
@@ -81,6 +82,8 @@ class Trainer:
             saved = load_checkpoint(latest_checkpoint(self.run), self.model, self.optimizer)
             self.state = Progress(saved["step"], saved["tokens"], saved["elapsed"])
         else:
+            if config.init_from:  # fine-tuning: start from a trained model's weights
+                self.model.load_state_dict(load_model(config.init_from).state_dict())
             self.run.mkdir(parents=True, exist_ok=True)
             write_config(self.run, model_config, config.to_dict())
             write_text_atomic(self.run / "tokenizer.json", tokenizer_json)

@@ -11,6 +11,7 @@ import torch
 from tlm.checkpoint import latest_checkpoint, read_config
 from tlm.config import ConfigError, ModelConfig, TrainConfig, from_dict
 from tlm.data import TokenData
+from tlm.tokenizer import load_tokenizer
 
 
 class RunError(ValueError):
@@ -31,6 +32,8 @@ def new_run_configs(
         raise RunError(f"{out} already exists; pass --resume to continue it or choose a new --out")
     data = TokenData(train_config.data)
     model_values = dict(model_values)
+    if train_config.init_from:
+        model_values = _init_model_values(train_config.init_from, model_values, data)
     given = model_values.setdefault("vocab_size", data.vocab_size)
     if given != data.vocab_size:
         raise RunError(f"--vocab-size {given} differs from the data's vocabulary {data.vocab_size}")
@@ -58,6 +61,28 @@ def resume_run_configs(
             f"the run was trained on {model_config.vocab_size}"
         )
     return model_config, train_config, data
+
+
+# may differ between a pretrained model and its fine-tuning run; the shape may not
+FINE_TUNING_FIELDS = ("dropout", "attention_impl")
+
+
+def _init_model_values(source: str, given: dict[str, Any], data: TokenData) -> dict[str, Any]:
+    """The model of `--init-from` fixes the shape; its tokenizer must be the data's."""
+    saved = read_config(source)["model"]
+    differ = [
+        f"{k}: {saved[k]!r} there, {v!r} given"
+        for k, v in given.items()
+        if k not in FINE_TUNING_FIELDS and saved.get(k) != v
+    ]
+    if differ:
+        raise RunError(f"--init-from {source} fixes the model; {'; '.join(differ)}")
+    if load_tokenizer(source).to_json() != load_tokenizer(data.folder).to_json():
+        raise RunError(
+            f"{data.folder} was not tokenized with the tokenizer of {source}; prepare it again "
+            f"with --tokenizer {source}"
+        )
+    return {**saved, **given}
 
 
 def _differences(config: Any, values: dict[str, Any]) -> list[str]:

@@ -1,0 +1,111 @@
+"""The peer a user would pick instead (Hugging Face `transformers`), set up like tlm.
+
+Both sides get the same model shape, the same batches (windows drawn by tlm's seeded
+sampler), the same loss, optimizer (fused AdamW, no decay on embeddings, norms or biases),
+learning rate and gradient clipping. Only the model code differs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tlm import ModelConfig, TransformerLM
+from tlm.config import TrainConfig
+from tlm.data import batch_generator, random_windows
+from tlm.train.optim import build_optimizer
+
+SHAPE = {"n_layers": 4, "n_heads": 4, "d_model": 128, "context_length": 64}
+BATCH = 12
+HF_ACTIVATION = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+
+
+def matmul_peak(n: int = 4096, repeats: int = 5) -> float:
+    """Measured fp32 FLOP/s of one large square matmul (the best this machine does)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - started)
+    return 2 * n**3 / statistics.median(times)
+
+
+class Runner:
+    """Training steps of one model on the shared batches; `steps` returns seconds."""
+
+    def __init__(self, model, optimizer, logits, flops_per_token: int) -> None:
+        self.model, self.optimizer, self.logits = model.train(), optimizer, logits
+        self.tokens_per_step = BATCH * SHAPE["context_length"]
+        self.flops_per_token = flops_per_token
+
+    def steps(self, tokens: np.ndarray, n: int, first_step: int = 0) -> float:
+        batches = [
+            random_windows(tokens, BATCH, SHAPE["context_length"], batch_generator(0, s))
+            for s in range(first_step, first_step + n)
+        ]
+        started = time.perf_counter()
+        for x, y in batches:
+            logits = self.logits(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+
+def build_pair(activation: str, vocab_size: int) -> dict[str, Runner]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    train = TrainConfig(lr=1e-3, weight_decay=0.1)
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=vocab_size, activation=activation, dropout=0.0, **SHAPE)
+    ours = TransformerLM(config)
+    hf_config = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=SHAPE["context_length"],
+        n_embd=SHAPE["d_model"],
+        n_layer=SHAPE["n_layers"],
+        n_head=SHAPE["n_heads"],
+        activation_function=HF_ACTIVATION[activation],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    theirs = GPT2LMHeadModel(hf_config)
+    assert sum(p.numel() for p in theirs.parameters()) == ours.num_parameters()
+    flops = ours.flops_per_token(training=True)  # the same shape: the same FLOPs
+    return {
+        "tlm": Runner(
+            ours, build_optimizer(ours, train), ours, ours.flops_per_token(training=True)
+        ),
+        "transformers": Runner(
+            theirs,
+            torch.optim.AdamW(
+                _hf_groups(theirs, train.weight_decay),
+                lr=train.lr,
+                betas=(train.beta1, train.beta2),
+                fused=True,
+            ),
+            lambda x: theirs(input_ids=x).logits,
+            flops,
+        ),
+    }
+
+
+def _hf_groups(model, weight_decay: float) -> list[dict]:
+    """Decay the weight matrices only, as tlm does (embeddings wte/wpe are not decayed)."""
+    decay, keep = [], []
+    for name, param in model.named_parameters():
+        is_matrix = param.dim() >= 2 and "wte" not in name and "wpe" not in name
+        (decay if is_matrix else keep).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]

@@ -1,0 +1,23 @@
+from tlm.cli import main
+
+
+def test_demo_runs_end_to_end_and_replaces_only_its_own_folders(tmp_path, capsys):
+    data, out = tmp_path / "data", tmp_path / "run"
+    args = ["demo", "--data", str(data), "--out", str(out), "--max-steps", "20", "--quiet"]
+    args += ["--vocab-size", "300"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    for step in ("[1/4] prepare", "[2/4] train", "[3/4] generate", "[4/4] evaluate"):
+        assert step in printed
+    assert ">>> The for statement" in printed and "bits/byte" in printed
+    for name in ("loss.png", "attention.png"):
+        assert (out / "plots" / name).read_bytes()[:4] == b"\x89PNG"
+    assert (out / "MODEL_CARD.md").is_file() and (data / "meta.json").is_file()
+    assert main(args) == 0  # a second demo replaces the first one's folders
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert main(["demo", "--data", str(mine), "--out", str(out), "--quiet"]) == 2
+    assert "was not made by tlm demo" in capsys.readouterr().err
+    assert (mine / "notes.txt").read_text() == "keep me"
