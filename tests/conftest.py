@@ -27,3 +27,13 @@ def make_model():
         return model.eval()
 
     return make
+
+
+@pytest.fixture(scope="session")
+def docs_chars(tmp_path_factory):
+    """The built-in python-docs corpus prepared with the char tokenizer, once per session."""
+    from tlm.data import prepare
+
+    folder = tmp_path_factory.mktemp("data") / "python-docs"
+    prepare(["python-docs"], folder, tokenizer="char", progress=False)
+    return folder

@@ -22,21 +22,14 @@ ARGS += ["--checkpoint-interval", "10", "--eval-interval", "50", "--dropout", "0
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("data") / "python-docs"
-    prepare(["python-docs"], folder, tokenizer="char", progress=False)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(data, tmp_path_factory):
+def uninterrupted(docs_chars, tmp_path_factory):
     run = tmp_path_factory.mktemp("runs") / "whole"
-    assert main(["train", "--data", str(data), "--out", str(run), *ARGS]) == 0
+    assert main(["train", "--data", str(docs_chars), "--out", str(run), *ARGS]) == 0
     return run
 
 
-def start(data, run):
-    command = [sys.executable, "-m", "tlm", "train", "--data", str(data), "--out", str(run)]
+def start(docs_chars, run):
+    command = [sys.executable, "-m", "tlm", "train", "--data", str(docs_chars), "--out", str(run)]
     return subprocess.Popen([*command, *ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -69,9 +62,9 @@ def assert_same_end(run, reference):
     assert all(torch.equal(weights[k], ref_weights[k]) for k in weights)
 
 
-def test_killed_run_resumes_to_the_same_final_loss(data, uninterrupted, tmp_path):
+def test_killed_run_resumes_to_the_same_final_loss(docs_chars, uninterrupted, tmp_path):
     run = tmp_path / "killed"
-    proc = start(data, run)
+    proc = start(docs_chars, run)
     step = wait_for_checkpoint(run, proc, at_least=40)
     proc.kill()  # SIGKILL: no chance to save anything more
     proc.wait()
@@ -80,9 +73,9 @@ def test_killed_run_resumes_to_the_same_final_loss(data, uninterrupted, tmp_path
     assert_same_end(run, uninterrupted)
 
 
-def test_ctrl_c_saves_and_resumes_to_the_same_final_loss(data, uninterrupted, tmp_path):
+def test_ctrl_c_saves_and_resumes_to_the_same_final_loss(docs_chars, uninterrupted, tmp_path):
     run = tmp_path / "interrupted"
-    proc = start(data, run)
+    proc = start(docs_chars, run)
     wait_for_checkpoint(run, proc, at_least=30)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
@@ -93,7 +86,7 @@ def test_ctrl_c_saves_and_resumes_to_the_same_final_loss(data, uninterrupted, tm
     assert_same_end(run, uninterrupted)
 
 
-def test_fine_tune_from_a_run(data, uninterrupted, tmp_path, capsys):
+def test_fine_tune_from_a_run(docs_chars, uninterrupted, tmp_path, capsys):
     text = tmp_path / "more.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 200)
     tuned_data = tmp_path / "more"

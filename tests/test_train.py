@@ -20,15 +20,8 @@ TINY = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--context-lengt
 TINY += ["--batch-size", "8", "--warmup-steps", "5", "--log-interval", "5", "--quiet"]
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("data") / "python-docs"
-    prepare(["python-docs"], folder, tokenizer="char", progress=False)
-    return folder
-
-
-def train(data, out, *extra):
-    return main(["train", "--data", str(data), "--out", str(out), *TINY, *extra])
+def train(docs_chars, out, *extra):
+    return main(["train", "--data", str(docs_chars), "--out", str(out), *TINY, *extra])
 
 
 def test_cross_entropy_is_eq_10_51():
@@ -60,9 +53,9 @@ def test_no_weight_decay_on_biases_norms_and_embeddings():
     assert no_decay["weight_decay"] == 0.0
 
 
-def test_train_writes_the_run_directory(data, tmp_path):
+def test_train_writes_the_run_directory(docs_chars, tmp_path):
     run = tmp_path / "run"
-    assert train(data, run, "--max-steps", "40", "--eval-interval", "20") == 0
+    assert train(docs_chars, run, "--max-steps", "40", "--eval-interval", "20") == 0
     for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl"):
         assert (run / name).is_file(), name
     assert (run / "plots" / "loss.png").read_bytes()[:4] == b"\x89PNG"
@@ -75,31 +68,33 @@ def test_train_writes_the_run_directory(data, tmp_path):
         assert needle in card
     assert latest_checkpoint(run).name == "step-000040"
     model = load_model(run)
-    assert model.config.vocab_size == json.loads((data / "meta.json").read_text())["vocab_size"]
+    assert (
+        model.config.vocab_size == json.loads((docs_chars / "meta.json").read_text())["vocab_size"]
+    )
 
 
-def test_toml_config_and_overrides(data, tmp_path, capsys):
+def test_toml_config_and_overrides(docs_chars, tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text('max_steps = 10\n[model]\nd_ff = 48\nposition = "rope"\n[train]\nlr = 3e-3\n')
-    assert train(data, tmp_path / "run", "--config", str(config), "--lr", "2e-3") == 0
+    assert train(docs_chars, tmp_path / "run", "--config", str(config), "--lr", "2e-3") == 0
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["model"]["d_ff"] == 48 and saved["model"]["position"] == "rope"
     assert saved["train"]["max_steps"] == 10
     assert saved["train"]["lr"] == 2e-3  # a flag overrides the file
     config.write_text("d_modle = 48\n")
-    assert train(data, tmp_path / "run2", "--config", str(config)) == 2
+    assert train(docs_chars, tmp_path / "run2", "--config", str(config)) == 2
     assert "unknown config key 'd_modle'" in capsys.readouterr().err
 
 
-def test_bad_runs_are_refused_with_one_line(data, tmp_path, capsys):
+def test_bad_runs_are_refused_with_one_line(docs_chars, tmp_path, capsys):
     run = tmp_path / "run"
-    assert train(data, run, "--max-steps", "5") == 0
-    assert train(data, run, "--max-steps", "5") == 2
+    assert train(docs_chars, run, "--max-steps", "5") == 0
+    assert train(docs_chars, run, "--max-steps", "5") == 2
     assert "already exists; pass --resume" in capsys.readouterr().err
     assert main(["train", "--out", str(run), "--resume", "--lr", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "config differs" in err and "lr" in err and err.count("\n") == 1
-    assert train(data, tmp_path / "r2", "--context-length", "1000000") == 2
+    assert train(docs_chars, tmp_path / "r2", "--context-length", "1000000") == 2
     assert "fewer than one context window" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path / "nothing"), "--resume"]) == 2
     assert train(tmp_path / "missing", tmp_path / "r3") == 2
@@ -115,9 +110,9 @@ def test_tiny_corpus_shorter_than_a_window(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data, tmp_path):
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(docs_chars, tmp_path):
     values = {
-        "data": str(data),
+        "data": str(docs_chars),
         "out": str(tmp_path / "run"),
         "max_steps": 10,
         "batch_size": 4,
@@ -127,7 +122,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data, tmp_path):
     model_config, train_config, token_data = new_run_configs(
         {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}, values
     )
-    tokenizer_json = (data / "tokenizer.json").read_text()
+    tokenizer_json = (docs_chars / "tokenizer.json").read_text()
     trainer = Trainer(
         model_config,
         train_config.__class__.from_dict({**values, "max_steps": 5}),
@@ -150,9 +145,9 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data, tmp_path):
     assert all(math.isfinite(v.sum().item()) for v in after.values())
 
 
-def test_generate_and_eval_commands(data, tmp_path, capsys):
+def test_generate_and_eval_commands(docs_chars, tmp_path, capsys):
     run = tmp_path / "run"
-    assert train(data, run, "--max-steps", "30") == 0
+    assert train(docs_chars, run, "--max-steps", "30") == 0
     capsys.readouterr()
     command = ["generate", str(run), "--prompt", "The", "--max-new-tokens", "20", "--seed", "3"]
     assert main(command) == 0
@@ -172,11 +167,11 @@ def test_generate_and_eval_commands(data, tmp_path, capsys):
     assert scores["tokens"] == scores["bytes"] == len("The list type.")
     assert scores["bits_per_byte"] == pytest.approx(expected / math.log(2), rel=1e-5)
 
-    assert main(["eval", str(run), "--data", str(data), "--split", "val", "--json"]) == 0
+    assert main(["eval", str(run), "--data", str(docs_chars), "--split", "val", "--json"]) == 0
     scores = json.loads(capsys.readouterr().out)
     assert (
         scores["tokens"]
-        == json.loads((data / "meta.json").read_text())["splits"]["val"]["tokens"] - 1
+        == json.loads((docs_chars / "meta.json").read_text())["splits"]["val"]["tokens"] - 1
     )
     assert main(["generate", str(run), "--top-k", "0"]) == 2
     assert "--top-k must be >= 1" in capsys.readouterr().err

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,26 @@ class Progress:
     step: int = 0  # optimizer steps completed
     tokens: int = 0
     elapsed: float = 0.0  # seconds of training, summed over resumes
+    window: list[float] = field(default_factory=list)  # train losses since the last log line
+
+
+class DeferredInterrupt:
+    """While active, the first Ctrl-C only sets `requested`; a second one interrupts at once."""
+
+    def __enter__(self) -> DeferredInterrupt:
+        self.requested, self.previous = False, None
+        if threading.current_thread() is threading.main_thread():  # signals go to main only
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 class Trainer:
@@ -80,7 +102,7 @@ class Trainer:
         self.val_windows = self._val_windows()
         if resume:
             saved = load_checkpoint(latest_checkpoint(self.run), self.model, self.optimizer)
-            self.state = Progress(saved["step"], saved["tokens"], saved["elapsed"])
+            self.state = Progress(**{k: saved[k] for k in ("step", "tokens", "elapsed", "window")})
         else:
             if config.init_from:  # fine-tuning: start from a trained model's weights
                 self.model.load_state_dict(load_model(config.init_from).state_dict())
@@ -132,40 +154,39 @@ class Trainer:
         return nll.mean().item()
 
     def fit(self) -> dict[str, Any]:
-        """Train to `max_steps`; returns the final results (also in MODEL_CARD.md)."""
-        c = self.config
+        """Train to `max_steps`; returns the final results (also in MODEL_CARD.md).
+
+        Ctrl-C is honoured between steps: the step in flight completes, the run is saved,
+        and `Interrupted` is raised. A second Ctrl-C stops at once, keeping the last save.
+        """
+        c, s = self.config, self.state
         self.model.train()
-        bar = tqdm(
-            total=c.max_steps, initial=self.state.step, unit="step", disable=not self.progress_bar
-        )
-        window: list[float] = []
-        started, base = time.perf_counter(), self.state.elapsed
-        try:
-            while self.state.step < c.max_steps:
-                loss = self.train_step(self.state.step)
-                s = self.state
+        bar = tqdm(total=c.max_steps, initial=s.step, unit="step", disable=not self.progress_bar)
+        started, base = time.perf_counter(), s.elapsed
+        with DeferredInterrupt() as interrupt:
+            while s.step < c.max_steps:
+                s.window.append(self.train_step(s.step))
                 s.step, s.tokens = s.step + 1, s.tokens + self.tokens_per_step
                 s.elapsed = base + time.perf_counter() - started
-                window.append(loss)
-                if s.step % c.log_interval == 0 or s.step == c.max_steps:
-                    self._log(bar, window)
-                    window = []
+                last = s.step == c.max_steps
+                if s.step % c.log_interval == 0 or last:
+                    self._log(bar)
                 bar.update(1)
-                if s.step % c.eval_interval == 0 or s.step == c.max_steps:
+                if s.step % c.eval_interval == 0 or last:
                     self._evaluate()
                     started, base = time.perf_counter(), s.elapsed  # eval time is not training
-                if s.step % c.checkpoint_interval == 0 or s.step == c.max_steps:
+                if s.step % c.checkpoint_interval == 0 or last or interrupt.requested:
                     self.save()
-        except KeyboardInterrupt:
-            bar.close()
-            self.save()
-            raise Interrupted(self.state.step) from None
+                if interrupt.requested:
+                    bar.close()
+                    raise Interrupted(s.step)
         bar.close()
         return self.finish()
 
-    def _log(self, bar: tqdm, losses: list[float]) -> None:
+    def _log(self, bar: tqdm) -> None:
         s = self.state
-        mean = sum(losses) / len(losses)
+        mean = sum(s.window) / len(s.window)
+        s.window = []
         row = {"step": s.step, "tokens": s.tokens, "time": round(s.elapsed, 3)}
         row |= {"lr": learning_rate(s.step - 1, self.config), "train_loss": mean}
         row["tokens_per_s"] = round(s.tokens / max(s.elapsed, 1e-9))
@@ -183,12 +204,7 @@ class Trainer:
         plot_losses(self.metrics.rows, self.run / "plots" / "loss.png")
 
     def save(self) -> None:
-        state = {
-            "step": self.state.step,
-            "tokens": self.state.tokens,
-            "elapsed": self.state.elapsed,
-        }
-        save_checkpoint(self.run, self.model, self.optimizer, state)
+        save_checkpoint(self.run, self.model, self.optimizer, asdict(self.state))
 
     def finish(self) -> dict[str, Any]:
         rows = self.metrics.rows
