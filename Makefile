@@ -30,7 +30,7 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 bench: $(STAMP)
-	for script in bench/*.py; do $(BIN)/python $$script || exit 1; done
+	for script in bench/[!_]*.py; do $(BIN)/python $$script || exit 1; done
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

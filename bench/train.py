@@ -91,7 +91,7 @@ def part_recipe(name: str, work: Path) -> None:
 
 
 def part_throughput(work: Path, blocks: int = 8, steps: int = 15) -> None:
-    from peers import build_pair, matmul_peak
+    from _peers import build_pair, matmul_peak
 
     prepared(work)
     tokens = np.fromfile(work / "data" / "shakespeare_char" / "train.bin", dtype=np.uint16)

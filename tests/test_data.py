@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from tlm.cli import main
 from tlm.data import (
     CorpusError,
     TokenData,
@@ -142,3 +143,23 @@ def test_eval_windows_predict_every_token_once():
     assert targets.tolist() == list(range(1, 103))
     capped = eval_windows(tokens, 10, max_tokens=30)
     assert len(capped) == 1 and capped[0].shape == (3, 11)
+
+
+@pytest.mark.parametrize(
+    "content, args, message",
+    [
+        (b"", [], "corpus is empty"),
+        (b"\x00\x01 binary", [], "looks binary"),
+        (b"caf\xe9", [], "not valid UTF-8 at line 1"),
+        (b"some text", ["--tokenizer", "wordpiece"], "unknown tokenizer 'wordpiece'"),
+        (b"tiny corpus", ["--vocab-size", "5000"], "more than this corpus can fill"),
+        (b"some text", ["--val-fraction", "1.5"], "--val-fraction must be in [0, 1)"),
+    ],
+)
+def test_prepare_command_errors_are_one_line_exit_2(tmp_path, capsys, content, args, message):
+    source = tmp_path / "in.txt"
+    source.write_bytes(content)
+    assert main(["prepare", str(source), "--out", str(tmp_path / "out"), "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tlm: error:") and message in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]  # nothing left behind

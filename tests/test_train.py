@@ -9,7 +9,7 @@ from tlm import load_model
 from tlm.checkpoint import latest_checkpoint
 from tlm.cli import main
 from tlm.config import TrainConfig
-from tlm.data import prepare
+from tlm.data import batch_generator, prepare, random_windows
 from tlm.model import TransformerLM
 from tlm.model.loss import cross_entropy, cross_entropy_reference
 from tlm.tokenizer import load_tokenizer
@@ -175,3 +175,30 @@ def test_generate_and_eval_commands(docs_chars, tmp_path, capsys):
     )
     assert main(["generate", str(run), "--top-k", "0"]) == 2
     assert "--top-k must be >= 1" in capsys.readouterr().err
+
+
+def test_gradient_accumulation_equals_one_big_batch(docs_chars, tmp_path):
+    values = {"data": str(docs_chars), "out": str(tmp_path / "run"), "max_steps": 1}
+    values |= {"batch_size": 4, "grad_accum": 2, "grad_clip": 0.0}
+    shape = {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}
+    model_config, train_config, token_data = new_run_configs(shape, values)
+    tokenizer_json = (docs_chars / "tokenizer.json").read_text()
+    trainer = Trainer(model_config, train_config, token_data, tokenizer_json, progress_bar=False)
+    reference = TransformerLM(model_config)
+    reference.load_state_dict(trainer.model.state_dict())
+    seen, step = {}, trainer.optimizer.step
+
+    def record_gradients(*args, **kwargs):
+        seen.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = record_gradients
+    trainer.train_step(0)
+    tokens = token_data.split("train")
+    micro = [
+        random_windows(tokens, 4, 16, batch_generator(train_config.seed, 0, m)) for m in (0, 1)
+    ]
+    x, y = torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro])
+    cross_entropy(reference(x), y).backward()  # one batch of 8 = both micro-batches
+    for name, param in reference.named_parameters():
+        assert torch.allclose(seen[name], param.grad, atol=1e-6), name

@@ -23,7 +23,7 @@ EXAMPLE = """examples:
       --out runs/demo-shakespeare
 """
 
-MODEL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "context_length": 128}
+MODEL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "context_length": 128, "position": "rope"}
 TRAIN = {"batch_size": 16, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 50, "eval_interval": 100}
 PROMPTS = ["The for statement", "A list is", "def "]
 MARKER = ".tlm-demo"  # the demo replaces only folders it made itself
@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("inputs", nargs="*", default=["python-docs"], help="corpus (python-docs)")
     parser.add_argument("--data", default="data/demo", help="prepared data folder (data/demo)")
     parser.add_argument("--out", default="runs/demo", help="run directory (runs/demo)")
-    parser.add_argument("--max-steps", type=int, default=1200, help="training steps (1200)")
+    parser.add_argument("--max-steps", type=int, default=800, help="training steps (800)")
     parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary (1024)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=run)
