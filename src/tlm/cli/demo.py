@@ -18,7 +18,7 @@ from tlm.tokenizer import load_tokenizer
 from tlm.train import Trainer, new_run_configs
 
 EXAMPLE = """examples:
-  tlm demo                                  # python-docs, about three minutes on a laptop CPU
+  tlm demo                                  # python-docs, about two minutes on a laptop CPU
   tlm demo ../shared/data/tinyshakespeare.txt --data data/demo-shakespeare \
       --out runs/demo-shakespeare
 """

@@ -79,6 +79,7 @@ def write_model_card(
     train_json = json.dumps(train_config.to_dict(), indent=2)
     val_loss = results.get("val_loss")
     val = f"{val_loss:.4f}" if val_loss is not None else "n/a (no validation split)"
+    epochs = results["tokens"] / max(1, splits["train"]["tokens"])
     card = f"""# Model card: `{run.name}`
 
 A causal transformer language model trained with tlm (J&M ch. 9-10) by next-token
@@ -114,7 +115,7 @@ Tokenizer: {data_meta["tokenizer"]}, vocabulary {data_meta["vocab_size"]}. Docum
 | | |
 |---|---|
 | steps | {results["step"]:,} |
-| tokens seen | {results["tokens"]:,} |
+| tokens seen | {results["tokens"]:,} ({epochs:.1f} passes over the training split) |
 | wall time | {results["elapsed"]:.1f} s |
 | final train loss (nats/token) | {results["train_loss"]:.4f} |
 | final validation loss (nats/token) | {val} |
