@@ -64,7 +64,9 @@ def test_train_writes_the_run_directory(docs_chars, tmp_path):
     assert train_losses[-1] < train_losses[0] - 0.5  # it learns
     assert [r["step"] for r in rows if "val_loss" in r] == [20, 40]
     card = (run / "MODEL_CARD.md").read_text()
-    for needle in ("python-docs", "Hallucination", "Memorisation", "tlm generate", "passes over"):
+    needles = ("python-docs", "sha256", "Hallucination", "Memorisation", "tlm generate")
+    needles += ("passes over",)
+    for needle in needles:
         assert needle in card
     assert latest_checkpoint(run).name == "step-000040"
     model = load_model(run)
