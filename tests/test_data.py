@@ -9,6 +9,7 @@ from tlm.data import (
     CorpusError,
     TokenData,
     batch_generator,
+    count_eval_chunks,
     eval_windows,
     prepare,
     random_windows,
@@ -137,12 +138,15 @@ def test_random_windows_are_shifted_and_reproducible():
 
 def test_eval_windows_predict_every_token_once():
     tokens = np.arange(103, dtype=np.uint16)
-    batches = eval_windows(tokens, 10)
+    batches = list(eval_windows(tokens, 10))
     assert [tuple(b.shape) for b in batches] == [(10, 11), (1, 3)]
     targets = torch.cat([b[:, 1:].flatten() for b in batches])
     assert targets.tolist() == list(range(1, 103))
-    capped = eval_windows(tokens, 10, max_tokens=30)
+    capped = list(eval_windows(tokens, 10, max_tokens=30))
     assert len(capped) == 1 and capped[0].shape == (3, 11)
+    chunks = list(eval_windows(tokens, 10, chunk=4))  # bounded memory: 4 windows at a time
+    assert [len(c) for c in chunks] == [4, 4, 2, 1] and count_eval_chunks(103, 10, 4) == 4
+    assert torch.equal(torch.cat(chunks[:3]), batches[0])
 
 
 @pytest.mark.parametrize(

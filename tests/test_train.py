@@ -204,3 +204,12 @@ def test_gradient_accumulation_equals_one_big_batch(docs_chars, tmp_path):
     cross_entropy(reference(x), y).backward()  # one batch of 8 = both micro-batches
     for name, param in reference.named_parameters():
         assert torch.allclose(seen[name], param.grad, atol=1e-6), name
+
+
+def test_eval_refuses_data_from_another_tokenizer(docs_chars, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(docs_chars, run, "--max-steps", "2") == 0
+    other = tmp_path / "other"
+    prepare(["python-docs"], other, tokenizer="bpe", vocab_size=300, progress=False)
+    assert main(["eval", str(run), "--data", str(other)]) == 2
+    assert "was not tokenized with the tokenizer of" in capsys.readouterr().err

@@ -13,8 +13,9 @@ import math
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
-from tlm.data import eval_windows
+from tlm.data import count_eval_chunks, eval_windows
 from tlm.model.loss import window_nll
 from tlm.tokenizer import Tokenizer
 
@@ -25,10 +26,20 @@ def evaluate_tokens(
     token_bytes: np.ndarray,
     batch_size: int = 32,
     max_tokens: int | None = None,
+    progress: bool = False,
 ) -> dict[str, float]:
     """Score every token of `tokens` after the first, in non-overlapping context windows."""
+    T = model.config.context_length
+    scored = len(tokens) if max_tokens is None else min(len(tokens), max_tokens + 1)
+    chunks = tqdm(
+        eval_windows(tokens, T, max_tokens),
+        total=count_eval_chunks(scored, T),
+        desc="evaluating",
+        disable=not progress,
+        leave=False,
+    )
     nll_sum, byte_nll_sum, n_tokens, n_bytes = 0.0, 0.0, 0, 0
-    for windows in eval_windows(tokens, model.config.context_length, max_tokens):
+    for windows in chunks:
         nll = window_nll(model, windows, batch_size).double()  # [N, T]
         spelled = torch.from_numpy(token_bytes[windows[:, 1:].numpy()])  # bytes of each target
         nll_sum += nll.sum().item()
@@ -46,8 +57,8 @@ def evaluate_tokens(
 
 
 def evaluate_text(
-    model: nn.Module, tokenizer: Tokenizer, text: str, batch_size: int = 32
+    model: nn.Module, tokenizer: Tokenizer, text: str, batch_size: int = 32, progress: bool = False
 ) -> dict[str, float]:
     """Score raw text: <|endoftext|> is prepended, so every token of the text is predicted."""
     ids = np.array([tokenizer.eot_id, *tokenizer.encode(text)], dtype=np.int64)
-    return evaluate_tokens(model, ids, tokenizer.token_bytes(), batch_size)
+    return evaluate_tokens(model, ids, tokenizer.token_bytes(), batch_size, progress=progress)

@@ -36,16 +36,17 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.run)
     if args.data:
         data = TokenData(args.data)
-        if data.vocab_size != model.config.vocab_size:
-            V = model.config.vocab_size
-            fail(f"{args.data} has vocabulary {data.vocab_size}; the model has {V}")
-        results = evaluate_tokens(
-            model, data.split(args.split), tokenizer.token_bytes(), args.batch_size
+        if load_tokenizer(data.folder).to_json() != tokenizer.to_json():
+            fail(f"{args.data} was not tokenized with the tokenizer of {args.run}")
+        tokens = data.split(args.split)
+        scores = evaluate_tokens(
+            model, tokens, tokenizer.token_bytes(), args.batch_size, None, True
         )
-        results = {"split": args.split, **results}
+        results = {"split": args.split, **scores}
     else:
         text = "".join(_read(path) for path in args.text)
-        results = {"text": args.text, **evaluate_text(model, tokenizer, text, args.batch_size)}
+        scores = evaluate_text(model, tokenizer, text, args.batch_size, progress=True)
+        results = {"text": args.text, **scores}
     if args.json:
         print(json.dumps(results))
     else:

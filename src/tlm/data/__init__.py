@@ -1,6 +1,6 @@
 """Data: corpora read as streams of documents, tokenized, packed into memmapped token files."""
 
-from tlm.data.batches import batch_generator, eval_windows, random_windows
+from tlm.data.batches import batch_generator, count_eval_chunks, eval_windows, random_windows
 from tlm.data.corpus import CorpusError, Source, resolve_sources
 from tlm.data.prepare import TokenData, prepare
 
@@ -9,6 +9,7 @@ __all__ = [
     "Source",
     "TokenData",
     "batch_generator",
+    "count_eval_chunks",
     "eval_windows",
     "prepare",
     "random_windows",

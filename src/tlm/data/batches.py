@@ -8,6 +8,8 @@ so that every token after the first is predicted exactly once.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -32,20 +34,27 @@ def random_windows(
     return window[:, :-1], window[:, 1:]  # [B,T+1] -> x [B,T], y [B,T]
 
 
-def eval_windows(tokens: np.ndarray, T: int, max_tokens: int | None = None) -> list[Tensor]:
+def eval_windows(
+    tokens: np.ndarray, T: int, max_tokens: int | None = None, chunk: int = 1024
+) -> Iterator[Tensor]:
     """Windows [N, T+1] overlapping by one token, so each token after the first is a target once.
 
-    Returns the full windows as one tensor, then the remainder as a window [1, r+1]; at most
-    `max_tokens` targets.
+    Yields the full windows `chunk` at a time (memory stays bounded for any split), then the
+    remainder as a window [1, r+1]; at most `max_tokens` targets in all.
     """
     n_targets = max(0, len(tokens) - 1)
     if max_tokens is not None:
         n_targets = min(n_targets, max_tokens)
     n_full, rest = divmod(n_targets, T)
-    out = []
-    if n_full:
-        index = np.arange(n_full)[:, None] * T + np.arange(T + 1)  # [N, T+1]
-        out.append(torch.from_numpy(tokens[index].astype(np.int64)))
+    for first in range(0, n_full, chunk):
+        starts = np.arange(first, min(first + chunk, n_full)) * T
+        index = starts[:, None] + np.arange(T + 1)  # [N, T+1]
+        yield torch.from_numpy(tokens[index].astype(np.int64))
     if rest:
-        out.append(torch.from_numpy(tokens[n_full * T : n_full * T + rest + 1].astype(np.int64))[None])
-    return out
+        yield torch.from_numpy(tokens[n_full * T : n_full * T + rest + 1].astype(np.int64))[None]
+
+
+def count_eval_chunks(n_tokens: int, T: int, chunk: int = 1024) -> int:
+    """How many tensors `eval_windows` yields for `n_tokens` tokens (for progress bars)."""
+    n_full, rest = divmod(max(0, n_tokens - 1), T)
+    return -(-n_full // chunk) + (rest > 0)

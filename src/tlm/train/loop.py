@@ -115,7 +115,7 @@ class Trainer:
         val = self.data.split("val")
         if len(val) < 2:
             return []
-        return eval_windows(val, self.model_config.context_length, self.config.eval_tokens)
+        return list(eval_windows(val, self.model_config.context_length, self.config.eval_tokens))
 
     def autocast(self):
         if self.dtype == torch.float32:
