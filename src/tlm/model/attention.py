@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tlm.config import ModelConfig
-from tlm.model.functional import linear
 from tlm.model.hooks import HookPoint
+from tlm.model.kv_cache import KVCache
+from tlm.model.packed import Linears
 from tlm.model.positions import Rotary
 
 
@@ -80,16 +81,30 @@ def attention_fused(
     )
 
 
-class MultiHeadAttention(nn.Module):
+def padding_mask(T: int, key_padding: Tensor) -> Tensor:
+    """Causal attention of T new queries over S positions, never to a padding key.
+
+    `key_padding` [B,S] is 1 for tokens, 0 for (left) padding; the queries are the last T of
+    the S positions (Fig. 9.9). A padding query sees itself only, so no row is empty.
+    Returns bool [B,1,T,S].
+    """
+    S, device = key_padding.shape[1], key_padding.device
+    mask = causal_mask(T, S, device) & key_padding.bool()[:, None, None, :]  # [B,1,T,S]
+    itself = torch.arange(S, device=device) == (torch.arange(T, device=device) + S - T)[:, None]
+    return mask | itself  # [T,S]: the diagonal of each query's own position
+
+
+class MultiHeadAttention(Linears, nn.Module):
     """Causal multi-head self-attention, eq. 9.15-9.19 in the parallel form of eq. 9.34-9.36.
 
     Parameters are named after the equations: W_Q, W_K, W_V [d, H*d_head] and W_O
     [H*d_head, d], right-multiplied as in the book (x @ W_Q).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         d, d_attn = config.d_model, config.d_attn
+        self.layer = layer  # its slot in a KVCache
         self.n_heads, self.d_head = config.n_heads, config.d_head
         self.impl = config.attention_impl
         self.dropout = config.dropout
@@ -113,22 +128,41 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # [B,T,H*dh] -> [B,H,T,dh]
 
-    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
-        """x: [B,T,d] -> a: [B,T,d]. `positions` [T] are absolute positions for rope."""
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor | None = None,
+        mask: Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """x: [B,T,d] -> a: [B,T,d].
+
+        `positions` [T] or [B,T] are absolute positions (for rope). Attention is causal; with
+        a `cache`, x holds the new positions and also attends to every stored one. `mask`
+        (from `padding_mask`) replaces the causal mask where batch rows are left-padded.
+        """
         B, T, _ = x.shape
-        q = self.split_heads(linear(x, self.W_Q, self.b_Q))  # eq. 9.34  Q = X W^Q
-        k = self.split_heads(linear(x, self.W_K, self.b_K))  # K = X W^K
-        v = self.split_heads(linear(x, self.W_V, self.b_V))  # V = X W^V
+        q = self.split_heads(self.linear("Q", x))  # eq. 9.34  Q = X W^Q
+        k = self.split_heads(self.linear("K", x))  # K = X W^K
+        v = self.split_heads(self.linear("V", x))  # V = X W^V
         if self.rotary is not None:  # relative positions: rotate q and k, never v
             if positions is None:
                 positions = torch.arange(T, device=x.device)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         q, k, v = self.q(q), self.k(k), self.v(v)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)  # [B,H,S,dh]: the stored positions, then these
+        S = k.shape[2]
+        whole_window = mask is None and 1 < T == S  # the kernel's own causal mask suffices
+        if mask is None and 1 < T < S:  # new queries after cached keys (bottom-right aligned)
+            mask = causal_mask(T, S, x.device)
         dropout_p = self.dropout if self.training else 0.0
         if self.impl == "reference":
-            heads, pattern = attention_reference(q, k, v, causal_mask(T, T, x.device), dropout_p)
+            if whole_window:
+                mask = causal_mask(T, S, x.device)
+            heads, pattern = attention_reference(q, k, v, mask, dropout_p)
             self.pattern(pattern)
         else:
-            heads = attention_fused(q, k, v, dropout_p=dropout_p, is_causal=True)
+            heads = attention_fused(q, k, v, mask, dropout_p, is_causal=whole_window)
         z = self.z(heads.transpose(1, 2).reshape(B, T, -1))  # concat: [B,H,T,dh] -> [B,T,H*dh]
-        return linear(z, self.W_O, self.b_O)  # eq. 9.19  (head_1 ⊕ ... ⊕ head_A) W^O
+        return self.linear("O", z)  # eq. 9.19  (head_1 ⊕ ... ⊕ head_A) W^O

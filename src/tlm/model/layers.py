@@ -12,8 +12,10 @@ from torch import Tensor, nn
 
 from tlm.config import ModelConfig
 from tlm.model.attention import MultiHeadAttention
-from tlm.model.functional import ACTIVATIONS, linear
+from tlm.model.functional import ACTIVATIONS
 from tlm.model.hooks import HookPoint
+from tlm.model.kv_cache import KVCache
+from tlm.model.packed import Linears
 from tlm.model.positions import sinusoidal_table
 
 
@@ -33,10 +35,10 @@ class Embedding(nn.Module):
             self.P = None
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
-        """input_ids [B,T], positions [T] -> X [B,T,d]."""
+        """input_ids [B,T], positions [T] or [B,T] -> X [B,T,d]."""
         x = F.embedding(input_ids, self.E)  # row selection == one_hot(w) @ E (Fig. 9.11)
         if self.P is not None:
-            x = x + self.P[positions]  # [B,T,d] + [T,d]
+            x = x + self.P[positions]  # [B,T,d] + [T,d] (or [B,T,d] per row)
         return x
 
 
@@ -53,7 +55,7 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.gamma.shape, self.gamma, self.beta, self.eps)
 
 
-class FeedForward(nn.Module):
+class FeedForward(Linears, nn.Module):
     """FFN(x) = act(x W_1 + b_1) W_2 + b_2 (eq. 9.21), applied at each position."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -67,26 +69,28 @@ class FeedForward(nn.Module):
         self.hidden = HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.hidden(self.act(linear(x, self.W_1, self.b_1)))  # [B,T,d] -> [B,T,d_ff]
-        return linear(h, self.W_2, self.b_2)  # [B,T,d_ff] -> [B,T,d]
+        h = self.hidden(self.act(self.linear("1", x)))  # [B,T,d] -> [B,T,d_ff]
+        return self.linear("2", h)  # [B,T,d_ff] -> [B,T,d]
 
 
 class PreNormBlock(nn.Module):
     """One transformer block in the pre-norm form (eq. 9.37-9.44), the one GPT-2 uses."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.ln1 = LayerNorm(config.d_model, config.layer_norm_eps, config.bias)
-        self.attn = MultiHeadAttention(config)
+        self.attn = MultiHeadAttention(config, layer)
         self.ln2 = LayerNorm(config.d_model, config.layer_norm_eps, config.bias)
         self.ffn = FeedForward(config)
         self.drop = nn.Dropout(config.dropout)
         self.resid_pre, self.resid_mid, self.resid_post = HookPoint(), HookPoint(), HookPoint()
         self.attn_out, self.ffn_out = HookPoint(), HookPoint()
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, positions: Tensor, mask: Tensor | None = None, cache: KVCache | None = None
+    ) -> Tensor:
         x = self.resid_pre(x)
-        t2 = self.attn(self.ln1(x), positions)  # eq. 9.39-9.40  MultiHeadAttention(LayerNorm(X))
+        t2 = self.attn(self.ln1(x), positions, mask, cache)  # eq. 9.39-9.40  MHA(LayerNorm(X))
         t3 = self.resid_mid(x + self.drop(self.attn_out(t2)))  # eq. 9.41  residual add
         t5 = self.ffn(self.ln2(t3))  # eq. 9.42-9.43  FFN(LayerNorm(T3))
         return self.resid_post(t3 + self.drop(self.ffn_out(t5)))  # eq. 9.44
@@ -95,9 +99,11 @@ class PreNormBlock(nn.Module):
 class PostNormBlock(PreNormBlock):
     """The post-norm form of the original transformer (eq. 10.24-10.31): norm after the add."""
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, positions: Tensor, mask: Tensor | None = None, cache: KVCache | None = None
+    ) -> Tensor:
         x = self.resid_pre(x)
-        t1 = self.attn(x, positions)  # eq. 10.26  SelfAttention(X)
+        t1 = self.attn(x, positions, mask, cache)  # eq. 10.26  SelfAttention(X)
         t3 = self.resid_mid(self.ln1(x + self.drop(self.attn_out(t1))))  # eq. 10.27-10.28
         t4 = self.ffn(t3)  # eq. 10.29
         return self.resid_post(self.ln2(t3 + self.drop(self.ffn_out(t4))))  # eq. 10.30-10.31

@@ -41,7 +41,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding of q or k [B,H,T,d_head] at absolute positions [T]."""
+    """Rotary position embedding of q or k [B,H,T,d_head] at absolute positions."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -50,6 +50,9 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        cos = self.cos[positions].to(x.dtype)
+        """positions [T], or [B,T] when each batch row has its own (left padding)."""
+        cos = self.cos[positions].to(x.dtype)  # [T,d/2] or [B,T,d/2]
         sin = self.sin[positions].to(x.dtype)
+        if positions.dim() == 2:  # [B,T,d/2] -> [B,1,T,d/2]: the same angle in every head
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return apply_rotary(x, cos, sin)

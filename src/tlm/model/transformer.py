@@ -8,9 +8,12 @@ import torch
 from torch import Tensor, nn
 
 from tlm.config import ModelConfig
+from tlm.model.attention import padding_mask
 from tlm.model.counts import flops_per_token, parameter_counts
 from tlm.model.hooks import HookPoint
+from tlm.model.kv_cache import KVCache
 from tlm.model.layers import BLOCKS, Embedding, LayerNorm
+from tlm.model.packed import PackedLinear, can_prepack_float32, check_format
 
 
 class TransformerLM(nn.Module):
@@ -20,13 +23,16 @@ class TransformerLM(nn.Module):
     `blocks.{l}.resid_mid`, `blocks.{l}.resid_post` and `final` (after the last norm).
     """
 
+    packed: dict[str, PackedLinear] | None = None  # the LM head, once packed for inference
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embedding = Embedding(config)
         self.drop = nn.Dropout(config.dropout)
         self.embed = HookPoint()
-        self.blocks = nn.ModuleList(BLOCKS[config.norm](config) for _ in range(config.n_layers))
+        block = BLOCKS[config.norm]
+        self.blocks = nn.ModuleList(block(config, layer) for layer in range(config.n_layers))
         # pre-norm ends with one more LayerNorm before the head (§9.2); post-norm is normed already
         if config.norm == "pre":
             self.ln_f = LayerNorm(config.d_model, config.layer_norm_eps, config.bias)
@@ -68,24 +74,74 @@ class TransformerLM(nn.Module):
         """The [d, V] matrix of the LM head: E^T when tied (a view of E's storage), else W_U."""
         return self.embedding.E.t() if self.W_U is None else self.W_U
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: KVCache | None = None,
+        attention_mask: Tensor | None = None,
+        last_only: bool = False,
+    ) -> Tensor:
+        """input_ids [B,T] -> logits [B,T,V] ([B,1,V] with `last_only`).
+
+        With a `cache`, input_ids are the positions after the ones it holds, and their keys
+        and values are added to it. `attention_mask` [B, cached + T] is 1 for tokens and 0
+        for left padding: padding is never attended to, and positions count tokens only.
+        """
         B, T = input_ids.shape
-        if T > self.config.context_length:
+        start = 0 if cache is None else cache.length
+        if start + T > self.config.context_length:
             raise ValueError(
-                f"input has {T} tokens; context_length is {self.config.context_length}"
+                f"input has {start + T} tokens; context_length is {self.config.context_length}"
             )
-        positions = torch.arange(T, device=input_ids.device)
+        mask = None
+        if attention_mask is None:
+            positions = torch.arange(start, start + T, device=input_ids.device)  # [T]
+        else:
+            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, start:]  # [B,T]
+            mask = padding_mask(T, attention_mask)
         x = self.embed(self.drop(self.embedding(input_ids, positions)))  # X [B,T,d]
         for block in self.blocks:
-            x = block(x, positions)  # H^l [B,T,d], the residual stream
-        h = self.final(self.ln_f(x))
-        return self.unembed(h)
+            x = block(x, positions, mask, cache)  # H^l [B,T,d], the residual stream
+        if cache is not None:
+            cache.advance(T)
+        if last_only:
+            x = x[:, -1:]  # only the last position predicts the next token
+        return self.unembed(self.final(self.ln_f(x)))
 
     def unembed(self, h: Tensor) -> Tensor:
         """u = h E^T (eq. 9.45), or h W_U untied: [B,T,d] -> [B,T,V]."""
+        if self.packed is not None:
+            return self.packed["U"](h)
         if self.W_U is None:
             return torch.nn.functional.linear(h, self.embedding.E)  # h @ E^T without a copy
         return h @ self.W_U
+
+    def for_inference(self, dtype: str = "float32") -> TransformerLM:
+        """Prepare the weights for fast generation and scoring (in place; no training after).
+
+        "float32" prepacks every weight for oneDNN on a CPU (exact; elsewhere a no-op),
+        "float16" and "int8" keep compressed weights for fbgemm's CPU kernels, "bfloat16"
+        casts the model. See `model/packed.py`.
+        """
+        device = self.embedding.E.device
+        check_format(dtype, device)
+        self.eval()
+        if dtype == "bfloat16":
+            return self.to(torch.bfloat16)
+        if dtype == "float16" and device.type != "cpu":
+            return self.to(torch.float16)
+        if dtype == "float32" and not can_prepack_float32(device):
+            return self
+        for block in self.blocks:
+            block.attn.pack("QKVO", dtype)
+            block.ffn.pack("12", dtype)
+        self.packed = {"U": PackedLinear(self.unembedding().t(), None, dtype)}
+        return self
+
+    def train(self, mode: bool = True) -> TransformerLM:
+        if mode and self.packed is not None:
+            raise RuntimeError("this model was packed for inference (for_inference); reload it")
+        return super().train(mode)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters counted once each (a tied E is one matrix); Kaplan's N if non_embedding."""

@@ -1,0 +1,63 @@
+"""The KV cache (the textbook slides' "KV cache"): keys and values of every past position.
+
+In autoregressive decoding the keys and values of positions 1..t never change once computed
+(causal attention: they depend only on their own past). Keeping them turns each new token's
+forward pass from O(t) positions of work into O(1): the prompt is run once ("prefill"), then
+one token per step attends to the stored keys and values.
+
+The cache is a small explicit object passed through `TransformerLM.forward`; the model holds
+no hidden state. Its buffers are allocated once, for `capacity` positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tlm.config import ModelConfig
+
+
+class KVCache:
+    """K and V [L, B, H, capacity, d_head]; positions [0, length) are filled."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int,
+        capacity: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.capacity = capacity or config.context_length
+        shape = (config.n_layers, batch_size, config.n_heads, self.capacity, config.d_head)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new k, v [B,H,T,d_head] of `layer` after the filled positions.
+
+        Returns all keys and values so far, [B,H,length+T,d_head] (views, no copy). The length
+        moves on only in `advance`, once every layer has stored its part of the step.
+        """
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; {end} were asked for")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, T: int) -> None:
+        self.length += T
+
+    def reorder(self, rows: Tensor) -> None:
+        """Keep batch rows `rows` (with repeats), e.g. the surviving beams of beam search."""
+        self.k = self.k.index_select(1, rows)
+        self.v = self.v.index_select(1, rows)
+
+    def reset(self) -> None:
+        self.length = 0

@@ -1,0 +1,107 @@
+"""Weights prepared for fast inference: the same linear maps, in the layouts CPU kernels like.
+
+Decoding one token reads every weight once, so on a CPU its speed is set by how fast the
+weights stream from memory and how well the kernel handles a few rows. PyTorch's default
+fp32 path (MKL) is slow for the few-row products of decoding on some CPUs; these formats run
+the same x W + b through better kernels:
+
+| format  | weights held as                | kernel (CPU)                    | arithmetic       |
+|---------|--------------------------------|---------------------------------|------------------|
+| float32 | fp32, prepacked for oneDNN     | `mkldnn._linear_pointwise`      | fp32 (exact)     |
+| float16 | fp16, prepacked for fbgemm     | `quantized.linear_dynamic_fp16` | fp32             |
+| int8    | int8, one scale per output row | `quantized.linear_dynamic`      | int8, with the   |
+|         |                                |                                 | activations      |
+|         |                                |                                 | quantized per row|
+
+`bfloat16` casts the whole model instead (`TransformerLM.for_inference`). A test holds each
+format against the plain fp32 model.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from tlm.model.functional import linear
+
+FORMATS = ("float32", "float16", "bfloat16", "int8")
+
+
+class PackedLinear:
+    """y = x W + b for weight W_t [out, in] prepared in `fmt`; x [..., in] -> y [..., out]."""
+
+    def __init__(self, W_t: Tensor, b: Tensor | None, fmt: str, rows_hint: int = 1) -> None:
+        W_t, self.b = W_t.detach().float().contiguous(), None if b is None else b.detach().float()
+        self.out_features = W_t.shape[0]
+        if fmt == "float32":
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(W_t, rows_hint)
+            self.kernel = self._onednn
+        elif fmt == "float16":
+            self.weight = torch.ops.quantized.linear_prepack_fp16(W_t, self.b)
+            self.kernel = self._fbgemm_fp16
+        elif fmt == "int8":
+            self.weight = torch.ops.quantized.linear_prepack(_int8_rows(W_t), self.b)
+            self.kernel = self._fbgemm_int8
+        else:
+            raise ValueError(f"no packed format {fmt!r}; choose float32, float16 or int8")
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = self.kernel(x.reshape(-1, x.shape[-1]))  # [..., in] -> [N, in] -> [N, out]
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _onednn(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.b, "none", [], "")
+
+    def _fbgemm_fp16(self, x: Tensor) -> Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self.weight)
+
+    def _fbgemm_int8(self, x: Tensor) -> Tensor:
+        return torch.ops.quantized.linear_dynamic(x, self.weight, True)
+
+
+def _int8_rows(W_t: Tensor) -> Tensor:
+    """Symmetric int8 with one scale per output row: W ≈ scale_r · q, q in [-127, 127]."""
+    scale = (W_t.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
+    zero = torch.zeros(W_t.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # quantized tensors are the only way into fbgemm's int8
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_channel(W_t, scale, zero, 0, torch.qint8)
+
+
+def check_format(fmt: str, device: torch.device) -> None:
+    """A one-line reason when `fmt` cannot run here."""
+    if fmt not in FORMATS:
+        raise ValueError(f"dtype must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    if fmt == "int8" and device.type != "cpu":
+        raise ValueError("int8 inference runs on the CPU only")
+    fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
+    if device.type == "cpu" and fmt in ("float16", "int8") and not fbgemm:
+        raise ValueError(f"{fmt} inference needs PyTorch's fbgemm kernels (x86 CPUs)")
+
+
+def can_prepack_float32(device: torch.device) -> bool:
+    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+class Linears:
+    """For modules whose weights are named W_<name>, b_<name> (eq. 9.34, 9.21, ...).
+
+    `self.linear("Q", x)` is x W_Q + b_Q; once the model is packed for inference it runs
+    the packed form of the same map instead.
+    """
+
+    packed: dict[str, PackedLinear] | None = None
+
+    def linear(self, name: str, x: Tensor) -> Tensor:
+        if self.packed is not None:
+            return self.packed[name](x)
+        return linear(x, getattr(self, "W_" + name), getattr(self, "b_" + name))
+
+    def pack(self, names: str, fmt: str) -> None:
+        """Prepare the maps `names` (e.g. "QKVO") in format `fmt`."""
+        self.packed = {
+            n: PackedLinear(getattr(self, "W_" + n).t(), getattr(self, "b_" + n), fmt)
+            for n in names
+        }
