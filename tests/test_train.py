@@ -152,6 +152,7 @@ def test_generate_and_eval_commands(docs_chars, tmp_path, capsys):
     assert train(docs_chars, run, "--max-steps", "30") == 0
     capsys.readouterr()
     command = ["generate", str(run), "--prompt", "The", "--max-new-tokens", "20", "--seed", "3"]
+    command.append("--do-sample")
     assert main(command) == 0
     first = capsys.readouterr().out
     assert first.startswith("The") and len(first) > len("The\n")
@@ -175,8 +176,8 @@ def test_generate_and_eval_commands(docs_chars, tmp_path, capsys):
         scores["tokens"]
         == json.loads((docs_chars / "meta.json").read_text())["splits"]["val"]["tokens"] - 1
     )
-    assert main(["generate", str(run), "--top-k", "0"]) == 2
-    assert "--top-k must be >= 1" in capsys.readouterr().err
+    assert main(["generate", str(run), "--do-sample", "--top-k", "0"]) == 2
+    assert "top_k must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_gradient_accumulation_equals_one_big_batch(docs_chars, tmp_path):

@@ -10,10 +10,19 @@ from tlm.cli import demo, evaluate, generate, info, prepare, train
 from tlm.cli.args import UsageError, error_exit
 from tlm.config import ConfigError
 from tlm.data import CorpusError
+from tlm.generate import GenerationError
 from tlm.tokenizer import TokenizerError
 from tlm.train import RunError
 
-USER_ERRORS = (UsageError, ConfigError, CorpusError, TokenizerError, CheckpointError, RunError)
+USER_ERRORS = (
+    UsageError,
+    ConfigError,
+    CorpusError,
+    TokenizerError,
+    CheckpointError,
+    RunError,
+    GenerationError,
+)
 
 COMMANDS = [prepare, train, generate, evaluate, info, demo]
 

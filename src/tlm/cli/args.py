@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Any, NoReturn, get_type_hints
 
 from tlm.config import coerce
@@ -57,6 +58,16 @@ def config_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
         if value is not None:
             out[field.name] = coerce(field.name, value, hints[field.name])
     return out
+
+
+def read_text_file(path: str) -> str:
+    """A UTF-8 file's text, or a one-line error naming the file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        fail(f"{path}: no such file")
+    except UnicodeDecodeError as exc:
+        fail(f"{path}: not valid UTF-8 (byte {exc.start})")
 
 
 def error_exit(message: str) -> int:

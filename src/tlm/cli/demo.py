@@ -12,7 +12,7 @@ import torch
 from tlm.cli.args import add_command, fail
 from tlm.data import TokenData, prepare
 from tlm.evaluate import evaluate_tokens
-from tlm.generate import complete
+from tlm.generate import GenerationConfig, complete
 from tlm.interpret import attention_patterns, plot_attention
 from tlm.tokenizer import load_tokenizer
 from tlm.train import Trainer, new_run_configs
@@ -80,9 +80,16 @@ def run(args: argparse.Namespace) -> int:
 
     model = trainer.model.eval()
     print("[3/4] generate (temperature 0.8, top-k 40)")
-    for prompt in PROMPTS:
-        text = prompt + "".join(complete(model, tokenizer, prompt, 80, 0.8, 40, seed=0))
-        print("      " + "\n      ".join(f">>> {text}".splitlines()[:8]))
+    sampling = GenerationConfig(
+        max_new_tokens=80,
+        do_sample=True,
+        temperature=0.8,
+        top_k=40,
+        seed=0,
+        eos_token_id=tokenizer.eot_id,
+    )
+    for c in complete(model.for_inference("float32"), tokenizer, PROMPTS, sampling):
+        print("      " + "\n      ".join(f">>> {c.prompt}{c.text}".splitlines()[:8]))
 
     print("[4/4] evaluate and plot")
     scores = evaluate_tokens(model, TokenData(data_dir).split("val"), tokenizer.token_bytes())

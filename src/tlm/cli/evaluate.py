@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from tlm.checkpoint import load_model
-from tlm.cli.args import add_command, fail
+from tlm.cli.args import add_command, fail, read_text_file
 from tlm.data import TokenData
 from tlm.evaluate import evaluate_text, evaluate_tokens
 from tlm.tokenizer import load_tokenizer
@@ -44,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         )
         results = {"split": args.split, **scores}
     else:
-        text = "".join(_read(path) for path in args.text)
+        text = "".join(read_text_file(path) for path in args.text)
         scores = evaluate_text(model, tokenizer, text, args.batch_size, progress=True)
         results = {"text": args.text, **scores}
     if args.json:
@@ -56,12 +55,3 @@ def run(args: argparse.Namespace) -> int:
             f"({results['bytes']:,} bytes)"
         )
     return 0
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        fail(f"{path}: no such file")
-    except UnicodeDecodeError as exc:
-        fail(f"{path}: not valid UTF-8 (byte {exc.start})")

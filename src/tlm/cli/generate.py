@@ -1,57 +1,91 @@
-"""`tlm generate`: continue a prompt with a trained model, printing text as it comes."""
+"""`tlm generate`: continue prompts with a trained model (greedy, sampling or beam search)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from tlm.checkpoint import load_model
-from tlm.cli.args import add_command, fail
-from tlm.generate import complete
+from tlm.cli.args import add_command, fail, read_text_file
+from tlm.generate import GenerationConfig, complete, stream_completion
+from tlm.model.packed import FORMATS
 from tlm.tokenizer import load_tokenizer
 
-EXAMPLE = """example:
-  tlm generate runs/shakespeare_char --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8
+EXAMPLE = """examples:
+  tlm generate runs/shakespeare_char --prompt "ROMEO:" --do-sample --temperature 0.8 --stream
+  tlm generate runs/demo --prompt "The for statement" --num-beams 4 --max-new-tokens 40
+  tlm generate runs/demo --prompt "A list" --prompt "A dict" --do-sample -n 3 --seed 1 --json
+  tlm generate runs/demo --prompt-file question.txt --stop "\\n\\n" --dtype int8
 """
+SAMPLING = ("temperature", "top_k", "top_p")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = add_command(sub, "generate", "generate text from a prompt", EXAMPLE)
+    parser = add_command(sub, "generate", "generate text from prompts", EXAMPLE)
     parser.add_argument("run", help="run directory")
-    parser.add_argument("--prompt", default="", help="text to continue (empty: <|endoftext|>)")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--prompt", action="append", default=[], help="text to continue (repeat)")
+    parser.add_argument("--prompt-file", action="append", default=[], help="a file, one prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
+    parser.add_argument("--temperature", type=float, help="with --do-sample (1.0)")
+    parser.add_argument("--top-k", type=int, help="with --do-sample: keep the k likeliest")
+    parser.add_argument("--top-p", type=float, help="with --do-sample: nucleus of mass p")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--num-beams", type=int, default=1, help="beam search with this many")
+    parser.add_argument("--length-penalty", type=float, default=1.0, help="for beam search")
+    parser.add_argument("-n", "--num-return-sequences", type=int, default=1, help="per prompt")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeat)")
+    parser.add_argument("--no-eos", action="store_true", help="do not stop at <|endoftext|>")
+    parser.add_argument("--stream", action="store_true", help="print text as it is generated")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--dtype", default="float32", choices=FORMATS, help="weights (float32)")
+    parser.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 0:
-        fail(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        fail(f"--temperature must be >= 0, got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        fail(f"--top-k must be >= 1, got {args.top_k}")
-    model = load_model(args.run)
+    for name in SAMPLING:
+        if getattr(args, name) is not None and not args.do_sample:
+            fail(f"--{name.replace('_', '-')} applies to sampling: add --do-sample")
+    prompts = args.prompt + [read_text_file(path) for path in args.prompt_file] or [""]
+    if args.stream and (len(prompts) > 1 or args.num_return_sequences > 1 or args.num_beams > 1):
+        fail("--stream shows one completion: one prompt, -n 1 and --num-beams 1")
+    model = load_model(args.run).for_inference(args.dtype)
     tokenizer = load_tokenizer(args.run)
-    sys.stdout.write(args.prompt)
-    pieces = complete(
-        model,
-        tokenizer,
-        args.prompt,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_k,
-        args.seed,
-        on_truncate=_say_truncated,
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=1.0 if args.temperature is None else args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        num_return_sequences=args.num_return_sequences,
+        eos_token_id=None if args.no_eos else tokenizer.eot_id,
+        seed=args.seed,
+        use_cache=not args.no_cache,
     )
-    for text in pieces:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    stop = tuple(s.encode().decode("unicode_escape") for s in args.stop)  # "\n" as typed
+    if args.stream:
+        sys.stdout.write(prompts[0])
+        for text in stream_completion(model, tokenizer, prompts[0], config, stop, _truncated):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+    completions = complete(model, tokenizer, prompts, config, stop, _truncated)
+    if args.json:
+        print(json.dumps({"completions": [vars(c) for c in completions]}))
+    else:
+        for i, c in enumerate(completions):
+            if len(completions) > 1:
+                print(f"--- {i + 1}/{len(completions)} ({c.finish_reason})")
+            print(c.prompt + c.text)
     return 0
 
 
-def _say_truncated(n: int, kept: int) -> None:
-    print(f"tlm: prompt has {n} tokens; keeping the last {kept}", file=sys.stderr)
+def _truncated(i: int, n: int, kept: int) -> None:
+    print(f"tlm: prompt {i + 1} has {n} tokens; keeping the last {kept}", file=sys.stderr)

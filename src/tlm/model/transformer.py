@@ -138,6 +138,47 @@ class TransformerLM(nn.Module):
         self.packed = {"U": PackedLinear(self.unembedding().t(), None, dtype)}
         return self
 
+    def generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int = 100,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        num_beams: int = 1,
+        eos_token_id: int | tuple[int, ...] | None = None,
+        seed: int | None = None,
+        use_cache: bool = True,
+        attention_mask: Tensor | None = None,
+        **settings,
+    ) -> Tensor:
+        """input_ids [B,T] -> [B*n, T + new], as Hugging Face's `generate` names things.
+
+        A convenience over `tlm.generate` (which yields the tokens step by step): rows
+        that end early are padded with their end token. More settings (repetition_penalty,
+        length_penalty, num_return_sequences) pass through `settings`.
+        """
+        from tlm.generate import GenerationConfig, beam_search, generate  # the layer above
+
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            num_beams=num_beams,
+            eos_token_id=eos_token_id,
+            seed=seed,
+            use_cache=use_cache,
+            **settings,
+        )
+        if num_beams > 1:
+            return beam_search(self, input_ids, config, attention_mask).sequences
+        steps = [step.tokens for step in generate(self, input_ids, config, attention_mask)]
+        prompts = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
+        return torch.cat([prompts, torch.stack(steps, dim=1)], dim=1) if steps else prompts
+
     def train(self, mode: bool = True) -> TransformerLM:
         if mode and self.packed is not None:
             raise RuntimeError("this model was packed for inference (for_inference); reload it")

@@ -1,0 +1,90 @@
+"""Decoding steps as pure functions on logits (J&M §10.8). Filtered entries become -inf.
+
+They compose in the order users of other toolkits expect: repetition penalty, then
+temperature, then top-k, then top-p; then argmax (greedy) or a draw from the softmax.
+Randomness is explicit: every draw takes a `torch.Generator`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class GenerationError(ValueError):
+    """A decoding setting that cannot be used; the message names the value."""
+
+
+def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
+    """u / τ before the softmax (eq. 10.49): τ < 1 sharpens, τ > 1 flattens, τ = 0 is greedy."""
+    if temperature < 0:
+        raise GenerationError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:  # the limit τ -> 0: all mass on the argmax (eq. 10.46)
+        top = logits.argmax(dim=-1, keepdim=True)
+        return torch.full_like(logits, float("-inf")).scatter(-1, top, 0.0)
+    return logits / temperature
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep the k largest logits of each row (ties at the k-th all stay); k = 1 is greedy."""
+    if k < 1:
+        raise GenerationError(f"top_k must be >= 1, got {k}")
+    k = min(k, logits.shape[-1])
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # [..., 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Keep the smallest set of tokens whose probability sums to at least p (eq. 10.47).
+
+    The most probable token always stays, so p close to 0 is greedy and p = 1 keeps all.
+    """
+    if not 0 < p <= 1:
+        raise GenerationError(f"top_p must be in (0, 1], got {p}")
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+    drop_sorted = before >= p  # the set reached p already without this token
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """Make tokens already in the text less likely (Keskar et al. 2019, "CTRL").
+
+    `seen` [B,V] is True for tokens of the prompt or the output so far; their logit is
+    divided by `penalty` where positive and multiplied where negative. 1.0 changes nothing.
+    """
+    if penalty <= 0:
+        raise GenerationError(f"repetition_penalty must be > 0, got {penalty}")
+    if penalty == 1.0:
+        return logits
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def process_logits(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> Tensor:
+    """Temperature, then top-k, then top-p: the distribution a sampler draws from."""
+    logits = apply_temperature(logits.float(), temperature)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, p=top_p)
+    return logits
+
+
+def sample(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One draw per row from softmax(logits) [..., V] -> token ids [...]."""
+    probs = logits.float().softmax(dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """ŵ = argmax_w P(w | w<t) (eq. 10.46): [..., V] -> [...]."""
+    return logits.argmax(dim=-1)

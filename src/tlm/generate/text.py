@@ -1,0 +1,160 @@
+"""Text in, text out: prompts to a left-padded batch, and token steps back to completions.
+
+Every prompt starts after `<|endoftext|>`, as documents do in training, so an empty prompt
+is a valid start. Stop strings end a completion at the first place its text contains one
+(the stop string itself is not returned); stop tokens end it at the token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from tlm.generate.beam import beam_search
+from tlm.generate.decode import GenerationConfig, generate
+from tlm.tokenizer import TextStream, Tokenizer
+
+
+@dataclass
+class Completion:
+    prompt: str
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "length"  # "length", "eos" (end of text) or "stop" (a stop string)
+
+
+def encode_prompts(
+    tokenizer: Tokenizer,
+    prompts: list[str],
+    context_length: int,
+    on_truncate: Callable[[int, int, int], None] | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Prompts -> ids [B,S] left-padded with <|endoftext|>, and a mask (None if no padding).
+
+    A prompt longer than the context keeps its last tokens; `on_truncate(i, n, kept)` is told.
+    """
+    rows = []
+    for i, prompt in enumerate(prompts):
+        ids = [tokenizer.eot_id, *tokenizer.encode(prompt)]
+        if len(ids) > context_length:
+            if on_truncate is not None:
+                on_truncate(i, len(ids), context_length)
+            ids = ids[-context_length:]
+        rows.append(ids)
+    width = max(len(ids) for ids in rows)
+    batch = torch.full((len(rows), width), tokenizer.eot_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, ids in enumerate(rows):
+        batch[r, width - len(ids) :] = torch.tensor(ids)
+        mask[r, width - len(ids) :] = 1
+    return batch, None if bool(mask.all()) else mask
+
+
+def complete(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    prompts: list[str],
+    config: GenerationConfig,
+    stop: tuple[str, ...] = (),
+    on_truncate: Callable[[int, int, int], None] | None = None,
+) -> list[Completion]:
+    """Completions of every prompt (num_return_sequences each, prompt by prompt)."""
+    device = next(model.parameters()).device
+    ids, mask = encode_prompts(tokenizer, prompts, model.config.context_length, on_truncate)
+    ids, mask = ids.to(device), None if mask is None else mask.to(device)
+    n = config.num_return_sequences
+    out = [Completion(prompt) for prompt in prompts for _ in range(n)]
+    if config.num_beams > 1:
+        result = beam_search(model, ids, config, mask)
+        for row, completion in enumerate(out):
+            tokens = result.sequences[row, ids.shape[1] :].tolist()
+            _finish(completion, tokenizer, tokens, [], stop, config.eos_ids)
+        return out
+    steps = list(_until_stopped(generate(model, ids, config, mask), tokenizer, stop, len(out)))
+    for row, completion in enumerate(out):
+        tokens = [int(step.tokens[row]) for step in steps]
+        logprobs = [float(step.logprobs[row]) for step in steps]
+        _finish(completion, tokenizer, tokens, logprobs, stop, config.eos_ids)
+    return out
+
+
+def stream_completion(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    prompt: str,
+    config: GenerationConfig,
+    stop: tuple[str, ...] = (),
+    on_truncate: Callable[[int, int, int], None] | None = None,
+) -> Iterator[str]:
+    """The text of one sampled completion, piece by piece as it is generated.
+
+    Text that could be the start of a stop string is held back until it is not.
+    """
+    device = next(model.parameters()).device
+    ids, _ = encode_prompts(tokenizer, [prompt], model.config.context_length, on_truncate)
+    stream, shown, text = TextStream(tokenizer), 0, ""
+    hold = max((len(s) - 1 for s in stop), default=0)
+    for step in generate(model, ids.to(device), config):
+        token = int(step.tokens[0])
+        if token in config.eos_ids:
+            break
+        text += stream.push([token])
+        cut = _first_stop(text, stop)
+        if cut is not None:
+            yield text[shown:cut]
+            return
+        safe = len(text) - hold
+        if safe > shown:
+            yield text[shown:safe]
+            shown = safe
+    text += stream.flush()
+    cut = _first_stop(text, stop)
+    yield text[shown:cut]
+
+
+def _until_stopped(steps, tokenizer: Tokenizer, stop: tuple[str, ...], rows: int):
+    """Pass steps on until every row has ended, by an end token or by a stop string."""
+    if not stop:
+        yield from steps
+        return
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    stopped = [False] * rows
+    for step in steps:
+        yield step
+        for r in range(rows):
+            if not stopped[r]:
+                tokens[r].append(int(step.tokens[r]))
+                text = tokenizer.decode(tokens[r])
+                stopped[r] = bool(step.finished[r]) or _first_stop(text, stop) is not None
+        if all(stopped):
+            return
+
+
+def _finish(
+    completion: Completion,
+    tokenizer: Tokenizer,
+    tokens: list[int],
+    logprobs: list[float],
+    stop: tuple[str, ...],
+    eos: tuple[int, ...],
+) -> None:
+    """Cut the tokens at the first end token, the text at the first stop string."""
+    end = next((i for i, t in enumerate(tokens) if t in eos), None)
+    if end is not None:
+        tokens, logprobs, completion.finish_reason = tokens[:end], logprobs[:end], "eos"
+    text = tokenizer.decode(tokens)
+    cut = _first_stop(text, stop)
+    if cut is not None:
+        text, completion.finish_reason = text[:cut], "stop"
+        while tokens and len(tokenizer.decode(tokens[:-1])) >= cut:  # drop tokens past it
+            tokens, logprobs = tokens[:-1], logprobs[:-1]
+    completion.text, completion.tokens, completion.logprobs = text, tokens, logprobs
+
+
+def _first_stop(text: str, stop: tuple[str, ...]) -> int | None:
+    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(found) if found else None

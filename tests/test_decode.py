@@ -1,0 +1,164 @@
+"""The decoding loop: cached == uncached, batched == one by one, greedy == argmax chain."""
+
+import pytest
+import torch
+
+from conftest import POSITIONS
+from tlm.generate import GenerationConfig, GenerationError, beam_search, generate
+
+
+def run(model, ids, mask=None, **settings):
+    """tokens [B,new] and logprobs [B,new] of a whole generation."""
+    steps = list(generate(model, ids, GenerationConfig(**settings), mask))
+    return torch.stack([s.tokens for s in steps], 1), torch.stack([s.logprobs for s in steps], 1)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_greedy_is_a_chain_of_argmaxes_and_the_cache_changes_nothing(make_model, position):
+    model = make_model(position=position)
+    ids = torch.randint(0, 97, (2, 5))
+    tokens, logprobs = run(model, ids, max_new_tokens=12)
+    seq = ids
+    for t in range(12):  # the reference: a full forward per token (eq. 10.46)
+        logits = model(seq)[:, -1]
+        nxt = logits.argmax(-1)
+        assert torch.equal(tokens[:, t], nxt)
+        assert torch.allclose(
+            logprobs[:, t], logits.log_softmax(-1)[torch.arange(2), nxt], atol=1e-5
+        )
+        seq = torch.cat([seq, nxt[:, None]], 1)
+    uncached, uncached_lp = run(model, ids, max_new_tokens=12, use_cache=False)
+    assert torch.equal(tokens, uncached) and torch.allclose(logprobs, uncached_lp, atol=1e-5)
+
+
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_sliding_window_for_three_context_lengths(make_model, position):
+    model = make_model(position=position, context_length=16)
+    ids = torch.randint(0, 97, (2, 4))
+    cached, _ = run(model, ids, max_new_tokens=48)  # 52 tokens through a 16-token window
+    recomputed, _ = run(model, ids, max_new_tokens=48, use_cache=False)
+    assert cached.shape == (2, 48) and torch.equal(cached, recomputed)
+
+
+def test_greedy_equals_top_k_1_and_temperature_0(make_model):
+    model = make_model()
+    ids = torch.randint(0, 97, (3, 4))
+    greedy, _ = run(model, ids, max_new_tokens=10)
+    assert torch.equal(
+        run(model, ids, max_new_tokens=10, do_sample=True, top_k=1, seed=5)[0], greedy
+    )
+    assert torch.equal(run(model, ids, max_new_tokens=10, do_sample=True, temperature=0)[0], greedy)
+
+
+@pytest.mark.parametrize("settings", [{}, {"do_sample": True, "top_p": 0.9, "seed": 7}])
+def test_batched_left_padded_equals_one_by_one(make_model, settings):
+    model = make_model(position="rope")
+    short, long = torch.randint(1, 97, (1, 3)), torch.randint(1, 97, (1, 8))
+    batch = torch.zeros(2, 8, dtype=torch.long)
+    batch[0, 5:], batch[1] = short[0], long[0]
+    mask = (torch.arange(8) >= torch.tensor([[5], [0]])).long()
+    together, lp = run(model, batch, mask, max_new_tokens=10, **settings)
+    for row, prompt in enumerate((short, long)):
+        alone, alone_lp = run(model, prompt, max_new_tokens=10, **settings)
+        assert torch.equal(together[row], alone[0])
+        assert torch.allclose(lp[row], alone_lp[0], atol=1e-5)
+
+
+def test_samples_per_prompt_are_reproducible_and_differ(make_model):
+    model = make_model()
+    ids = torch.randint(0, 97, (2, 4))
+    settings = {"max_new_tokens": 15, "do_sample": True, "num_return_sequences": 3, "seed": 11}
+    first, _ = run(model, ids, **settings)
+    again, _ = run(model, ids, **settings)
+    assert first.shape == (6, 15) and torch.equal(first, again)
+    assert not torch.equal(first[0], first[1])  # samples of one prompt differ
+    other, _ = run(model, ids, **{**settings, "seed": 12})
+    assert not torch.equal(first, other)
+
+
+def test_end_of_sequence_ends_rows_and_then_the_loop(make_model):
+    model = make_model()
+    ids = torch.randint(0, 97, (4, 3))
+    free, _ = run(model, ids, max_new_tokens=20)
+    eos = int(free[0, 2])  # a token row 0 produces at its third step
+    steps = list(generate(model, ids, GenerationConfig(max_new_tokens=20, eos_token_id=eos)))
+    tokens = torch.stack([s.tokens for s in steps], 1)
+    assert tokens[0, 2] == eos and bool(steps[2].finished[0])
+    assert (tokens[0, 2:] == eos).all()  # an ended row repeats its end token
+    assert len(steps) == 20 or bool(steps[-1].finished.all())
+
+
+def test_repetition_penalty_applies_to_prompt_tokens(make_model):
+    model = make_model()
+    ids = torch.randint(0, 97, (1, 6))
+    plain, _ = run(model, ids, max_new_tokens=1)
+    logits = model(ids)[0, -1]
+    seen = torch.zeros(97, dtype=torch.bool)
+    seen[ids[0]] = True
+    penalised = torch.where(seen, torch.where(logits > 0, logits / 50, logits * 50), logits)
+    first, _ = run(model, ids, max_new_tokens=1, repetition_penalty=50.0)
+    assert first[0, 0] == penalised.argmax() and plain[0, 0] == logits.argmax()
+
+
+def test_beam_search(make_model):
+    model = make_model()
+    ids = torch.randint(0, 97, (2, 4))
+    greedy, greedy_lp = run(model, ids, max_new_tokens=8)
+    one = beam_search(model, ids, GenerationConfig(max_new_tokens=8, num_beams=1))
+    assert torch.equal(one.sequences[:, 4:], greedy)  # one beam is greedy
+    four = beam_search(
+        model, ids, GenerationConfig(max_new_tokens=8, num_beams=4, length_penalty=0)
+    )
+    assert (four.logprobs >= greedy_lp.sum(1) - 1e-5).all()
+    logp = model(four.sequences[:, :-1]).log_softmax(-1)  # its log-probability, recomputed
+    scored = logp.gather(2, four.sequences[:, 1:, None])[:, 3:, 0].sum(1)
+    assert torch.allclose(four.logprobs, scored, atol=1e-4)
+    uncached = beam_search(
+        model, ids, GenerationConfig(max_new_tokens=8, num_beams=4, use_cache=False)
+    )
+    assert torch.equal(
+        uncached.sequences, beam_search(model, ids, num_beams=4, max_new_tokens=8).sequences
+    )
+
+
+def test_beam_search_ends_hypotheses_at_eos(make_model):
+    """With length_penalty 0 sums only fall, so a hypothesis that ends at once must win."""
+    model = make_model()
+    ids = torch.randint(0, 97, (1, 4))
+    first = model(ids)[0, -1].log_softmax(-1)
+    eos = int(first.argmax())
+    ended = beam_search(
+        model, ids, num_beams=2, max_new_tokens=6, eos_token_id=eos, length_penalty=0
+    )
+    assert ended.sequences[0, 4:].tolist() == [eos]
+    assert torch.allclose(ended.logprobs, first[eos], atol=1e-5)
+
+
+def test_model_generate_names_things_as_hugging_face_does(make_model):
+    model = make_model()
+    ids = torch.randint(0, 97, (2, 4))
+    out = model.generate(ids, max_new_tokens=6)
+    assert out.shape == (2, 10) and torch.equal(out[:, :4], ids)
+    assert torch.equal(out[:, 4:], run(model, ids, max_new_tokens=6)[0])
+    sampled = model.generate(
+        ids, max_new_tokens=6, do_sample=True, top_p=0.9, seed=1, num_return_sequences=2
+    )
+    assert sampled.shape == (4, 10)
+    assert model.generate(ids, max_new_tokens=5, num_beams=2).shape == (2, 9)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+        ({"top_k": 0}, "top_k must be >= 1, got 0"),
+        ({"temperature": -0.1}, "temperature must be >= 0, got -0.1"),
+        ({"num_beams": 0}, "num_beams must be >= 1, got 0"),
+        ({"max_new_tokens": -1}, "max_new_tokens must be >= 0, got -1"),
+    ],
+)
+def test_bad_settings_name_the_value(settings, message):
+    with pytest.raises(GenerationError) as error:
+        GenerationConfig(**settings)
+    assert str(error.value) == message

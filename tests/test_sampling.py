@@ -1,0 +1,109 @@
+"""The decoding steps of §10.8 as pure functions on logits."""
+
+import math
+
+import pytest
+import torch
+
+from tlm.generate import (
+    GenerationError,
+    apply_repetition_penalty,
+    apply_temperature,
+    greedy,
+    process_logits,
+    sample,
+    top_k_filter,
+    top_p_filter,
+)
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])  # already sorted, for readable kept sets
+LOGITS = PROBS.log()
+
+
+def kept(logits):
+    return set(torch.nonzero(torch.isfinite(logits)).flatten().tolist())
+
+
+def test_temperature_divides_the_logits():
+    u = torch.tensor([1.0, -2.0, 4.0])
+    assert torch.equal(apply_temperature(u, 1.0), u)
+    assert torch.equal(apply_temperature(u, 0.5), u * 2)  # eq. 10.49: softmax(u / τ)
+    assert kept(apply_temperature(u, 0.0)) == {2}  # τ -> 0 is greedy
+    flat, sharp = apply_temperature(u, 10).softmax(-1), apply_temperature(u, 0.1).softmax(-1)
+    assert flat.max() < u.softmax(-1).max() < sharp.max()
+    with pytest.raises(GenerationError, match="temperature must be >= 0, got -1"):
+        apply_temperature(u, -1)
+
+
+def test_top_k_keeps_exactly_the_k_largest():
+    u = torch.tensor([[1.0, 3.0, 2.0, 5.0, 4.0]])
+    assert kept(top_k_filter(u, 2)[0]) == {3, 4}
+    assert kept(top_k_filter(u, 1)[0]) == {3}  # k = 1 is greedy
+    assert kept(top_k_filter(u, 50)[0]) == {0, 1, 2, 3, 4}
+    assert top_k_filter(u, 2)[0, 3] == 5.0  # kept logits are unchanged
+    with pytest.raises(GenerationError, match="top_k must be >= 1, got 0"):
+        top_k_filter(u, 0)
+
+
+@pytest.mark.parametrize(
+    "p, expected",
+    [
+        (0.01, {0}),
+        (0.45, {0}),
+        (0.7, {0, 1}),
+        (0.9, {0, 1, 2}),
+        (0.99, {0, 1, 2, 3}),
+        (1, {0, 1, 2, 3}),
+    ],
+)
+def test_top_p_keeps_the_smallest_set_reaching_p(p, expected):
+    assert kept(top_p_filter(LOGITS, p)) == expected  # eq. 10.47
+    shuffled = torch.tensor([2, 0, 3, 1])  # the same distribution in another order
+    assert kept(top_p_filter(LOGITS[shuffled], p)) == {
+        int((shuffled == i).nonzero()) for i in expected
+    }
+
+
+def test_top_p_rejects_values_outside_the_unit_interval():
+    for p in (0, -0.5, 1.5):
+        with pytest.raises(GenerationError, match=f"top_p must be in \\(0, 1\\], got {p}"):
+            top_p_filter(LOGITS, p)
+
+
+def test_filters_compose_temperature_then_top_k_then_top_p():
+    torch.manual_seed(0)
+    u = torch.randn(3, 50)
+    by_hand = top_p_filter(top_k_filter(apply_temperature(u, 0.7), 10), 0.8)
+    assert torch.equal(process_logits(u, 0.7, 10, 0.8), by_hand)
+
+
+def test_repetition_penalty():
+    u = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    assert torch.equal(
+        apply_repetition_penalty(u, seen, 2.0), torch.tensor([[1.0, -4.0, 2.0, -2.0]])
+    )
+    assert torch.equal(apply_repetition_penalty(u, seen, 1.0), u)
+
+
+def test_sampling_frequencies_match_the_renormalised_distribution():
+    """Chi-square on 20,000 draws from the top-p nucleus, with a fixed generator."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -1.0, -3.0])
+    filtered = top_p_filter(logits, 0.8)
+    nucleus = sorted(kept(filtered))
+    probs = logits[nucleus].softmax(-1)  # what remains, renormalised
+    draws = sample(filtered.expand(20_000, -1), torch.Generator().manual_seed(0))
+    counts = torch.bincount(draws, minlength=len(logits))
+    assert counts.sum() == counts[nucleus].sum()  # nothing outside the nucleus is ever drawn
+    expected = probs * 20_000
+    chi2 = (((counts[nucleus] - expected) ** 2) / expected).sum().item()
+    critical = {1: 10.83, 2: 13.82, 3: 16.27}[len(nucleus) - 1]  # p = 0.001
+    assert chi2 < critical
+    assert greedy(logits) == 0
+
+
+def test_sampling_at_temperature_zero_is_the_argmax():
+    u = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
+    draws = sample(apply_temperature(u, 0), torch.Generator().manual_seed(2))
+    assert torch.equal(draws, greedy(u))
+    assert math.isclose(apply_temperature(u, 0).softmax(-1).max(-1).values.min().item(), 1.0)
