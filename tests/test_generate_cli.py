@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from tlm import load_model, load_tokenizer
 from tlm.cli import main
@@ -99,3 +100,15 @@ def test_generate_command_errors(run, capsys, args, message):
     assert main(["generate", str(run), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tlm: error:") and message in err and err.count("\n") == 1
+
+
+def test_prompt_logprobs_score_every_prompt_token(run, capsys):
+    args = ["generate", str(run), "--prompt", "The cat", "--prompt", "A", "--max-new-tokens", "2"]
+    assert main([*args, "--json", "--prompt-logprobs"]) == 0
+    first, second = json.loads(capsys.readouterr().out)["completions"]
+    model, tok = load_model(run), load_tokenizer(run)
+    ids = torch.tensor([[tok.eot_id, *tok.encode("The cat")]])
+    expected = model(ids[:, :-1]).log_softmax(-1)[0].gather(1, ids[0, 1:, None])[:, 0]
+    assert first["prompt_tokens"] == tok.encode("The cat")
+    assert first["prompt_logprobs"] == pytest.approx(expected.tolist(), abs=1e-4)
+    assert second["prompt_tokens"] == tok.encode("A") and len(second["prompt_logprobs"]) == 1

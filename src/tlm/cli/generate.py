@@ -40,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-eos", action="store_true", help="do not stop at <|endoftext|>")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--prompt-logprobs", action="store_true", help="with --json: score the prompt tokens too"
+    )
     parser.add_argument("--dtype", default="float32", choices=FORMATS, help="weights (float32)")
     parser.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
     parser.set_defaults(handler=run)
@@ -50,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None and not args.do_sample:
             fail(f"--{name.replace('_', '-')} applies to sampling: add --do-sample")
     prompts = args.prompt + [read_text_file(path) for path in args.prompt_file] or [""]
+    if args.prompt_logprobs and not args.json:
+        fail("--prompt-logprobs adds to the --json output: add --json")
     if args.stream and (len(prompts) > 1 or args.num_return_sequences > 1 or args.num_beams > 1):
         fail("--stream shows one completion: one prompt, -n 1 and --num-beams 1")
     model = load_model(args.run).for_inference(args.dtype)
@@ -76,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
         return 0
-    completions = complete(model, tokenizer, prompts, config, stop, _truncated)
+    completions = complete(
+        model, tokenizer, prompts, config, stop, _truncated, args.prompt_logprobs
+    )
     if args.json:
         print(json.dumps({"completions": [vars(c) for c in completions]}))
     else:

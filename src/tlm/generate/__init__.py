@@ -15,7 +15,13 @@ from tlm.generate.sampling import (
     top_k_filter,
     top_p_filter,
 )
-from tlm.generate.text import Completion, complete, encode_prompts, stream_completion
+from tlm.generate.text import (
+    Completion,
+    complete,
+    encode_prompts,
+    score_prompts,
+    stream_completion,
+)
 
 __all__ = [
     "BeamResult",
@@ -33,6 +39,7 @@ __all__ = [
     "greedy",
     "process_logits",
     "sample",
+    "score_prompts",
     "stream_completion",
     "top_k_filter",
     "top_p_filter",

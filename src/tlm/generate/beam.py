@@ -64,6 +64,7 @@ def beam_search(
             input_ids.repeat_interleave(K, dim=0),  # row b*K + k is beam k of prompt b
             None if attention_mask is None else attention_mask.repeat_interleave(K, dim=0),
             c.use_cache,
+            c.max_new_tokens,
         )
         beams = torch.full((B, K), float("-inf"))
         beams[:, 0] = 0.0  # the K beams start equal: only one of them may grow at first
@@ -72,35 +73,53 @@ def beam_search(
         for t in range(1, c.max_new_tokens + 1):
             logprobs = context.next_logits().float().log_softmax(dim=-1).cpu()  # [B*K, V]
             totals = (beams[:, :, None] + logprobs.view(B, K, V)).view(B, K * V)
-            best, index = totals.topk(min(2 * K, K * V), dim=-1)  # [B, 2K]: room for ended ones
-            rows, tokens = torch.zeros(B, K, dtype=torch.long), torch.full((B, K), end)
+            rows, tokens = torch.arange(K).repeat(B, 1), torch.full((B, K), end)
             beams = torch.full((B, K), float("-inf"))  # a slot no candidate fills stays dead
             for b in range(B):
                 if done[b]:  # its rows run on, but their outputs no longer matter
-                    rows[b] = torch.arange(K)
                     continue
-                kept = 0
-                candidates = zip(best[b].tolist(), index[b].tolist(), strict=True)
-                for rank, (total, i) in enumerate(candidates):
-                    beam, token = divmod(i, V)
-                    if token in eos:  # ends here; it counts if it ranks among the top K
-                        if rank < K:
-                            finished[b].add(total, _generated(context, b * K + beam, T) + [token])
-                        continue
-                    rows[b, kept], tokens[b, kept], beams[b, kept] = beam, token, total
-                    kept += 1
-                    if kept == K:
-                        break
+                kept = _survivors(totals[b], K, V, eos, finished[b], context, b * K, T)
+                for k, (row, token, total) in enumerate(kept):
+                    rows[b, k], tokens[b, k], beams[b, k] = row, token, total
                 done[b] = finished[b].done(beams[b].max().item(), t)
             context.reorder((torch.arange(B)[:, None] * K + rows).view(-1).to(context.ids.device))
             context.append(tokens.view(-1).to(context.ids.device))
             if all(done):
                 break
-        for b in range(B):
+        for b in range(B):  # beams still running at the end are hypotheses too
             for k in range(K):
                 if not done[b] and beams[b, k] > float("-inf"):
                     finished[b].add(beams[b, k].item(), _generated(context, b * K + k, T))
         return _result(input_ids, finished, end)
+
+
+def _survivors(
+    totals: Tensor,
+    K: int,
+    V: int,
+    eos: set[int],
+    finished: _Hypotheses,
+    context: Context,
+    first_row: int,
+    T: int,
+) -> list[tuple[int, int, float]]:
+    """The K best continuations (beam, token, total) of one prompt that do not end here.
+
+    `totals` [K*V] are the summed log-probs of every beam x token. A continuation that ends
+    with an end token becomes a finished hypothesis if it ranks among the top K.
+    """
+    best, index = totals.topk(min(2 * K, K * V))  # 2K: room for K that do not end
+    kept = []
+    for rank, (total, i) in enumerate(zip(best.tolist(), index.tolist(), strict=True)):
+        beam, token = divmod(i, V)
+        if token in eos:
+            if rank < K:
+                finished.add(total, _generated(context, first_row + beam, T) + [token])
+            continue
+        kept.append((beam, token, total))
+        if len(kept) == K:
+            break
+    return kept
 
 
 def _generated(context: Context, row: int, T: int) -> list[int]:

@@ -82,14 +82,22 @@ class Context:
     context_length tokens, which is exactly what the uncached model sees at that step.
     """
 
-    def __init__(self, model: nn.Module, ids: Tensor, mask: Tensor | None, use_cache: bool) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        ids: Tensor,
+        mask: Tensor | None,
+        use_cache: bool,
+        max_new_tokens: int | None = None,
+    ) -> None:
         self.model, self.ids = model, ids
         self.mask = None if mask is None or bool(mask.all()) else mask  # no padding: no mask
         self.N = model.config.context_length
         self.cache, self.start = None, 0
         if use_cache:
-            dtype = next(model.parameters()).dtype
-            self.cache = KVCache(model.config, len(ids), dtype=dtype, device=ids.device)
+            longest = self.N if max_new_tokens is None else ids.shape[1] + max_new_tokens
+            capacity, dtype = min(self.N, longest), next(model.parameters()).dtype
+            self.cache = KVCache(model.config, len(ids), capacity, dtype, ids.device)
 
     def next_logits(self) -> Tensor:
         """Logits [B,V] for the token after the last one of every row."""
@@ -142,7 +150,8 @@ def generate(
     ids = input_ids.repeat_interleave(n, dim=0)
     mask = None if attention_mask is None else attention_mask.repeat_interleave(n, dim=0)
     with torch.no_grad():
-        yield from _decode(model, Context(model, ids, mask, config.use_cache), config)
+        context = Context(model, ids, mask, config.use_cache, config.max_new_tokens)
+        yield from _decode(model, context, config)
 
 
 def _decode(model: nn.Module, context: Context, c: GenerationConfig) -> Iterator[Step]:

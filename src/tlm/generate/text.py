@@ -25,6 +25,8 @@ class Completion:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"  # "length", "eos" (end of text) or "stop" (a stop string)
+    prompt_tokens: list[int] | None = None  # with prompt_logprobs: the prompt after <|endoftext|>
+    prompt_logprobs: list[float] | None = None  # log P(each prompt token | the ones before)
 
 
 def encode_prompts(
@@ -61,6 +63,7 @@ def complete(
     config: GenerationConfig,
     stop: tuple[str, ...] = (),
     on_truncate: Callable[[int, int, int], None] | None = None,
+    prompt_logprobs: bool = False,
 ) -> list[Completion]:
     """Completions of every prompt (num_return_sequences each, prompt by prompt)."""
     device = next(model.parameters()).device
@@ -68,6 +71,10 @@ def complete(
     ids, mask = ids.to(device), None if mask is None else mask.to(device)
     n = config.num_return_sequences
     out = [Completion(prompt) for prompt in prompts for _ in range(n)]
+    if prompt_logprobs:
+        for row, (tokens, logprobs) in enumerate(score_prompts(model, ids, mask)):
+            for completion in out[row * n : (row + 1) * n]:
+                completion.prompt_tokens, completion.prompt_logprobs = tokens, logprobs
     if config.num_beams > 1:
         result = beam_search(model, ids, config, mask)
         for row, completion in enumerate(out):
@@ -80,6 +87,20 @@ def complete(
         logprobs = [float(step.logprobs[row]) for step in steps]
         _finish(completion, tokenizer, tokens, logprobs, stop, config.eos_ids)
     return out
+
+
+def score_prompts(
+    model: nn.Module, ids: Tensor, mask: Tensor | None
+) -> list[tuple[list[int], list[float]]]:
+    """For every row: its tokens after <|endoftext|>, and log P of each given the ones before."""
+    with torch.no_grad():
+        logprobs = model(ids, attention_mask=mask).float().log_softmax(dim=-1)  # [B,S,V]
+    scored = logprobs[:, :-1].gather(2, ids[:, 1:, None])[..., 0]  # [B,S-1]: token t+1 | <= t
+    rows = []
+    for r in range(len(ids)):
+        first = 1 if mask is None else int(mask.shape[1] - mask[r].sum()) + 1  # after padding
+        rows.append((ids[r, first:].tolist(), scored[r, first - 1 :].tolist()))
+    return rows
 
 
 def stream_completion(

@@ -142,9 +142,7 @@ class MultiHeadAttention(Linears, nn.Module):
         (from `padding_mask`) replaces the causal mask where batch rows are left-padded.
         """
         B, T, _ = x.shape
-        q = self.split_heads(self.linear("Q", x))  # eq. 9.34  Q = X W^Q
-        k = self.split_heads(self.linear("K", x))  # K = X W^K
-        v = self.split_heads(self.linear("V", x))  # V = X W^V
+        q, k, v = map(self.split_heads, self.linears("QKV", x))  # eq. 9.34  Q = XW^Q, K, V
         if self.rotary is not None:  # relative positions: rotate q and k, never v
             if positions is None:
                 positions = torch.arange(T, device=x.device)

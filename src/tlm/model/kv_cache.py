@@ -6,7 +6,8 @@ forward pass from O(t) positions of work into O(1): the prompt is run once ("pre
 one token per step attends to the stored keys and values.
 
 The cache is a small explicit object passed through `TransformerLM.forward`; the model holds
-no hidden state. Its buffers are allocated once, for `capacity` positions.
+no hidden state. Its buffers are allocated once, for `capacity` positions (at most the
+context length; a generation that cannot grow longer needs no more).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class KVCache:
     ) -> None:
         self.capacity = capacity or config.context_length
         shape = (config.n_layers, batch_size, config.n_heads, self.capacity, config.d_head)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # only [0, length) is ever read
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
 
     @property

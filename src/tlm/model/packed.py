@@ -32,14 +32,14 @@ FORMATS = ("float32", "float16", "bfloat16", "int8")
 class PackedLinear:
     """y = x W + b for weight W_t [out, in] prepared in `fmt`; x [..., in] -> y [..., out]."""
 
-    def __init__(self, W_t: Tensor, b: Tensor | None, fmt: str, rows_hint: int = 1) -> None:
-        W_t, self.b = W_t.detach().float().contiguous(), None if b is None else b.detach().float()
+    def __init__(self, W_t: Tensor, b: Tensor | None, fmt: str) -> None:
+        W_t, self.b = W_t.detach().float(), None if b is None else b.detach().float()
         self.out_features = W_t.shape[0]
         if fmt == "float32":
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(W_t, rows_hint)
+            self.source, self.layouts = W_t, {}
             self.kernel = self._onednn
         elif fmt == "float16":
-            self.weight = torch.ops.quantized.linear_prepack_fp16(W_t, self.b)
+            self.weight = torch.ops.quantized.linear_prepack_fp16(W_t.contiguous(), self.b)
             self.kernel = self._fbgemm_fp16
         elif fmt == "int8":
             self.weight = torch.ops.quantized.linear_prepack(_int8_rows(W_t), self.b)
@@ -52,7 +52,14 @@ class PackedLinear:
         return y.view(*x.shape[:-1], self.out_features)
 
     def _onednn(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.b, "none", [], "")
+        # oneDNN lays the weight out for a number of rows: the layout for 1 row is best for
+        # decoding one sequence, the one for 4 rows for batches and prompts. Each is made
+        # the first time it is needed.
+        rows = 1 if x.shape[0] == 1 else 4
+        if rows not in self.layouts:
+            source = self.source.contiguous()
+            self.layouts[rows] = torch.ops.mkldnn._reorder_linear_weight(source, rows)
+        return torch.ops.mkldnn._linear_pointwise(x, self.layouts[rows], self.b, "none", [], "")
 
     def _fbgemm_fp16(self, x: Tensor) -> Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.weight)
@@ -88,8 +95,9 @@ def can_prepack_float32(device: torch.device) -> bool:
 class Linears:
     """For modules whose weights are named W_<name>, b_<name> (eq. 9.34, 9.21, ...).
 
-    `self.linear("Q", x)` is x W_Q + b_Q; once the model is packed for inference it runs
-    the packed form of the same map instead.
+    `self.linear("O", x)` is x W_O + b_O and `self.linears("QKV", x)` the three maps of one
+    input. Once the module is packed for inference they run the packed form of the same maps,
+    a group such as "QKV" as one product.
     """
 
     packed: dict[str, PackedLinear] | None = None
@@ -99,9 +107,18 @@ class Linears:
             return self.packed[name](x)
         return linear(x, getattr(self, "W_" + name), getattr(self, "b_" + name))
 
-    def pack(self, names: str, fmt: str) -> None:
-        """Prepare the maps `names` (e.g. "QKVO") in format `fmt`."""
-        self.packed = {
-            n: PackedLinear(getattr(self, "W_" + n).t(), getattr(self, "b_" + n), fmt)
-            for n in names
-        }
+    def linears(self, names: str, x: Tensor) -> tuple[Tensor, ...]:
+        if self.packed is not None:
+            return self.packed[names](x).split(self.packed[names].splits, dim=-1)
+        return tuple(self.linear(name, x) for name in names)
+
+    def pack(self, groups: tuple[str, ...], fmt: str) -> None:
+        """Prepare each group of maps (e.g. ("QKV", "O")) as one packed product in `fmt`."""
+        self.packed = {}
+        for group in groups:
+            weights = [getattr(self, "W_" + name).t() for name in group]  # [out, in] each
+            biases = [getattr(self, "b_" + name) for name in group]
+            bias = None if biases[0] is None else torch.cat(biases)
+            packed = PackedLinear(torch.cat(weights), bias, fmt)
+            packed.splits = [w.shape[0] for w in weights]
+            self.packed[group] = packed

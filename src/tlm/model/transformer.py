@@ -133,8 +133,8 @@ class TransformerLM(nn.Module):
         if dtype == "float32" and not can_prepack_float32(device):
             return self
         for block in self.blocks:
-            block.attn.pack("QKVO", dtype)
-            block.ffn.pack("12", dtype)
+            block.attn.pack(("QKV", "O"), dtype)
+            block.ffn.pack(("1", "2"), dtype)
         self.packed = {"U": PackedLinear(self.unembedding().t(), None, dtype)}
         return self
 

@@ -1,0 +1,152 @@
+"""Decoding benchmark (not a test): tlm against Hugging Face `GPT2LMHeadModel.generate`.
+
+    python bench/generate.py                   # all parts
+    python bench/generate.py --part peer       # tok/s vs transformers, GPT-2 124M shape
+    python bench/generate.py --part cache      # KV cache against recomputation at 1024 tokens
+    python bench/generate.py --part dtypes     # float32 / float16 / bfloat16 / int8 weights
+
+Random weights of the GPT-2 124M shape, fp32, greedy decoding of a 32-token prompt with no
+early stop, in one process; the two sides alternate, and medians are reported. The dtype
+part also trains a small model (python-docs, once, in --work) to show how much each
+weight format changes the validation loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tlm import ModelConfig, TransformerLM, load_model
+from tlm.generate import GenerationConfig, generate
+from tlm.model.kv_cache import KVCache
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT2 = {"vocab_size": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "context_length": 1024}
+PROMPT = 32
+
+
+def tlm_gpt2() -> TransformerLM:
+    torch.manual_seed(0)
+    return TransformerLM(ModelConfig(**GPT2, activation="gelu_tanh")).eval()
+
+
+def hf_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(bos_token_id=None, eos_token_id=None)).eval()
+
+
+def tlm_rate(model: TransformerLM, batch: int, new: int, use_cache: bool = True) -> float:
+    ids = torch.randint(0, GPT2["vocab_size"], (batch, PROMPT))
+    config = GenerationConfig(max_new_tokens=new, use_cache=use_cache)
+    started = time.perf_counter()
+    steps = sum(1 for _ in generate(model, ids, config))
+    return batch * steps / (time.perf_counter() - started)
+
+
+def hf_rate(model, batch: int, new: int) -> float:
+    ids = torch.randint(0, GPT2["vocab_size"], (batch, PROMPT))
+    with torch.no_grad():
+        started = time.perf_counter()
+        out = model.generate(
+            ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+        )
+        elapsed = time.perf_counter() - started
+    return batch * (out.shape[1] - PROMPT) / elapsed
+
+
+def part_peer(rounds: int) -> None:
+    ours, theirs = tlm_gpt2().for_inference("float32"), hf_gpt2()
+    tlm_rate(ours, 1, 4), hf_rate(theirs, 1, 4)  # warm up
+    print("GPT-2 124M shape, fp32, greedy, prompt 32; tokens/s (median of alternating rounds)")
+    for batch, new in [(1, 128), (8, 128), (1, 512), (8, 512)]:
+        a, b = [], []
+        for _ in range(rounds if new <= 128 else max(1, rounds - 1)):
+            b.append(hf_rate(theirs, batch, new))
+            a.append(tlm_rate(ours, batch, new))
+        mine, peer = statistics.median(a), statistics.median(b)
+        rates = f"tlm {mine:6.1f}, transformers {peer:6.1f}, ratio {mine / peer:.2f}x"
+        print(f"  batch {batch}, {new:3d} new: {rates}")
+
+
+def part_cache(rounds: int) -> None:
+    """One decoding step at position 1024: the cached step against a full recomputation."""
+    model = tlm_gpt2().for_inference("float32")
+    ids = torch.randint(0, GPT2["vocab_size"], (1, 1024))
+    cached, recomputed = [], []
+    with torch.no_grad():
+        for _ in range(rounds):
+            cache = KVCache(model.config, 1, capacity=1024)
+            model(ids[:, :1023], cache, last_only=True)
+            started = time.perf_counter()
+            model(ids[:, 1023:], cache, last_only=True)
+            cached.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            model(ids, last_only=True)
+            recomputed.append(time.perf_counter() - started)
+    step, full = statistics.median(cached), statistics.median(recomputed)
+    times = f"cached step {step * 1e3:.1f} ms, recomputing the window {full * 1e3:.0f} ms"
+    print(f"token 1024: {times}: the cache is {full / step:.0f}x faster")
+    with_cache, without = tlm_rate(model, 1, 128), tlm_rate(model, 1, 128, use_cache=False)
+    print(f"128 new tokens, batch 1: {with_cache:.1f} tok/s with the cache, {without:.1f} without")
+
+
+def part_dtypes(rounds: int, work: Path) -> None:
+    from tlm.evaluate import evaluate_tokens
+    from tlm.tokenizer import load_tokenizer
+
+    run, data = small_model(work)
+    print("weights     batch 1 tok/s   batch 8 tok/s   validation loss (small trained model)")
+    for dtype in ("float32", "float16", "bfloat16", "int8"):
+        model = tlm_gpt2().for_inference(dtype)
+        one = statistics.median(tlm_rate(model, 1, 128) for _ in range(rounds))
+        eight = statistics.median(tlm_rate(model, 8, 128) for _ in range(rounds))
+        small = load_model(run).for_inference(dtype)
+        loss = evaluate_tokens(small, data.split("val"), load_tokenizer(run).token_bytes())["loss"]
+        print(f"  {dtype:9s} {one:13.1f} {eight:15.1f}   {loss:.4f}")
+
+
+def small_model(work: Path):
+    """A 4-layer model trained briefly on python-docs (made once, then reused)."""
+    from tlm.data import TokenData, prepare
+    from tlm.train import Trainer, new_run_configs
+
+    data_dir, run = work / "data" / "python-docs-bpe", work / "runs" / "decode_small"
+    if not (data_dir / "meta.json").is_file():
+        prepare(["python-docs"], data_dir, vocab_size=1024, force=True, progress=False)
+    if not (run / "model.safetensors").is_file():
+        shape = {"n_layers": 4, "d_model": 128, "n_heads": 4, "context_length": 128}
+        values = {"data": str(data_dir), "out": str(run), "max_steps": 400, "batch_size": 16}
+        model_config, train_config, data = new_run_configs(shape, values)
+        tokenizer = (data_dir / "tokenizer.json").read_text()
+        Trainer(model_config, train_config, data, tokenizer, progress_bar=False).fit()
+    return run, TokenData(data_dir)
+
+
+PARTS = ["peer", "cache", "dtypes"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", default="all", choices=["all", *PARTS])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--work", default=str(ROOT / "out" / "bench"))
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
+    for part in PARTS if args.part == "all" else [args.part]:
+        if part == "peer":
+            part_peer(args.rounds)
+        elif part == "cache":
+            part_cache(args.rounds)
+        else:
+            part_dtypes(args.rounds, Path(args.work))
+
+
+if __name__ == "__main__":
+    main()
