@@ -5,15 +5,19 @@ weights stream from memory and how well the kernel handles a few rows. PyTorch's
 fp32 path (MKL) is slow for the few-row products of decoding on some CPUs; these formats run
 the same x W + b through better kernels:
 
-| format  | weights held as                | kernel (CPU)                    | arithmetic       |
-|---------|--------------------------------|---------------------------------|------------------|
-| float32 | fp32, prepacked for oneDNN     | `mkldnn._linear_pointwise`      | fp32 (exact)     |
-| float16 | fp16, prepacked for fbgemm     | `quantized.linear_dynamic_fp16` | fp32             |
-| int8    | int8, one scale per output row | `quantized.linear_dynamic`      | int8, with the   |
-|         |                                |                                 | activations      |
-|         |                                |                                 | quantized per row|
+| format   | weights held as                | kernel (CPU)                    | arithmetic      |
+|----------|--------------------------------|---------------------------------|-----------------|
+| float32  | fp32, prepacked for oneDNN     | `mkldnn._linear_pointwise`      | fp32 (exact)    |
+| float16  | fp16, prepacked for fbgemm     | `quantized.linear_dynamic_fp16` | fp32            |
+| bfloat16 | bf16, [out, in]                | `F.linear` in bf16              | bf16 products,  |
+|          |                                |                                 | fp32 elsewhere  |
+| int8     | int8, one scale per output row | `quantized.linear_dynamic`      | int8 products   |
+|          |                                |                                 | (activations    |
+|          |                                |                                 | quantized/row)  |
 
-`bfloat16` casts the whole model instead (`TransformerLM.for_inference`). A test holds each
+Everything between the products (LayerNorm, attention, the residual stream, the KV cache)
+stays fp32. On a GPU, `bfloat16` and `float16` cast the whole model instead
+(`TransformerLM.for_inference`). A test holds each
 format against the plain fp32 model.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from tlm.model.functional import linear
@@ -41,11 +46,15 @@ class PackedLinear:
         elif fmt == "float16":
             self.weight = torch.ops.quantized.linear_prepack_fp16(W_t.contiguous(), self.b)
             self.kernel = self._fbgemm_fp16
+        elif fmt == "bfloat16":
+            self.weight = W_t.to(torch.bfloat16).contiguous()  # [out, in]: the fast orientation
+            self.b = None if b is None else self.b.to(torch.bfloat16)
+            self.kernel = self._bf16
         elif fmt == "int8":
             self.weight = torch.ops.quantized.linear_prepack(_int8_rows(W_t), self.b)
             self.kernel = self._fbgemm_int8
         else:
-            raise ValueError(f"no packed format {fmt!r}; choose float32, float16 or int8")
+            raise ValueError(f"no packed format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
     def __call__(self, x: Tensor) -> Tensor:
         y = self.kernel(x.reshape(-1, x.shape[-1]))  # [..., in] -> [N, in] -> [N, out]
@@ -60,6 +69,9 @@ class PackedLinear:
             source = self.source.contiguous()
             self.layouts[rows] = torch.ops.mkldnn._reorder_linear_weight(source, rows)
         return torch.ops.mkldnn._linear_pointwise(x, self.layouts[rows], self.b, "none", [], "")
+
+    def _bf16(self, x: Tensor) -> Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight, self.b).to(x.dtype)
 
     def _fbgemm_fp16(self, x: Tensor) -> Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.weight)

@@ -119,17 +119,16 @@ class TransformerLM(nn.Module):
     def for_inference(self, dtype: str = "float32") -> TransformerLM:
         """Prepare the weights for fast generation and scoring (in place; no training after).
 
-        "float32" prepacks every weight for oneDNN on a CPU (exact; elsewhere a no-op),
-        "float16" and "int8" keep compressed weights for fbgemm's CPU kernels, "bfloat16"
-        casts the model. See `model/packed.py`.
+        On a CPU every weight matrix is prepared for a faster kernel: "float32" prepacked for
+        oneDNN (exact), "float16" and "int8" compressed for fbgemm, "bfloat16" halved; the
+        activations stay fp32. On a GPU "bfloat16" and "float16" cast the model and "float32"
+        changes nothing. See `model/packed.py`.
         """
         device = self.embedding.E.device
         check_format(dtype, device)
         self.eval()
-        if dtype == "bfloat16":
-            return self.to(torch.bfloat16)
-        if dtype == "float16" and device.type != "cpu":
-            return self.to(torch.float16)
+        if device.type != "cpu" and dtype in ("bfloat16", "float16"):
+            return self.to(getattr(torch, dtype))
         if dtype == "float32" and not can_prepack_float32(device):
             return self
         for block in self.blocks:
