@@ -1,3 +1,5 @@
+import shlex
+
 from tlm.cli import main
 
 
@@ -13,6 +15,9 @@ def test_demo_runs_end_to_end_and_replaces_only_its_own_folders(tmp_path, capsys
     for name in ("loss.png", "attention.png"):
         assert (out / "plots" / name).read_bytes()[:4] == b"\x89PNG"
     assert (out / "MODEL_CARD.md").is_file() and (data / "meta.json").is_file()
+    hint = next(line for line in printed.splitlines() if "tlm generate" in line)
+    hint_args = shlex.split(hint)[1:] + ["--max-new-tokens", "5"]
+    assert main(hint_args) == 0  # the command the demo suggests works as printed
     assert main(args) == 0  # a second demo replaces the first one's folders
 
     mine = tmp_path / "mine"

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         f"  {out / 'plots' / 'loss.png'}        loss against tokens and time\n"
         f"  {out / 'plots' / 'attention.png'}   what each head attends to\n"
         f"  {out / 'MODEL_CARD.md'}          data, sizes, results, limits\n"
-        f'  tlm generate {out} --prompt "The while statement" --temperature 0.8'
+        f'  tlm generate {out} --prompt "The while statement" --do-sample --temperature 0.8'
     )
     return 0
 
