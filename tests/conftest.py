@@ -9,6 +9,7 @@ from tlm import ModelConfig, TransformerLM
 
 POSITIONS = ["learned", "sinusoidal", "rope", "none"]
 NORMS = ["pre", "post"]
+V = 300  # the vocabulary of the Hugging Face interop fixtures
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -36,4 +37,46 @@ def docs_chars(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("data") / "python-docs"
     prepare(["python-docs"], folder, tokenizer="char", progress=False)
+    return folder
+
+
+def hf_model(**overrides):
+    """A random GPT2LMHeadModel of a small GPT2Config (no network), eval mode."""
+    values = dict(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+    values.update(overrides)
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**values)).eval()
+    with torch.no_grad():  # GPT-2 initialises biases and LayerNorms to 0 and 1: perturb them
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+@pytest.fixture(scope="session")
+def gpt2_files(tmp_path_factory, bpe_tokenizer):
+    """GPT-2's original tokenizer files (vocab.json + merges.txt) of a 300-token BPE."""
+    folder = tmp_path_factory.mktemp("gpt2_tokenizer")
+    bpe_tokenizer.tokenizer.model.save(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer():
+    from pydoc_data.topics import topics
+
+    from tlm.tokenizer import train_tokenizer
+
+    return train_tokenizer("bpe", list(topics.values())[:200], V)
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory, gpt2_files):
+    """A Hugging Face GPT-2 directory (`save_pretrained`) with GPT-2's tokenizer files."""
+    folder = tmp_path_factory.mktemp("hf") / "gpt2"
+    hf_model().save_pretrained(folder)
+    for name in ("vocab.json", "merges.txt"):
+        (folder / name).write_bytes((gpt2_files / name).read_bytes())
     return folder

@@ -56,6 +56,7 @@ def test_char_ids_are_sorted_characters_then_eot(char):
     assert char.encode("e") == [char.chars.index("e")]
     assert char.eot_id == len(char.chars) == char.vocab_size - 1
     assert char.decode([char.eot_id]) == EOT
+    assert char.encode(f"e{EOT}e") == [*char.encode("e"), char.eot_id, *char.encode("e")]
 
 
 def test_char_refuses_unknown_characters(char):

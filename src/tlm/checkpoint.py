@@ -26,6 +26,8 @@ from torch import nn
 
 from tlm._version import __version__
 from tlm.config import ModelConfig
+from tlm.interop import is_hf_model_dir, load_gpt2
+from tlm.interop.gpt2 import config_from_gpt2, read_hf_config
 from tlm.io import atomic_path, write_text_atomic
 from tlm.model import TransformerLM
 
@@ -72,9 +74,21 @@ def read_config(run: str | Path) -> dict[str, Any]:
     return payload
 
 
+def model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a run directory or of a Hugging Face GPT-2 directory."""
+    if is_hf_model_dir(path):
+        return config_from_gpt2(read_hf_config(path))
+    return ModelConfig.from_dict(read_config(path)["model"])
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> TransformerLM:
-    """A run directory of ours -> TransformerLM with its latest weights, in eval mode."""
+    """A run directory of ours, or a Hugging Face GPT-2 directory -> TransformerLM with its
+    latest weights, in eval mode."""
     run = Path(path)
+    if is_hf_model_dir(run):
+        return load_gpt2(run).to(device)
+    if not run.is_dir():
+        raise CheckpointError(f"{run} is not a directory (a run, or a Hugging Face GPT-2 model)")
     config = ModelConfig.from_dict(read_config(run)["model"])
     model = TransformerLM(config)
     weights = run / "model.safetensors"

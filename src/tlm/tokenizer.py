@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tlm.io import write_text_atomic
 
@@ -53,7 +53,13 @@ class CharTokenizer:
         return self.encode_array(text).tolist()
 
     def encode_array(self, text: str) -> np.ndarray:
-        """Vectorised encode: code points -> positions in the sorted alphabet."""
+        """Vectorised encode: code points -> positions in the sorted alphabet.
+
+        A literal `<|endoftext|>` is the separator, as in the byte-level BPE tokenizer."""
+        if EOT in text:
+            parts = [self.encode_array(part) for part in text.split(EOT)]
+            eot = np.array([self.eot_id], dtype=np.int64)
+            return np.concatenate([p for part in parts for p in (eot, part)][1:])
         points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
         ids = np.searchsorted(self._codepoints, points)
         ids = np.minimum(ids, len(self.chars) - 1)
@@ -189,10 +195,30 @@ def tokenizer_from_json(text: str) -> Tokenizer:
     return BPETokenizer(HFTokenizer.from_str(text))
 
 
+def gpt2_tokenizer(vocab: Path, merges: Path) -> BPETokenizer:
+    """GPT-2's original files (`vocab.json` + `merges.txt`) -> the same byte-level BPE.
+
+    The pieces are those GPT-2's tokenizer has always used: byte-level pre-tokenization
+    without a prefix space, byte-level decoding, and `<|endoftext|>` as a special token.
+    """
+    try:
+        tokenizer = HFTokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    except Exception as exc:  # the tokenizers library's own parse errors
+        raise TokenizerError(f"cannot read the GPT-2 tokenizer in {merges.parent}: {exc}") from None
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.add_special_tokens([AddedToken(EOT, special=True, normalized=False)])
+    return BPETokenizer(tokenizer)
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load `tokenizer.json` from a file, a run directory or a prepared data directory."""
+    """Load `tokenizer.json` from a file, a run directory, a prepared data directory or a
+    Hugging Face directory (whose GPT-2 tokenizer may be `vocab.json` + `merges.txt`)."""
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
+    if path.is_dir() and not file.is_file() and (path / "merges.txt").is_file():
+        return gpt2_tokenizer(path / "vocab.json", path / "merges.txt")
     if not file.is_file():
         raise TokenizerError(f"no tokenizer at {path} (expected {file})")
     try:

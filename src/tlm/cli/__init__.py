@@ -6,11 +6,12 @@ import argparse
 import sys
 
 from tlm.checkpoint import CheckpointError
-from tlm.cli import demo, evaluate, generate, info, prepare, train
+from tlm.cli import demo, evaluate, export, generate, info, prepare, train
 from tlm.cli.args import UsageError, error_exit
 from tlm.config import ConfigError
 from tlm.data import CorpusError
 from tlm.generate import GenerationError
+from tlm.interop import HFFormatError
 from tlm.tokenizer import TokenizerError
 from tlm.train import RunError
 
@@ -22,9 +23,10 @@ USER_ERRORS = (
     CheckpointError,
     RunError,
     GenerationError,
+    HFFormatError,
 )
 
-COMMANDS = [prepare, train, generate, evaluate, info, demo]
+COMMANDS = [prepare, train, generate, evaluate, export, info, demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

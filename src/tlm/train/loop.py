@@ -105,7 +105,7 @@ class Trainer:
             self.state = Progress(**{k: saved[k] for k in ("step", "tokens", "elapsed", "window")})
         else:
             if config.init_from:  # fine-tuning: start from a trained model's weights
-                self.model.load_state_dict(load_model(config.init_from).state_dict())
+                self.model.load_state_dict(_initial_weights(config.init_from, model_config))
             self.run.mkdir(parents=True, exist_ok=True)
             write_config(self.run, model_config, config.to_dict())
             write_text_atomic(self.run / "tokenizer.json", tokenizer_json)
@@ -220,3 +220,11 @@ class Trainer:
         plot_losses(rows, self.run / "plots" / "loss.png")
         write_model_card(self.run, self.model_config, self.config, self.data.meta, results)
         return results
+
+
+def _initial_weights(source: str, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The weights of `--init-from`, learned positions cut to this run's context length."""
+    state = load_model(source).state_dict()
+    if "embedding.P" in state:
+        state["embedding.P"] = state["embedding.P"][: config.context_length]  # [N, d] -> [T, d]
+    return state

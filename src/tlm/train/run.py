@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tlm.checkpoint import latest_checkpoint, read_config
+from tlm.checkpoint import latest_checkpoint, model_config, read_config
 from tlm.config import ConfigError, ModelConfig, TrainConfig, from_dict
 from tlm.data import TokenData
 from tlm.tokenizer import load_tokenizer
@@ -68,12 +68,13 @@ FINE_TUNING_FIELDS = ("dropout", "attention_impl")
 
 
 def _init_model_values(source: str, given: dict[str, Any], data: TokenData) -> dict[str, Any]:
-    """The model of `--init-from` fixes the shape; its tokenizer must be the data's."""
-    saved = read_config(source)["model"]
+    """The model of `--init-from` (a run or a Hugging Face GPT-2 directory) fixes the shape,
+    except that the context may be shortened; its tokenizer must be the data's."""
+    saved = model_config(source).to_dict()
     differ = [
         f"{k}: {saved[k]!r} there, {v!r} given"
         for k, v in given.items()
-        if k not in FINE_TUNING_FIELDS and saved.get(k) != v
+        if k not in FINE_TUNING_FIELDS and saved.get(k) != v and not _shorter_context(k, v, saved)
     ]
     if differ:
         raise RunError(f"--init-from {source} fixes the model; {'; '.join(differ)}")
@@ -83,6 +84,11 @@ def _init_model_values(source: str, given: dict[str, Any], data: TokenData) -> d
             f"with --tokenizer {source}"
         )
     return {**saved, **given}
+
+
+def _shorter_context(key: str, value: Any, saved: dict[str, Any]) -> bool:
+    """A fine-tuning run may use the first N positions of a longer context."""
+    return key == "context_length" and isinstance(value, int) and value < saved[key]
 
 
 def _differences(config: Any, values: dict[str, Any]) -> list[str]:

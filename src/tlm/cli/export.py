@@ -1,0 +1,32 @@
+"""`tlm export-hf`: write a run as a Hugging Face GPT-2 directory."""
+
+from __future__ import annotations
+
+import argparse
+
+from tlm.cli.args import add_command
+from tlm.interop.export import export_hf
+
+EXAMPLE = """example:
+  tlm export-hf runs/shakespeare_char out/shakespeare_hf
+  then, in Python: GPT2LMHeadModel.from_pretrained("out/shakespeare_hf")
+
+GPT-2 is pre-norm with learned absolute positions and d_head = d_model / n_heads; a run
+with rope or no positions, post-norm or another d_head is refused, naming the field.
+Sinusoidal positions are written as GPT-2's position table, missing biases as zeros.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        sub, "export-hf", "write a run as a Hugging Face GPT-2 model directory", EXAMPLE
+    )
+    parser.add_argument("run", help="run directory (or a Hugging Face GPT-2 directory)")
+    parser.add_argument("out", help="the folder to create (must not exist or be empty)")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = export_hf(args.run, args.out)
+    print(f"wrote {out}: load it with GPT2LMHeadModel.from_pretrained({str(out)!r})")
+    return 0

@@ -1,0 +1,96 @@
+"""`export_hf`: a tlm run -> a directory that Hugging Face `transformers` opens as GPT-2.
+
+    OUT/config.json              GPT2Config fields (model_type gpt2)
+    OUT/generation_config.json   <|endoftext|> as bos/eos
+    OUT/model.safetensors        the weights under GPT-2's names (a tied head is wte)
+    OUT/tokenizer.json           the tokenizer, and for BPE also GPT-2's vocab.json + merges.txt
+    OUT/tokenizer_config.json, special_tokens_map.json
+    OUT/README.md                the run's model card, when it has one
+
+The directory is written in full under a temporary name and renamed, so a failure leaves
+nothing behind; an existing non-empty OUT is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import save_file
+from tokenizers import AddedToken, decoders, models
+from tokenizers import Tokenizer as HFTokenizer
+
+from tlm._version import __version__
+from tlm.checkpoint import load_model
+from tlm.interop.gpt2 import HFFormatError, gpt2_config, state_to_gpt2
+from tlm.io import atomic_path
+from tlm.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
+
+
+def export_hf(source: str | Path, out: str | Path) -> Path:
+    """Write the model and tokenizer of `source` (a run, or a Hugging Face GPT-2 directory)
+    as a Hugging Face GPT-2 directory at `out`."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HFFormatError(f"{out} already exists and is not empty; choose a new folder")
+    model = load_model(source)
+    tokenizer = load_tokenizer(source)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise HFFormatError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.config.vocab_size}"
+        )
+    config = gpt2_config(model.config, tokenizer.eot_id)
+    weights = state_to_gpt2(model.state_dict(), model.config)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        out.rmdir()  # empty (checked above): the rename below needs the name free
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        _write_json(tmp / "config.json", {**config, "tlm_version": __version__})
+        generation = {"bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id}
+        _write_json(tmp / "generation_config.json", generation)
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_tokenizer_files(tokenizer, tmp, model.config.context_length)
+        card = Path(source) / "MODEL_CARD.md"
+        if card.is_file():
+            shutil.copyfile(card, tmp / "README.md")
+    return out
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, folder: Path, context_length: int) -> None:
+    """tokenizer.json (+ vocab.json and merges.txt for BPE) and the files `AutoTokenizer` reads."""
+    if isinstance(tokenizer, BPETokenizer):
+        (folder / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
+        with tempfile.TemporaryDirectory() as scratch:  # vocab.json + merges.txt, GPT-2's files
+            for file in tokenizer.tokenizer.model.save(scratch):
+                shutil.copyfile(file, folder / Path(file).name)
+        tokenizer_class = "GPT2Tokenizer"
+    else:
+        (folder / "tokenizer.json").write_text(_char_as_hf(tokenizer).to_str(), encoding="utf-8")
+        tokenizer_class = "PreTrainedTokenizerFast"
+    specials = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
+    _write_json(folder / "special_tokens_map.json", specials)
+    settings = {
+        "tokenizer_class": tokenizer_class,
+        **specials,
+        "model_max_length": context_length,
+        "add_prefix_space": False,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,  # decode must give back the exact text
+    }
+    _write_json(folder / "tokenizer_config.json", settings)
+
+
+def _char_as_hf(tokenizer: CharTokenizer) -> HFTokenizer:
+    """A character vocabulary as a `tokenizers` BPE with no merges: each character one id."""
+    vocab = {char: i for i, char in enumerate(tokenizer.chars)}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    hf.decoder = decoders.Fuse()  # join the characters back without separators
+    hf.add_special_tokens([AddedToken(EOT, special=True, normalized=False)])
+    return hf
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

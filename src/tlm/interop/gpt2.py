@@ -1,0 +1,263 @@
+"""Hugging Face GPT-2 checkpoints <-> tlm: the config fields and the weight names.
+
+GPT-2 is the pre-norm transformer of §9.2 with learned positions, tanh-approximated GELU,
+biases and a tied head, so its weights map one to one onto ours. Its `Conv1D` layers store
+weights as [in, out] and right-multiply, as the book (and tlm) does: no transposes, except
+an untied `lm_head` ([V, d], an `nn.Linear`), which is W_U transposed.
+
+    GPT-2 name (prefix `transformer.`)   tlm name                         shape
+    wte.weight                           embedding.E                      [V, d]
+    wpe.weight                           embedding.P                      [N, d]
+    h.{l}.ln_1.weight / .bias            blocks.{l}.ln1.gamma / .beta     [d]
+    h.{l}.attn.c_attn.weight             W_Q | W_K | W_V (side by side)   [d, 3·H·d_head]
+    h.{l}.attn.c_attn.bias               b_Q | b_K | b_V                  [3·H·d_head]
+    h.{l}.attn.c_proj.weight / .bias     blocks.{l}.attn.W_O / b_O        [H·d_head, d]
+    h.{l}.ln_2.weight / .bias            blocks.{l}.ln2.gamma / .beta     [d]
+    h.{l}.mlp.c_fc.weight / .bias        blocks.{l}.ffn.W_1 / b_1         [d, d_ff]
+    h.{l}.mlp.c_proj.weight / .bias      blocks.{l}.ffn.W_2 / b_2         [d_ff, d]
+    ln_f.weight / .bias                  ln_f.gamma / .beta               [d]
+    lm_head.weight (untied only)         W_U transposed                   [V, d]
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from tlm.config import ConfigError, ModelConfig
+from tlm.model import TransformerLM
+from tlm.model.positions import sinusoidal_table
+
+# GPT-2's activation_function -> tlm's activation, and back
+ACTIVATIONS_IN = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "relu": "relu",
+}
+ACTIVATIONS_OUT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+# buffers older GPT-2 checkpoints store beside the weights (the causal mask): not weights
+BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+class HFFormatError(ValueError):
+    """A Hugging Face directory tlm cannot read, or a tlm model GPT-2 cannot express."""
+
+
+def is_hf_model_dir(path: str | Path) -> bool:
+    """A directory whose config.json is a Hugging Face one (it names a `model_type`)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "model_type" in json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    file = Path(path) / "config.json"
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HFFormatError(f"cannot read {file}: {exc}") from None
+
+
+def config_from_gpt2(hf: dict[str, Any]) -> ModelConfig:
+    """GPT2Config fields -> the ModelConfig that computes the same function."""
+    if hf.get("model_type") != "gpt2":
+        raise HFFormatError(f"model_type {hf.get('model_type')!r}: tlm reads gpt2 checkpoints only")
+    unsupported = {
+        "add_cross_attention": True,  # an encoder-decoder variant
+        "scale_attn_weights": False,  # scores without the 1/√d_k of eq. 9.11
+        "scale_attn_by_inverse_layer_idx": True,  # an extra 1/(l+1) on the scores
+    }
+    for field, value in unsupported.items():
+        if hf.get(field, not value) == value:
+            raise HFFormatError(f"{field}={value} has no equivalent in tlm")
+    activation = hf.get("activation_function", "gelu_new")
+    if activation not in ACTIVATIONS_IN:
+        raise HFFormatError(
+            f"activation_function {activation!r} has no equivalent in tlm "
+            f"(known: {', '.join(ACTIVATIONS_IN)})"
+        )
+    d_model = hf.get("n_embd", 768)
+    try:
+        return ModelConfig(
+            vocab_size=hf.get("vocab_size", 50257),
+            d_model=d_model,
+            n_layers=hf.get("n_layer", 12),
+            n_heads=hf.get("n_head", 12),
+            d_ff=hf.get("n_inner") or 4 * d_model,
+            context_length=hf.get("n_positions", hf.get("n_ctx", 1024)),
+            norm="pre",
+            position="learned",
+            activation=ACTIVATIONS_IN[activation],
+            tie_embeddings=hf.get("tie_word_embeddings", True),
+            bias=True,
+            dropout=float(hf.get("resid_pdrop", 0.1)),
+            layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        )
+    except ConfigError as exc:
+        raise HFFormatError(f"config.json: {exc}") from None
+
+
+def gpt2_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
+    """ModelConfig -> GPT2Config fields; refuses (naming the field) what GPT-2 cannot express."""
+    refusals = [
+        (config.norm != "pre", f"norm={config.norm!r}: GPT-2 is pre-norm"),
+        (
+            config.position not in ("learned", "sinusoidal"),
+            f"position={config.position!r}: GPT-2 adds learned absolute positions",
+        ),
+        (
+            config.d_head * config.n_heads != config.d_model,
+            f"d_head={config.d_head}: GPT-2 needs d_head = d_model / n_heads "
+            f"= {config.d_model / config.n_heads:g}",
+        ),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise HFFormatError(f"cannot export to GPT-2: {message}")
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.context_length,
+        "n_embd": config.d_model,
+        "n_layer": config.n_layers,
+        "n_head": config.n_heads,
+        "n_inner": config.d_ff,
+        "activation_function": ACTIVATIONS_OUT[config.activation],
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "layer_norm_epsilon": config.layer_norm_eps,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "use_cache": True,
+        "dtype": "float32",
+    }
+
+
+def load_gpt2(path: str | Path) -> TransformerLM:
+    """A Hugging Face GPT-2 directory -> TransformerLM (float32, eval mode)."""
+    config = config_from_gpt2(read_hf_config(path))
+    model = TransformerLM(config)
+    model.load_state_dict(state_from_gpt2(read_hf_weights(path), config))
+    return model.eval()
+
+
+def read_hf_weights(path: str | Path) -> dict[str, Tensor]:
+    """The tensors of a Hugging Face directory: safetensors (one file or shards) or a
+    `pytorch_model.bin` read with `weights_only=True` (never arbitrary pickle)."""
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    try:
+        if (folder / "model.safetensors").is_file():
+            return load_file(str(folder / "model.safetensors"))
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return {k: v for shard in shards for k, v in load_file(str(folder / shard)).items()}
+        if (folder / "pytorch_model.bin").is_file():
+            return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    except Exception as exc:  # safetensors, json or the weights-only unpickler refusing
+        raise HFFormatError(f"cannot read the weights in {folder}: {exc}") from None
+    raise HFFormatError(f"{folder} has no model.safetensors or pytorch_model.bin")
+
+
+def state_from_gpt2(tensors: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """GPT-2 tensors -> a tlm state dict (float32); every weight must be used exactly once."""
+    hf = {_strip(k): v.float() for k, v in tensors.items() if not k.endswith(BUFFER_SUFFIXES)}
+    if config.tie_embeddings:
+        hf.pop("lm_head.weight", None)  # a tied head is wte itself
+    state: dict[str, Tensor] = {}
+    for hf_name, name in _pairs(config):
+        if hf_name not in hf:
+            raise HFFormatError(f"the checkpoint has no {hf_name} ({config.n_layers} layers)")
+        state[name] = hf.pop(hf_name)
+    for layer in range(config.n_layers):
+        attn = f"blocks.{layer}.attn"
+        for kind in ("W", "b"):
+            qkv = state.pop(f"{attn}.{kind}_QKV")
+            for part, tensor in zip("QKV", qkv.chunk(3, dim=-1), strict=True):
+                state[f"{attn}.{kind}_{part}"] = tensor.contiguous()  # [d, 3d] -> 3 × [d, d]
+    if "W_U" in state:
+        state["W_U"] = state["W_U"].t().contiguous()  # lm_head [V, d] -> W_U [d, V]
+    if hf:
+        raise HFFormatError(f"unexpected tensors in the checkpoint: {', '.join(sorted(hf)[:3])}")
+    return state
+
+
+def state_to_gpt2(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """A tlm state dict -> GPT-2 tensors; missing biases become zeros, a sinusoidal table
+    becomes `wpe`, so Hugging Face computes the same function."""
+    state = dict(state)
+    if config.position == "sinusoidal":
+        state["embedding.P"] = sinusoidal_table(config.context_length, config.d_model)
+    for name, shape in _bias_shapes(config).items():
+        state.setdefault(name, torch.zeros(shape))
+    for layer in range(config.n_layers):
+        attn = f"blocks.{layer}.attn"
+        for kind in ("W", "b"):
+            parts = [state.pop(f"{attn}.{kind}_{part}") for part in "QKV"]
+            state[f"{attn}.{kind}_QKV"] = torch.cat(parts, dim=-1)  # 3 × [d, d] -> [d, 3d]
+    if "W_U" in state:
+        state["W_U"] = state["W_U"].t()  # W_U [d, V] -> lm_head [V, d]
+    out = {}
+    for hf_name, name in _pairs(config):
+        out[_prefix(hf_name)] = state[name].detach().float().contiguous()
+    return out
+
+
+def _pairs(config: ModelConfig) -> list[tuple[str, str]]:
+    """(GPT-2 name without the `transformer.` prefix, tlm name), for the fused QKV too."""
+    pairs = [("wte.weight", "embedding.E"), ("wpe.weight", "embedding.P")]
+    for layer in range(config.n_layers):
+        h, b = f"h.{layer}", f"blocks.{layer}"
+        pairs += [
+            (f"{h}.ln_1.weight", f"{b}.ln1.gamma"),
+            (f"{h}.ln_1.bias", f"{b}.ln1.beta"),
+            (f"{h}.attn.c_attn.weight", f"{b}.attn.W_QKV"),
+            (f"{h}.attn.c_attn.bias", f"{b}.attn.b_QKV"),
+            (f"{h}.attn.c_proj.weight", f"{b}.attn.W_O"),
+            (f"{h}.attn.c_proj.bias", f"{b}.attn.b_O"),
+            (f"{h}.ln_2.weight", f"{b}.ln2.gamma"),
+            (f"{h}.ln_2.bias", f"{b}.ln2.beta"),
+            (f"{h}.mlp.c_fc.weight", f"{b}.ffn.W_1"),
+            (f"{h}.mlp.c_fc.bias", f"{b}.ffn.b_1"),
+            (f"{h}.mlp.c_proj.weight", f"{b}.ffn.W_2"),
+            (f"{h}.mlp.c_proj.bias", f"{b}.ffn.b_2"),
+        ]
+    pairs += [("ln_f.weight", "ln_f.gamma"), ("ln_f.bias", "ln_f.beta")]
+    if not config.tie_embeddings:
+        pairs.append(("lm_head.weight", "W_U"))
+    return pairs
+
+
+def _bias_shapes(config: ModelConfig) -> dict[str, tuple[int]]:
+    """Every bias and beta of the GPT-2 layout, by tlm name (a model without them exports zeros)."""
+    d, d_attn, d_ff = config.d_model, config.d_attn, config.d_ff
+    shapes: dict[str, tuple[int]] = {"ln_f.beta": (d,)}
+    for layer in range(config.n_layers):
+        b = f"blocks.{layer}"
+        shapes.update({f"{b}.ln1.beta": (d,), f"{b}.ln2.beta": (d,), f"{b}.attn.b_O": (d,)})
+        shapes.update({f"{b}.attn.b_{part}": (d_attn,) for part in "QKV"})
+        shapes.update({f"{b}.ffn.b_1": (d_ff,), f"{b}.ffn.b_2": (d,)})
+    return shapes
+
+
+def _strip(name: str) -> str:
+    return name.removeprefix("transformer.")
+
+
+def _prefix(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"transformer.{name}"
