@@ -4,6 +4,7 @@
     python bench/generate.py --part peer       # tok/s vs transformers, GPT-2 124M shape
     python bench/generate.py --part cache      # KV cache against recomputation at 1024 tokens
     python bench/generate.py --part dtypes     # float32 / float16 / bfloat16 / int8 weights
+    python bench/generate.py --part imported   # a GPT-2 checkpoint directory, read by both
 
 Random weights of the GPT-2 124M shape, fp32, greedy decoding of a 32-token prompt with no
 early stop, in one process; the two sides alternate, and medians are reported. The dtype
@@ -66,13 +67,18 @@ def part_peer(rounds: int) -> None:
     tlm_rate(ours, 1, 4), hf_rate(theirs, 1, 4)  # warm up
     print("GPT-2 124M shape, fp32, greedy, prompt 32; tokens/s (median of alternating rounds)")
     for batch, new in [(1, 128), (8, 128), (1, 512), (8, 512)]:
-        a, b = [], []
-        for _ in range(rounds if new <= 128 else max(1, rounds - 1)):
-            b.append(hf_rate(theirs, batch, new))
-            a.append(tlm_rate(ours, batch, new))
-        mine, peer = statistics.median(a), statistics.median(b)
-        rates = f"tlm {mine:6.1f}, transformers {peer:6.1f}, ratio {mine / peer:.2f}x"
+        rates = alternate(ours, theirs, batch, new, rounds if new <= 128 else max(1, rounds - 1))
         print(f"  batch {batch}, {new:3d} new: {rates}")
+
+
+def alternate(ours: TransformerLM, theirs, batch: int, new: int, rounds: int) -> str:
+    """tok/s of each side, alternating rounds (so drifts in machine speed hit both), medians."""
+    a, b = [], []
+    for _ in range(rounds):
+        b.append(hf_rate(theirs, batch, new))
+        a.append(tlm_rate(ours, batch, new))
+    mine, peer = statistics.median(a), statistics.median(b)
+    return f"tlm {mine:6.1f}, transformers {peer:6.1f}, ratio {mine / peer:.2f}x"
 
 
 def part_cache(rounds: int) -> None:
@@ -129,7 +135,38 @@ def small_model(work: Path):
     return run, TokenData(data_dir)
 
 
-PARTS = ["peer", "cache", "dtypes"]
+def part_imported(rounds: int, work: Path) -> None:
+    """The same GPT-2 checkpoint directory read by both: load time, equal tokens, tok/s."""
+    from transformers import GPT2LMHeadModel
+
+    folder = work / "gpt2-124m-random"
+    if not (folder / "model.safetensors").is_file():
+        hf_gpt2().save_pretrained(folder)
+    started = time.perf_counter()
+    theirs = GPT2LMHeadModel.from_pretrained(folder).eval()
+    loaded_hf = time.perf_counter()
+    ours = load_model(folder)
+    loaded = time.perf_counter()
+    ours.for_inference("float32")
+    packed = time.perf_counter()
+    print(
+        f"{folder.name}: loaded by transformers in {loaded_hf - started:.2f} s, by tlm in "
+        f"{loaded - loaded_hf:.2f} s (+ {packed - loaded:.2f} s packing for inference)"
+    )
+    ids = torch.randint(
+        0, GPT2["vocab_size"], (2, PROMPT), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        expected = theirs.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False
+        )
+    same = torch.equal(ours.generate(ids, max_new_tokens=64), expected)
+    print(f"greedy, 2 prompts x 64 new tokens: {'identical' if same else 'DIFFERENT'} tokens")
+    for batch in (1, 8):
+        print(f"  batch {batch}, 128 new: {alternate(ours, theirs, batch, 128, rounds)}")
+
+
+PARTS = ["peer", "cache", "dtypes", "imported"]
 
 
 def main() -> None:
@@ -144,6 +181,8 @@ def main() -> None:
             part_peer(args.rounds)
         elif part == "cache":
             part_cache(args.rounds)
+        elif part == "imported":
+            part_imported(args.rounds, Path(args.work))
         else:
             part_dtypes(args.rounds, Path(args.work))
 

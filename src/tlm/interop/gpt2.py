@@ -151,8 +151,8 @@ def gpt2_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
 def load_gpt2(path: str | Path) -> TransformerLM:
     """A Hugging Face GPT-2 directory -> TransformerLM (float32, eval mode)."""
     config = config_from_gpt2(read_hf_config(path))
-    model = TransformerLM(config)
-    model.load_state_dict(state_from_gpt2(read_hf_weights(path), config))
+    model = TransformerLM(config, init=False)
+    model.load_state_dict(state_from_gpt2(read_hf_weights(path), config), assign=True)
     return model.eval()
 
 

@@ -25,7 +25,8 @@ class TransformerLM(nn.Module):
 
     packed: dict[str, PackedLinear] | None = None  # the LM head, once packed for inference
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, init: bool = True) -> None:
+        """`init=False` leaves the weights unset, for a loader that fills every one of them."""
         super().__init__()
         self.config = config
         self.embedding = Embedding(config)
@@ -43,7 +44,8 @@ class TransformerLM(nn.Module):
             self.W_U = None  # the head is E^T (weight tying, §9.5)
         else:
             self.W_U = nn.Parameter(torch.empty(config.d_model, config.vocab_size))
-        self.reset_parameters()
+        if init:
+            self.reset_parameters()
 
     def reset_parameters(self, seed: int | None = None) -> None:
         """GPT-2's initialisation (Radford et al. 2019), in one place.
