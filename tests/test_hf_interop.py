@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import V, hf_model, tiny_config
 from tlm import TransformerLM, load_model, load_tokenizer
@@ -89,6 +89,24 @@ def test_pytorch_model_bin_loads_without_pickle(tmp_path):
     torch.save({"x": Payload()}, evil / "pytorch_model.bin")
     with pytest.raises(HFFormatError, match="cannot read the weights"):
         load_model(evil)
+
+
+def test_original_gpt2_layout_loads(tmp_path):
+    """The hub's gpt2 files: no `transformer.` prefix, causal-mask buffers, a stored tied head."""
+    hf = hf_model()
+    hf.save_pretrained(tmp_path)
+    tensors = {k.removeprefix("transformer."): v.clone() for k, v in hf.state_dict().items()}
+    for layer in range(2):
+        tensors[f"h.{layer}.attn.bias"] = torch.ones(1, 1, 64, 64).tril()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" in tensors and "h.0.attn.c_attn.weight" in tensors
+    ids = torch.randint(0, V, (2, 20))
+    with torch.no_grad():
+        assert torch.allclose(load_model(tmp_path)(ids), hf(ids).logits, atol=1e-4)
+    tensors["h.0.extra.weight"] = torch.zeros(3)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HFFormatError, match="unexpected tensors in the checkpoint: h.0.extra"):
+        load_model(tmp_path)
 
 
 @pytest.mark.parametrize(
