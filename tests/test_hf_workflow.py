@@ -85,6 +85,10 @@ def test_fine_tune_from_a_hugging_face_directory(gpt2_dir, gpt2_data, docs_chars
     source["embedding.P"] = source["embedding.P"][:32]
     assert all(torch.allclose(tuned[k], source[k], atol=1e-6) for k in source)
 
+    capsys.readouterr()
+    assert main(["eval", str(gpt2_dir), "--data", str(gpt2_data), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] > 0
+
     other = ["train", "--data", str(docs_chars), "--out", str(tmp_path / "x")]
     assert main([*other, "--init-from", str(gpt2_dir), "--quiet"]) == 2
     err = capsys.readouterr().err
