@@ -91,6 +91,16 @@ def test_pytorch_model_bin_loads_without_pickle(tmp_path):
         load_model(evil)
 
 
+def test_sharded_safetensors_load(tmp_path):
+    hf = hf_model()
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    ids = torch.randint(0, V, (1, 11))
+    with torch.no_grad():
+        assert torch.allclose(load_model(tmp_path)(ids), hf(ids).logits, atol=1e-4)
+
+
 def test_original_gpt2_layout_loads(tmp_path):
     """The hub's gpt2 files: no `transformer.` prefix, causal-mask buffers, a stored tied head."""
     hf = hf_model()

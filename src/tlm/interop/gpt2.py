@@ -110,15 +110,16 @@ def config_from_gpt2(hf: dict[str, Any]) -> ModelConfig:
 def gpt2_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
     """ModelConfig -> GPT2Config fields; refuses (naming the field) what GPT-2 cannot express."""
     refusals = [
-        (config.norm != "pre", f"norm={config.norm!r}: GPT-2 is pre-norm"),
+        (config.norm != "pre", f"norm={config.norm!r}: GPT-2 is pre-norm (train with --norm pre)"),
         (
             config.position not in ("learned", "sinusoidal"),
-            f"position={config.position!r}: GPT-2 adds learned absolute positions",
+            f"position={config.position!r}: GPT-2 adds absolute positions "
+            "(train with --position learned or sinusoidal)",
         ),
         (
             config.d_head * config.n_heads != config.d_model,
             f"d_head={config.d_head}: GPT-2 needs d_head = d_model / n_heads "
-            f"= {config.d_model / config.n_heads:g}",
+            f"= {config.d_model / config.n_heads:g} (leave --d-head unset)",
         ),
     ]
     for refused, message in refusals:
