@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 
+from tlm import load_model
 from tlm.cli import main
 
 INFO_ARGS = ["--d-model", "512", "--n-layers", "6", "--n-heads", "8"]
@@ -37,4 +38,11 @@ def test_python_dash_m_entry_point():
     result = subprocess.run(
         [sys.executable, "-m", "tlm", "info", "--help"], capture_output=True, text=True
     )
-    assert result.returncode == 0 and "example:" in result.stdout
+    assert result.returncode == 0 and "examples:\n  tlm info" in result.stdout
+
+
+def test_info_reads_a_hugging_face_directory(gpt2_dir, capsys):
+    assert main(["info", str(gpt2_dir), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["config"]["activation"] == "gelu_tanh" and printed["config"]["n_layers"] == 2
+    assert printed["parameters"]["total"] == load_model(gpt2_dir).num_parameters()

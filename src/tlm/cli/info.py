@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from tlm.checkpoint import model_config
 from tlm.cli.args import add_command, add_config_flags, config_overrides
 from tlm.config import ModelConfig
 from tlm.model.counts import flops_per_token, parameter_counts
 
-EXAMPLE = """example:
+EXAMPLE = """examples:
   tlm info --d-model 512 --n-layers 6 --n-heads 8 --vocab-size 50257 --context-length 1024
+  tlm info runs/shakespeare_char       # the model of a run, or of a Hugging Face GPT-2 folder
 """
 
 
@@ -18,13 +20,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = add_command(
         sub, "info", "parameter counts and FLOPs of a model configuration", EXAMPLE
     )
+    parser.add_argument("model", nargs="?", help="a run or Hugging Face GPT-2 directory")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_config_flags(parser, ModelConfig, "model")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = ModelConfig(**config_overrides(args, ModelConfig))
+    overrides = config_overrides(args, ModelConfig)
+    if args.model:  # the saved shape, with any flag given on top
+        config = model_config(args.model).replace(**overrides)
+    else:
+        config = ModelConfig(**overrides)
     counts = parameter_counts(config)
     flops = {
         "forward_flops_per_token": flops_per_token(config),
