@@ -71,12 +71,16 @@ def test_line_docs_make_one_document_per_line(tmp_path):
     )
 
 
-def test_streaming_in_small_chunks_gives_the_same_tokens(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_streaming_in_small_chunks_gives_the_same_tokens(tmp_path, monkeypatch, kind):
     big = tmp_path / "big.txt"
-    big.write_text("".join(f"line {i} of a longer document\n" for i in range(2000)))
-    prepare([str(big)], tmp_path / "whole", tokenizer="char", val_fraction=0)
+    ends = ["\n", "\n\n", " \n", "\r\n", "\n  "]  # paragraph breaks, trailing spaces, CRLF
+    big.write_bytes("".join(f"line {i} of a document{ends[i % 5]}" for i in range(2000)).encode())
+    args = {"progress": False, "val_fraction": 0}
+    whole = {"tokenizer": "char"} if kind == "char" else {"vocab_size": 300}
+    prepare([str(big)], tmp_path / "whole", **whole, **args)
     monkeypatch.setattr(corpus_module, "CHUNK_BYTES", 100)
-    meta = prepare([str(big)], tmp_path / "chunks", tokenizer="char", val_fraction=0)
+    meta = prepare([str(big)], tmp_path / "chunks", tokenizer=str(tmp_path / "whole"), **args)
     assert meta["documents"] == 1
     whole, chunks = TokenData(tmp_path / "whole"), TokenData(tmp_path / "chunks")
     assert np.array_equal(whole.split("train"), chunks.split("train"))
@@ -167,3 +171,16 @@ def test_prepare_command_errors_are_one_line_exit_2(tmp_path, capsys, content, a
     err = capsys.readouterr().err
     assert err.startswith("tlm: error:") and message in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]  # nothing left behind
+
+
+@pytest.mark.parametrize(
+    "text", ["a\n\nb", "a\r\nb", "a \nb", "x = 1\n    y\nz", "end.\n\n\nNext", "a\nb\n\n"]
+)
+def test_safe_split_never_cuts_a_gpt2_pre_token(text):
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    def pieces(s: str) -> list[str]:
+        return [p for p, _ in ByteLevel(add_prefix_space=False).pre_tokenize_str(s)]
+
+    head, tail = corpus_module._safe_split(text.encode())
+    assert pieces(head.decode()) + pieces(tail.decode()) == pieces(text)

@@ -148,17 +148,20 @@ class Source:
 
 
 def _safe_split(data: bytes) -> tuple[bytes, bytes]:
-    """Split `data` after its last newline that is followed by a non-space character.
+    """Split `data` after its last newline with a non-space character on both sides.
 
-    GPT-2's pre-tokenizer always ends a pre-token there (a newline before a letter, digit or
-    symbol is its own pre-token, and only a plain space may lead a word), so tokenizing the
-    two halves separately gives exactly the tokens of the whole. A UTF-8 character never
-    starts with a newline byte, so both halves decode.
+    GPT-2's pre-tokenizer always ends pre-tokens around such a newline (a lone newline
+    before a letter, digit or symbol is its own pre-token, and only a plain space may lead
+    a word), so tokenizing the two halves separately gives exactly the tokens of the whole.
+    Whitespace before the newline would join it in a run ("\n\n", "\r\n") that a split
+    would cut differently. A UTF-8 character never starts with a newline byte, so both
+    halves decode.
     """
     end = len(data)
     while (i := data.rfind(b"\n", 0, end)) != -1:
         following = data[i + 1 : i + 5].decode("utf-8", errors="ignore")[:1]
-        if following and not following.isspace():
+        before_space = i == 0 or data[i - 1 : i].isspace()  # an ASCII byte check suffices
+        if following and not following.isspace() and not before_space:
             return data[: i + 1], data[i + 1 :]
         end = i
     return b"", data
