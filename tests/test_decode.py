@@ -85,7 +85,8 @@ def test_end_of_sequence_ends_rows_and_then_the_loop(make_model):
     tokens = torch.stack([s.tokens for s in steps], 1)
     assert tokens[0, 2] == eos and bool(steps[2].finished[0])
     assert (tokens[0, 2:] == eos).all()  # an ended row repeats its end token
-    assert len(steps) == 20 or bool(steps[-1].finished.all())
+    done = [i for i, s in enumerate(steps) if bool(s.finished.all())]
+    assert len(steps) == (done[0] + 1 if done else 20)  # the loop stops once all rows ended
 
 
 def test_repetition_penalty_applies_to_prompt_tokens(make_model):
@@ -147,6 +148,21 @@ def test_model_generate_names_things_as_hugging_face_does(make_model):
     assert model.generate(ids, max_new_tokens=5, num_beams=2).shape == (2, 9)
 
 
+def test_repetition_penalty_never_counts_left_padding(make_model):
+    """Padding positions hold id 0; they must not make token 0 count as already seen."""
+    model = make_model()
+    generator = torch.Generator().manual_seed(0)
+    while True:  # a prompt without token 0 whose greedy next token is 0
+        short = torch.randint(1, 97, (1, 3), generator=generator)
+        if int(model(short)[0, -1].argmax()) == 0:
+            break
+    batch = torch.cat([torch.zeros(1, 4, dtype=torch.long), short], dim=1)
+    mask = (torch.arange(7) >= 4).long()[None]
+    alone, _ = run(model, short, max_new_tokens=1, repetition_penalty=1e3)
+    padded, _ = run(model, batch, mask, max_new_tokens=1, repetition_penalty=1e3)
+    assert alone[0, 0] == 0 and torch.equal(padded, alone)
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -156,6 +172,10 @@ def test_model_generate_names_things_as_hugging_face_does(make_model):
         ({"temperature": -0.1}, "temperature must be >= 0, got -0.1"),
         ({"num_beams": 0}, "num_beams must be >= 1, got 0"),
         ({"max_new_tokens": -1}, "max_new_tokens must be >= 0, got -1"),
+        (
+            {"num_beams": 2, "repetition_penalty": 1.2},
+            "repetition_penalty applies to greedy decoding and sampling",
+        ),
     ],
 )
 def test_bad_settings_name_the_value(settings, message):

@@ -112,3 +112,9 @@ def test_prompt_logprobs_score_every_prompt_token(run, capsys):
     assert first["prompt_tokens"] == tok.encode("The cat")
     assert first["prompt_logprobs"] == pytest.approx(expected.tolist(), abs=1e-4)
     assert second["prompt_tokens"] == tok.encode("A") and len(second["prompt_logprobs"]) == 1
+
+
+def test_stop_strings_keep_escapes_and_any_character():
+    from tlm.cli.generate import _unescape
+
+    assert _unescape("\\n") == "\n" and _unescape("é\\n") == "é\n" and _unescape("中") == "中"

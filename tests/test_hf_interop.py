@@ -4,6 +4,7 @@ import logging
 
 import pytest
 import torch
+import transformers  # a dev dependency: missing, it must fail, not skip
 from safetensors.torch import load_file, save_file
 
 from conftest import V, hf_model, tiny_config
@@ -12,8 +13,6 @@ from tlm.checkpoint import save_weights, write_config
 from tlm.cli import main
 from tlm.interop import HFFormatError
 from tlm.interop.export import export_hf
-
-transformers = pytest.importorskip("transformers")
 
 
 def make_run(folder, tokenizer, **overrides):
@@ -70,7 +69,7 @@ def test_imported_gpt2_generates_the_same_greedy_tokens(gpt2_dir):
         assert torch.equal(got, expected)
 
 
-def test_pytorch_model_bin_loads_without_pickle(tmp_path):
+def test_pytorch_model_bin_loads_without_pickle(tmp_path, capsys):
     hf = hf_model()
     hf.save_pretrained(tmp_path / "bin")  # then the older format, as checkpoints of 2019 are
     (tmp_path / "bin" / "model.safetensors").unlink()
@@ -89,6 +88,7 @@ def test_pytorch_model_bin_loads_without_pickle(tmp_path):
     torch.save({"x": Payload()}, evil / "pytorch_model.bin")
     with pytest.raises(HFFormatError, match="cannot read the weights"):
         load_model(evil)
+    assert "pickle ran" not in capsys.readouterr().out
 
 
 def test_sharded_safetensors_load(tmp_path):
@@ -164,6 +164,9 @@ def test_exported_char_tokenizer_opens_in_transformers(tmp_path, docs_chars):
     assert auto(text)["input_ids"] == chars.encode(text)
     assert auto.decode(chars.encode(text)) == text
     assert load_hf(tmp_path / "hf").config.vocab_size == model.config.vocab_size
+    back = load_tokenizer(tmp_path / "hf")  # read back by tlm: the same ids and byte counts
+    assert back.encode(text) == chars.encode(text)
+    assert back.token_bytes().tolist() == chars.token_bytes().tolist()
 
 
 def test_round_trip_hf_tlm_hf_gives_identical_tensors(gpt2_dir, tmp_path):

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import transformers  # a dev dependency: missing, it must fail, not skip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import ByteLevelBPETokenizer
@@ -14,7 +15,6 @@ from tlm import load_model, load_tokenizer
 from tlm.cli import main
 from tlm.data import prepare
 
-transformers = pytest.importorskip("transformers")
 TEXTS = ["", " leading space", "def f(x):\n\treturn x  # ü, 🙂, 中文\r\n", "a<|endoftext|>b", "  "]
 
 

@@ -100,9 +100,7 @@ class BPETokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def train(
-        cls, texts: Iterable[str], vocab_size: int, length: int | None = None
-    ) -> BPETokenizer:
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
         if vocab_size < 257:
             raise TokenizerError(f"BPE vocab size must be at least 257 (256 bytes + {EOT})")
         tokenizer = HFTokenizer(models.BPE())
@@ -114,7 +112,7 @@ class BPETokenizer:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
+        tokenizer.train_from_iterator(texts, trainer=trainer)
         made = tokenizer.get_vocab_size(with_added_tokens=True)
         if made < vocab_size:
             raise TokenizerError(
@@ -133,11 +131,14 @@ class BPETokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def token_bytes(self) -> np.ndarray:
-        """Bytes per token: a byte-level token spells one byte per character; specials 0."""
+        """Bytes per token; specials 0. A byte-level token spells one byte per character;
+        any other vocabulary (a character one exported through `tlm export-hf`) is text."""
         special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
+        byte_level = isinstance(self.tokenizer.decoder, decoders.ByteLevel)
         lengths = np.zeros(self.vocab_size, dtype=np.int64)
         for token, i in self.tokenizer.get_vocab(with_added_tokens=True).items():
-            lengths[i] = 0 if token in special else len(token)
+            if token not in special:
+                lengths[i] = len(token) if byte_level else len(token.encode("utf-8"))
         return lengths
 
     def to_json(self) -> str:
@@ -184,7 +185,7 @@ def train_tokenizer(
             raise TokenizerError("--vocab-size applies to bpe; a char vocabulary is the corpus's")
         return CharTokenizer.train(texts)
     if kind == "bpe":
-        return BPETokenizer.train(texts, vocab_size or 4096, length)
+        return BPETokenizer.train(texts, vocab_size or 4096)
     raise TokenizerError(f"unknown tokenizer {kind!r}; choose one of {', '.join(KINDS)}")
 
 

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         use_cache=not args.no_cache,
     )
-    stop = tuple(s.encode().decode("unicode_escape") for s in args.stop)  # "\n" as typed
+    stop = tuple(_unescape(s) for s in args.stop)
     if args.stream:
         sys.stdout.write(prompts[0])
         for text in stream_completion(model, tokenizer, prompts[0], config, stop, _truncated):
@@ -96,3 +96,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _truncated(i: int, n: int, kept: int) -> None:
     print(f"tlm: prompt {i + 1} has {n} tokens; keeping the last {kept}", file=sys.stderr)
+
+
+def _unescape(text: str) -> str:
+    """`--stop '\n'` as typed means a newline; other characters (é, 中) stay as they are."""
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")

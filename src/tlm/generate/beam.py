@@ -57,7 +57,7 @@ def beam_search(
     B, T = input_ids.shape
     K, V = c.num_beams, model.config.vocab_size
     eos = set(c.eos_ids)
-    end = c.eos_ids[0] if c.eos_ids else 0
+    end = c.pad_id
     with torch.no_grad():
         context = Context(
             model,

@@ -1,9 +1,10 @@
 """The decoding loop (J&M §10.8): prefill the prompt once, then one token per step.
 
 `generate` yields a `Step` (the next token of every row, its log-probability, which rows
-have ended) as soon as it is chosen; the CLI, the server and `TransformerLM.generate`
-consume the same iterator. With `use_cache=False` every step runs the whole window again:
-the slow reference that the tests hold the cached path equal to.
+have ended) as soon as it is chosen; greedy decoding and sampling in the CLI and in
+`TransformerLM.generate` consume this iterator (beam search drives `Context` itself).
+With `use_cache=False` every step runs the whole window again: the slow reference that
+the tests hold the cached path equal to.
 """
 
 from __future__ import annotations
@@ -57,8 +58,15 @@ class GenerationConfig:
                 raise GenerationError(f"{name} must be {allowed}, got {getattr(self, name)}")
         if self.num_beams > 1 and self.do_sample:
             raise GenerationError("beam search is deterministic: use num_beams=1 to sample")
+        if self.num_beams > 1 and self.repetition_penalty != 1.0:
+            raise GenerationError("repetition_penalty applies to greedy decoding and sampling")
         if self.num_beams > 1 and self.num_return_sequences > 1:
             raise GenerationError("beam search returns one sequence per prompt")
+
+    @property
+    def pad_id(self) -> int:
+        """What an ended row repeats: its end token (0 when there is none)."""
+        return self.eos_ids[0] if self.eos_ids else 0
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -158,18 +166,17 @@ def _decode(model: nn.Module, context: Context, c: GenerationConfig) -> Iterator
     B, V = context.ids.shape[0], model.config.vocab_size
     device = context.ids.device
     eos = torch.tensor(c.eos_ids, device=device, dtype=torch.long)
-    end = c.eos_ids[0] if c.eos_ids else 0
     generators = _row_generators(c.seed, B, c.num_return_sequences, device) if c.do_sample else []
     seen = None
     if c.repetition_penalty != 1.0:
-        seen = torch.zeros(B, V, dtype=torch.bool, device=device)
-        present = context.ids if context.mask is None else context.ids * context.mask
-        seen.scatter_(1, present, True)
+        real = torch.ones_like(context.ids) if context.mask is None else context.mask.long()
+        counts = torch.zeros(B, V, dtype=torch.long, device=device)
+        seen = counts.scatter_add_(1, context.ids, real) > 0  # [B,V]: padding counts 0
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     for _ in range(c.max_new_tokens):
         logits = context.next_logits().float()  # [B,V]
         tokens = _choose(logits, c, generators, seen)
-        tokens = torch.where(finished, end, tokens)
+        tokens = torch.where(finished, c.pad_id, tokens)
         logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
         finished = finished | torch.isin(tokens, eos)
         yield Step(tokens, logprobs, finished)

@@ -35,10 +35,6 @@ class KVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
 
-    @property
-    def batch_size(self) -> int:
-        return self.k.shape[1]
-
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new k, v [B,H,T,d_head] of `layer` after the filled positions.
 
@@ -57,8 +53,12 @@ class KVCache:
 
     def reorder(self, rows: Tensor) -> None:
         """Keep batch rows `rows` (with repeats), e.g. the surviving beams of beam search."""
-        self.k = self.k.index_select(1, rows)
-        self.v = self.v.index_select(1, rows)
+        n = self.length  # the unfilled positions are never read: leave them behind
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty((old.shape[0], len(rows), *old.shape[2:]))
+            new[:, :, :, :n] = old[:, :, :, :n].index_select(1, rows)
+            setattr(self, name, new)
 
     def reset(self) -> None:
         self.length = 0
