@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from tlm import ModelConfig, TransformerLM
 from tlm.config import TrainConfig
 from tlm.data import batch_generator, random_windows
+from tlm.interop.gpt2 import gpt2_config
 from tlm.train.optim import build_optimizer
 
 SHAPE = {"n_layers": 4, "n_heads": 4, "d_model": 128, "context_length": 64}
 BATCH = 12
-HF_ACTIVATION = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 
 
 def matmul_peak(n: int = 4096, repeats: int = 5) -> float:
@@ -67,27 +67,11 @@ def build_pair(activation: str, vocab_size: int) -> dict[str, Runner]:
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=vocab_size, activation=activation, dropout=0.0, **SHAPE)
     ours = TransformerLM(config)
-    hf_config = GPT2Config(
-        vocab_size=vocab_size,
-        n_positions=SHAPE["context_length"],
-        n_embd=SHAPE["d_model"],
-        n_layer=SHAPE["n_layers"],
-        n_head=SHAPE["n_heads"],
-        activation_function=HF_ACTIVATION[activation],
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    theirs = GPT2LMHeadModel(hf_config)
+    theirs = GPT2LMHeadModel(GPT2Config(**{**gpt2_config(config, None), "use_cache": False}))
     assert sum(p.numel() for p in theirs.parameters()) == ours.num_parameters()
     flops = ours.flops_per_token(training=True)  # the same shape: the same FLOPs
     return {
-        "tlm": Runner(
-            ours, build_optimizer(ours, train), ours, ours.flops_per_token(training=True)
-        ),
+        "tlm": Runner(ours, build_optimizer(ours, train), ours, flops),
         "transformers": Runner(
             theirs,
             torch.optim.AdamW(

@@ -24,6 +24,7 @@ import torch
 
 from tlm import ModelConfig, TransformerLM, load_model
 from tlm.generate import GenerationConfig, generate
+from tlm.interop.gpt2 import gpt2_config
 from tlm.model.kv_cache import KVCache
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +41,8 @@ def hf_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(bos_token_id=None, eos_token_id=None)).eval()
+    config = ModelConfig(**GPT2, activation="gelu_tanh")  # the shape of tlm_gpt2, in GPT-2's names
+    return GPT2LMHeadModel(GPT2Config(**gpt2_config(config, None))).eval()
 
 
 def tlm_rate(model: TransformerLM, batch: int, new: int, use_cache: bool = True) -> float:

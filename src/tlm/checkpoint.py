@@ -89,8 +89,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Transfor
         return load_gpt2(run).to(device)
     if not run.is_dir():
         raise CheckpointError(f"{run} is not a directory (a run, or a Hugging Face GPT-2 model)")
-    config = ModelConfig.from_dict(read_config(run)["model"])
-    model = TransformerLM(config, init=False)  # every weight is read from the file below
+    model = TransformerLM(model_config(run), init=False)  # every weight is read from the file below
     weights = run / "model.safetensors"
     if not weights.is_file():
         raise CheckpointError(f"{run} has no model.safetensors yet")

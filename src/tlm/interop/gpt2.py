@@ -86,14 +86,13 @@ def config_from_gpt2(hf: dict[str, Any]) -> ModelConfig:
             f"activation_function {activation!r} has no equivalent in tlm "
             f"(known: {', '.join(ACTIVATIONS_IN)})"
         )
-    d_model = hf.get("n_embd", 768)
     try:
         return ModelConfig(
             vocab_size=hf.get("vocab_size", 50257),
-            d_model=d_model,
+            d_model=hf.get("n_embd", 768),
             n_layers=hf.get("n_layer", 12),
             n_heads=hf.get("n_head", 12),
-            d_ff=hf.get("n_inner") or 4 * d_model,
+            d_ff=hf.get("n_inner"),  # None: ModelConfig's 4·d_model, as GPT-2's
             context_length=hf.get("n_positions", hf.get("n_ctx", 1024)),
             norm="pre",
             position="learned",
@@ -117,7 +116,7 @@ def gpt2_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
             "(train with --position learned or sinusoidal)",
         ),
         (
-            config.d_head * config.n_heads != config.d_model,
+            config.d_attn != config.d_model,
             f"d_head={config.d_head}: GPT-2 needs d_head = d_model / n_heads "
             f"= {config.d_model / config.n_heads:g} (leave --d-head unset)",
         ),
@@ -204,56 +203,49 @@ def state_to_gpt2(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Te
     state = dict(state)
     if config.position == "sinusoidal":
         state["embedding.P"] = sinusoidal_table(config.context_length, config.d_model)
-    for name, shape in _bias_shapes(config).items():
-        state.setdefault(name, torch.zeros(shape))
     for layer in range(config.n_layers):
         attn = f"blocks.{layer}.attn"
         for kind in ("W", "b"):
-            parts = [state.pop(f"{attn}.{kind}_{part}") for part in "QKV"]
-            state[f"{attn}.{kind}_QKV"] = torch.cat(parts, dim=-1)  # 3 × [d, d] -> [d, 3d]
+            if f"{attn}.{kind}_Q" in state:  # no b_Q with bias=False: zeros below
+                parts = [state.pop(f"{attn}.{kind}_{part}") for part in "QKV"]
+                state[f"{attn}.{kind}_QKV"] = torch.cat(parts, dim=-1)  # 3 × [d, d] -> [d, 3d]
     if "W_U" in state:
         state["W_U"] = state["W_U"].t()  # W_U [d, V] -> lm_head [V, d]
-    out = {}
-    for hf_name, name in _pairs(config):
+    out: dict[str, Tensor] = {}
+    for hf_name, name in _pairs(config):  # each bias comes right after its weight
+        if name not in state and hf_name.endswith(".bias"):  # bias=False: GPT-2 adds zeros
+            weight = out[_prefix(hf_name.removesuffix(".bias") + ".weight")]
+            state[name] = torch.zeros(weight.shape[-1])  # [.., out] -> [out]
         out[_prefix(hf_name)] = state[name].detach().float().contiguous()
     return out
+
+
+# one block's tensors: GPT-2 name after `h.{l}.`, tlm name after `blocks.{l}.` (weight, then bias)
+BLOCK_NAMES = [
+    ("ln_1.weight", "ln1.gamma"),
+    ("ln_1.bias", "ln1.beta"),
+    ("attn.c_attn.weight", "attn.W_QKV"),  # W_Q | W_K | W_V, split and joined above
+    ("attn.c_attn.bias", "attn.b_QKV"),
+    ("attn.c_proj.weight", "attn.W_O"),
+    ("attn.c_proj.bias", "attn.b_O"),
+    ("ln_2.weight", "ln2.gamma"),
+    ("ln_2.bias", "ln2.beta"),
+    ("mlp.c_fc.weight", "ffn.W_1"),
+    ("mlp.c_fc.bias", "ffn.b_1"),
+    ("mlp.c_proj.weight", "ffn.W_2"),
+    ("mlp.c_proj.bias", "ffn.b_2"),
+]
 
 
 def _pairs(config: ModelConfig) -> list[tuple[str, str]]:
     """(GPT-2 name without the `transformer.` prefix, tlm name), for the fused QKV too."""
     pairs = [("wte.weight", "embedding.E"), ("wpe.weight", "embedding.P")]
     for layer in range(config.n_layers):
-        h, b = f"h.{layer}", f"blocks.{layer}"
-        pairs += [
-            (f"{h}.ln_1.weight", f"{b}.ln1.gamma"),
-            (f"{h}.ln_1.bias", f"{b}.ln1.beta"),
-            (f"{h}.attn.c_attn.weight", f"{b}.attn.W_QKV"),
-            (f"{h}.attn.c_attn.bias", f"{b}.attn.b_QKV"),
-            (f"{h}.attn.c_proj.weight", f"{b}.attn.W_O"),
-            (f"{h}.attn.c_proj.bias", f"{b}.attn.b_O"),
-            (f"{h}.ln_2.weight", f"{b}.ln2.gamma"),
-            (f"{h}.ln_2.bias", f"{b}.ln2.beta"),
-            (f"{h}.mlp.c_fc.weight", f"{b}.ffn.W_1"),
-            (f"{h}.mlp.c_fc.bias", f"{b}.ffn.b_1"),
-            (f"{h}.mlp.c_proj.weight", f"{b}.ffn.W_2"),
-            (f"{h}.mlp.c_proj.bias", f"{b}.ffn.b_2"),
-        ]
+        pairs += [(f"h.{layer}.{hf}", f"blocks.{layer}.{ours}") for hf, ours in BLOCK_NAMES]
     pairs += [("ln_f.weight", "ln_f.gamma"), ("ln_f.bias", "ln_f.beta")]
     if not config.tie_embeddings:
         pairs.append(("lm_head.weight", "W_U"))
     return pairs
-
-
-def _bias_shapes(config: ModelConfig) -> dict[str, tuple[int]]:
-    """Every bias and beta of the GPT-2 layout, by tlm name (a model without them exports zeros)."""
-    d, d_attn, d_ff = config.d_model, config.d_attn, config.d_ff
-    shapes: dict[str, tuple[int]] = {"ln_f.beta": (d,)}
-    for layer in range(config.n_layers):
-        b = f"blocks.{layer}"
-        shapes.update({f"{b}.ln1.beta": (d,), f"{b}.ln2.beta": (d,), f"{b}.attn.b_O": (d,)})
-        shapes.update({f"{b}.attn.b_{part}": (d_attn,) for part in "QKV"})
-        shapes.update({f"{b}.ffn.b_1": (d_ff,), f"{b}.ffn.b_2": (d,)})
-    return shapes
 
 
 def _strip(name: str) -> str:

@@ -91,14 +91,15 @@ class Trainer:
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        self.model = TransformerLM(model_config)
-        self.model.reset_parameters(seed=config.seed)
+        self.model = TransformerLM(model_config, init=False)
+        self.model.reset_parameters(seed=config.seed)  # resume / init_from overwrite it below
         self.model.to(self.device)
         self.optimizer = build_optimizer(self.model, config)
         self.forward = torch.compile(self.model) if config.compile else self.model
         self.progress_bar = progress_bar
         self.state = Progress()
         self.tokens_per_step = config.batch_size * config.grad_accum * model_config.context_length
+        self.train_tokens = data.split("train")  # memory-mapped once
         self.val_windows = self._val_windows()
         if resume:
             saved = load_checkpoint(latest_checkpoint(self.run), self.model, self.optimizer)
@@ -127,7 +128,7 @@ class Trainer:
         c, T = self.config, self.model_config.context_length
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(step, c)
-        tokens = self.data.split("train")
+        tokens = self.train_tokens
         total = 0.0
         for micro in range(c.grad_accum):
             x, y = random_windows(tokens, c.batch_size, T, batch_generator(c.seed, step, micro))
