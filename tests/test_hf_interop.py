@@ -15,6 +15,10 @@ from tlm.interop import HFFormatError
 from tlm.interop.export import export_hf
 
 
+def export_run(run, out):
+    return export_hf(load_model(run), load_tokenizer(run), out, run / "MODEL_CARD.md")
+
+
 def make_run(folder, tokenizer, **overrides):
     """A run directory of a random tlm model (no training needed for parity)."""
     config = tiny_config(**{"vocab_size": V, **overrides})
@@ -145,7 +149,7 @@ def test_export_opens_in_transformers_with_equal_logits(tmp_path, bpe_tokenizer,
 
 def test_exported_tokenizer_opens_in_transformers(tmp_path, bpe_tokenizer, caplog):
     make_run(tmp_path / "run", bpe_tokenizer)
-    export_hf(tmp_path / "run", tmp_path / "hf")
+    export_run(tmp_path / "run", tmp_path / "hf")
     with caplog.at_level(logging.WARNING):
         auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert not caplog.records
@@ -158,7 +162,7 @@ def test_exported_tokenizer_opens_in_transformers(tmp_path, bpe_tokenizer, caplo
 def test_exported_char_tokenizer_opens_in_transformers(tmp_path, docs_chars):
     chars = load_tokenizer(docs_chars)
     model = make_run(tmp_path / "run", chars, vocab_size=chars.vocab_size)
-    export_hf(tmp_path / "run", tmp_path / "hf")
+    export_run(tmp_path / "run", tmp_path / "hf")
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = "The for statement:\n\n   for x in y:<|endoftext|>"
     assert auto(text)["input_ids"] == chars.encode(text)

@@ -26,8 +26,6 @@ from torch import nn
 
 from tlm._version import __version__
 from tlm.config import ModelConfig
-from tlm.interop import is_hf_model_dir, load_gpt2
-from tlm.interop.gpt2 import config_from_gpt2, read_hf_config
 from tlm.io import atomic_path, write_text_atomic
 from tlm.model import TransformerLM
 
@@ -74,27 +72,19 @@ def read_config(run: str | Path) -> dict[str, Any]:
     return payload
 
 
-def model_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of a run directory or of a Hugging Face GPT-2 directory."""
-    if is_hf_model_dir(path):
-        return config_from_gpt2(read_hf_config(path))
-    return ModelConfig.from_dict(read_config(path)["model"])
+def run_model_config(run: str | Path) -> ModelConfig:
+    return ModelConfig.from_dict(read_config(run)["model"])
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> TransformerLM:
-    """A run directory of ours, or a Hugging Face GPT-2 directory -> TransformerLM with its
-    latest weights, in eval mode."""
-    run = Path(path)
-    if is_hf_model_dir(run):
-        return load_gpt2(run).to(device)
-    if not run.is_dir():
-        raise CheckpointError(f"{run} is not a directory (a run, or a Hugging Face GPT-2 model)")
-    model = TransformerLM(model_config(run), init=False)  # every weight is read from the file below
+def load_run(run: str | Path) -> TransformerLM:
+    """A run directory -> TransformerLM with its latest weights, in eval mode."""
+    run = Path(run)
+    model = TransformerLM(run_model_config(run), init=False)  # every weight is read below
     weights = run / "model.safetensors"
     if not weights.is_file():
         raise CheckpointError(f"{run} has no model.safetensors yet")
     load_weights(weights, model)
-    return model.to(device).eval()
+    return model.eval()
 
 
 def latest_checkpoint(run: str | Path) -> Path | None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from tlm.checkpoint import load_model
 from tlm.cli.args import add_command, fail, read_text_file
 from tlm.data import TokenData
 from tlm.evaluate import evaluate_text, evaluate_tokens
-from tlm.tokenizer import load_tokenizer
+from tlm.load import load_model, load_tokenizer
 
 EXAMPLE = """examples:
   tlm eval runs/shakespeare_char --data data/shakespeare_char --split val --json

@@ -6,11 +6,10 @@ import argparse
 import json
 import sys
 
-from tlm.checkpoint import load_model
 from tlm.cli.args import add_command, fail, read_text_file
 from tlm.generate import GenerationConfig, complete, stream_completion
+from tlm.load import load_model, load_tokenizer
 from tlm.model.packed import FORMATS
-from tlm.tokenizer import load_tokenizer
 
 EXAMPLE = """examples:
   tlm generate runs/shakespeare_char --prompt "ROMEO:" --do-sample --temperature 0.8 --stream

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from tlm.checkpoint import model_config
 from tlm.cli.args import add_command, add_config_flags, config_overrides
 from tlm.config import ModelConfig
+from tlm.load import model_config
 from tlm.model.counts import flops_per_token, parameter_counts
 
 EXAMPLE = """examples:

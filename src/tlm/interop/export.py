@@ -1,4 +1,4 @@
-"""`export_hf`: a tlm run -> a directory that Hugging Face `transformers` opens as GPT-2.
+"""`export_hf`: a tlm model -> a directory that Hugging Face `transformers` opens as GPT-2.
 
     OUT/config.json              GPT2Config fields (model_type gpt2)
     OUT/generation_config.json   <|endoftext|> as bos/eos
@@ -23,20 +23,20 @@ from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as HFTokenizer
 
 from tlm._version import __version__
-from tlm.checkpoint import load_model
 from tlm.interop.gpt2 import HFFormatError, gpt2_config, state_to_gpt2
 from tlm.io import atomic_path
-from tlm.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
+from tlm.model import TransformerLM
+from tlm.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer
 
 
-def export_hf(source: str | Path, out: str | Path) -> Path:
-    """Write the model and tokenizer of `source` (a run, or a Hugging Face GPT-2 directory)
-    as a Hugging Face GPT-2 directory at `out`."""
+def export_hf(
+    model: TransformerLM, tokenizer: Tokenizer, out: str | Path, card: Path | None = None
+) -> Path:
+    """Write `model` and `tokenizer` as a Hugging Face GPT-2 directory at `out`, with the
+    model card `card` (a file) as its README.md."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HFFormatError(f"{out} already exists and is not empty; choose a new folder")
-    model = load_model(source)
-    tokenizer = load_tokenizer(source)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise HFFormatError(
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.config.vocab_size}"
@@ -53,8 +53,7 @@ def export_hf(source: str | Path, out: str | Path) -> Path:
         _write_json(tmp / "generation_config.json", generation)
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_tokenizer_files(tokenizer, tmp, model.config.context_length)
-        card = Path(source) / "MODEL_CARD.md"
-        if card.is_file():
+        if card is not None and card.is_file():
             shutil.copyfile(card, tmp / "README.md")
     return out
 

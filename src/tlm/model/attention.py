@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tlm.config import ModelConfig
+from tlm.model.functional import linear
 from tlm.model.hooks import HookPoint
 from tlm.model.kv_cache import KVCache
-from tlm.model.packed import Linears
 from tlm.model.positions import Rotary
 
 
@@ -94,11 +94,13 @@ def padding_mask(T: int, key_padding: Tensor) -> Tensor:
     return mask | itself  # [T,S]: the diagonal of each query's own position
 
 
-class MultiHeadAttention(Linears, nn.Module):
+class MultiHeadAttention(nn.Module):
     """Causal multi-head self-attention, eq. 9.15-9.19 in the parallel form of eq. 9.34-9.36.
 
     Parameters are named after the equations: W_Q, W_K, W_V [d, H*d_head] and W_O
-    [H*d_head, d], right-multiplied as in the book (x @ W_Q).
+    [H*d_head, d], right-multiplied as in the book (x @ W_Q). The two products are methods
+    (`project_qkv`, `project_out`) so that `model/packed.py` can run them through faster
+    kernels for inference without the math here knowing.
     """
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
@@ -124,6 +126,18 @@ class MultiHeadAttention(Linears, nn.Module):
         self.pattern = HookPoint()
         self.z = HookPoint()  # the concatenated heads before W_O
 
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Q = XW^Q + b_Q, K = XW^K + b_K, V = XW^V + b_V (eq. 9.34): [B,T,d] -> 3 × [B,T,H*dh]."""
+        return (
+            linear(x, self.W_Q, self.b_Q),
+            linear(x, self.W_K, self.b_K),
+            linear(x, self.W_V, self.b_V),
+        )
+
+    def project_out(self, z: Tensor) -> Tensor:
+        """(head_1 ⊕ ... ⊕ head_A) W^O + b_O (eq. 9.19): [B,T,H*dh] -> [B,T,d]."""
+        return linear(z, self.W_O, self.b_O)
+
     def split_heads(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
         return x.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # [B,T,H*dh] -> [B,H,T,dh]
@@ -142,7 +156,7 @@ class MultiHeadAttention(Linears, nn.Module):
         (from `padding_mask`) replaces the causal mask where batch rows are left-padded.
         """
         B, T, _ = x.shape
-        q, k, v = map(self.split_heads, self.linears("QKV", x))  # eq. 9.34  Q = XW^Q, K, V
+        q, k, v = map(self.split_heads, self.project_qkv(x))  # eq. 9.34  Q = XW^Q, K, V
         if self.rotary is not None:  # relative positions: rotate q and k, never v
             if positions is None:
                 positions = torch.arange(T, device=x.device)
@@ -163,4 +177,4 @@ class MultiHeadAttention(Linears, nn.Module):
         else:
             heads = attention_fused(q, k, v, mask, dropout_p, is_causal=whole_window)
         z = self.z(heads.transpose(1, 2).reshape(B, T, -1))  # concat: [B,H,T,dh] -> [B,T,H*dh]
-        return self.linear("O", z)  # eq. 9.19  (head_1 ⊕ ... ⊕ head_A) W^O
+        return self.project_out(z)  # eq. 9.19

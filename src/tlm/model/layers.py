@@ -12,10 +12,9 @@ from torch import Tensor, nn
 
 from tlm.config import ModelConfig
 from tlm.model.attention import MultiHeadAttention
-from tlm.model.functional import ACTIVATIONS
+from tlm.model.functional import ACTIVATIONS, linear
 from tlm.model.hooks import HookPoint
 from tlm.model.kv_cache import KVCache
-from tlm.model.packed import Linears
 from tlm.model.positions import sinusoidal_table
 
 
@@ -55,8 +54,12 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.gamma.shape, self.gamma, self.beta, self.eps)
 
 
-class FeedForward(Linears, nn.Module):
-    """FFN(x) = act(x W_1 + b_1) W_2 + b_2 (eq. 9.21), applied at each position."""
+class FeedForward(nn.Module):
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2 (eq. 9.21), applied at each position.
+
+    The two products are methods (`up`, `down`) that `model/packed.py` may replace with
+    faster kernels for inference.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -68,9 +71,15 @@ class FeedForward(Linears, nn.Module):
         self.act = ACTIVATIONS[config.activation]
         self.hidden = HookPoint()
 
+    def up(self, x: Tensor) -> Tensor:
+        return linear(x, self.W_1, self.b_1)  # x W_1 + b_1: [B,T,d] -> [B,T,d_ff]
+
+    def down(self, h: Tensor) -> Tensor:
+        return linear(h, self.W_2, self.b_2)  # h W_2 + b_2: [B,T,d_ff] -> [B,T,d]
+
     def forward(self, x: Tensor) -> Tensor:
-        h = self.hidden(self.act(self.linear("1", x)))  # [B,T,d] -> [B,T,d_ff]
-        return self.linear("2", h)  # [B,T,d_ff] -> [B,T,d]
+        h = self.hidden(self.act(self.up(x)))  # eq. 9.21
+        return self.down(h)
 
 
 class PreNormBlock(nn.Module):

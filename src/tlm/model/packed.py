@@ -27,19 +27,22 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
-from tlm.model.functional import linear
+from torch import Tensor, nn
 
 FORMATS = ("float32", "float16", "bfloat16", "int8")
 
 
 class PackedLinear:
-    """y = x W + b for weight W_t [out, in] prepared in `fmt`; x [..., in] -> y [..., out]."""
+    """y = x W + b for weight W_t [out, in] prepared in `fmt`; x [..., in] -> y [..., out].
 
-    def __init__(self, W_t: Tensor, b: Tensor | None, fmt: str) -> None:
+    With `splits`, y is cut along its last dimension into outputs of those widths.
+    """
+
+    def __init__(
+        self, W_t: Tensor, b: Tensor | None, fmt: str, splits: list[int] | None = None
+    ) -> None:
         W_t, self.b = W_t.detach().float(), None if b is None else b.detach().float()
-        self.out_features = W_t.shape[0]
+        self.out_features, self.splits = W_t.shape[0], splits
         if fmt == "float32":
             self.source, self.layouts = W_t, {}
             self.kernel = self._onednn
@@ -56,9 +59,19 @@ class PackedLinear:
         else:
             raise ValueError(f"no packed format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
-    def __call__(self, x: Tensor) -> Tensor:
+    @classmethod
+    def side_by_side(cls, maps: list[tuple[Tensor, Tensor | None]], fmt: str) -> PackedLinear:
+        """The maps x W_i + b_i (W_i [in, out_i], as the model stores them) as one product."""
+        W_t = torch.cat([W.detach().t() for W, _ in maps])  # [sum out_i, in]
+        biases = [b for _, b in maps]
+        b = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        splits = [W.shape[1] for W, _ in maps] if len(maps) > 1 else None
+        return cls(W_t, b, fmt, splits)
+
+    def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
         y = self.kernel(x.reshape(-1, x.shape[-1]))  # [..., in] -> [N, in] -> [N, out]
-        return y.view(*x.shape[:-1], self.out_features)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.splits is None else y.split(self.splits, dim=-1)
 
     def _onednn(self, x: Tensor) -> Tensor:
         # oneDNN lays the weight out for a number of rows: the layout for 1 row is best for
@@ -104,33 +117,19 @@ def can_prepack_float32(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
-class Linears:
-    """For modules whose weights are named W_<name>, b_<name> (eq. 9.34, 9.21, ...).
+def pack_for_inference(model: nn.Module, fmt: str) -> None:
+    """Replace every product of `model` (a TransformerLM) by its packed form in `fmt`.
 
-    `self.linear("O", x)` is x W_O + b_O and `self.linears("QKV", x)` the three maps of one
-    input. Once the module is packed for inference they run the packed form of the same maps,
-    a group such as "QKV" as one product.
+    The model keeps its parameters; each module's product methods (`project_qkv` and
+    `project_out` of attention, `up` and `down` of the FFN, the model's `unembed`) are
+    replaced on that instance by a `PackedLinear` of the same map. Q, K and V become one
+    product. The caller refuses further training (the packed copies would go stale).
     """
-
-    packed: dict[str, PackedLinear] | None = None
-
-    def linear(self, name: str, x: Tensor) -> Tensor:
-        if self.packed is not None:
-            return self.packed[name](x)
-        return linear(x, getattr(self, "W_" + name), getattr(self, "b_" + name))
-
-    def linears(self, names: str, x: Tensor) -> tuple[Tensor, ...]:
-        if self.packed is not None:
-            return self.packed[names](x).split(self.packed[names].splits, dim=-1)
-        return tuple(self.linear(name, x) for name in names)
-
-    def pack(self, groups: tuple[str, ...], fmt: str) -> None:
-        """Prepare each group of maps (e.g. ("QKV", "O")) as one packed product in `fmt`."""
-        self.packed = {}
-        for group in groups:
-            weights = [getattr(self, "W_" + name).t() for name in group]  # [out, in] each
-            biases = [getattr(self, "b_" + name) for name in group]
-            bias = None if biases[0] is None else torch.cat(biases)
-            packed = PackedLinear(torch.cat(weights), bias, fmt)
-            packed.splits = [w.shape[0] for w in weights]
-            self.packed[group] = packed
+    for block in model.blocks:
+        attn, ffn = block.attn, block.ffn
+        qkv = [(attn.W_Q, attn.b_Q), (attn.W_K, attn.b_K), (attn.W_V, attn.b_V)]
+        attn.project_qkv = PackedLinear.side_by_side(qkv, fmt)
+        attn.project_out = PackedLinear.side_by_side([(attn.W_O, attn.b_O)], fmt)
+        ffn.up = PackedLinear.side_by_side([(ffn.W_1, ffn.b_1)], fmt)
+        ffn.down = PackedLinear.side_by_side([(ffn.W_2, ffn.b_2)], fmt)
+    model.unembed = PackedLinear.side_by_side([(model.unembedding(), None)], fmt)

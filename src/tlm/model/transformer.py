@@ -13,7 +13,7 @@ from tlm.model.counts import flops_per_token, parameter_counts
 from tlm.model.hooks import HookPoint
 from tlm.model.kv_cache import KVCache
 from tlm.model.layers import BLOCKS, Embedding, LayerNorm
-from tlm.model.packed import PackedLinear, can_prepack_float32, check_format
+from tlm.model.packed import can_prepack_float32, check_format, pack_for_inference
 
 
 class TransformerLM(nn.Module):
@@ -23,7 +23,7 @@ class TransformerLM(nn.Module):
     `blocks.{l}.resid_mid`, `blocks.{l}.resid_post` and `final` (after the last norm).
     """
 
-    packed: dict[str, PackedLinear] | None = None  # the LM head, once packed for inference
+    inference_format: str | None = None  # set by `for_inference` once the products are packed
 
     def __init__(self, config: ModelConfig, init: bool = True) -> None:
         """`init=False` leaves the weights unset, for a loader that fills every one of them."""
@@ -112,8 +112,6 @@ class TransformerLM(nn.Module):
 
     def unembed(self, h: Tensor) -> Tensor:
         """u = h E^T (eq. 9.45), or h W_U untied: [B,T,d] -> [B,T,V]."""
-        if self.packed is not None:
-            return self.packed["U"](h)
         if self.W_U is None:
             return torch.nn.functional.linear(h, self.embedding.E)  # h @ E^T without a copy
         return h @ self.W_U
@@ -133,10 +131,8 @@ class TransformerLM(nn.Module):
             return self.to(getattr(torch, dtype))
         if dtype == "float32" and not can_prepack_float32(device):
             return self
-        for block in self.blocks:
-            block.attn.pack(("QKV", "O"), dtype)
-            block.ffn.pack(("1", "2"), dtype)
-        self.packed = {"U": PackedLinear(self.unembedding().t(), None, dtype)}
+        pack_for_inference(self, dtype)
+        self.inference_format = dtype
         return self
 
     def generate(
@@ -181,7 +177,7 @@ class TransformerLM(nn.Module):
         return torch.cat([prompts, torch.stack(steps, dim=1)], dim=1) if steps else prompts
 
     def train(self, mode: bool = True) -> TransformerLM:
-        if mode and self.packed is not None:
+        if mode and self.inference_format is not None:
             raise RuntimeError("this model was packed for inference (for_inference); reload it")
         return super().train(mode)
 

@@ -20,16 +20,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tlm.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    load_model,
-    save_checkpoint,
-    write_config,
-)
+from tlm.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_config
 from tlm.config import ModelConfig, TrainConfig
 from tlm.data import TokenData, batch_generator, eval_windows, random_windows
 from tlm.io import write_text_atomic
+from tlm.load import load_model
 from tlm.model import TransformerLM
 from tlm.model.loss import cross_entropy, window_nll
 from tlm.train.optim import build_optimizer, learning_rate

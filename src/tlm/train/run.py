@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from tlm.checkpoint import latest_checkpoint, model_config, read_config
+from tlm.checkpoint import latest_checkpoint, read_config
 from tlm.config import ConfigError, ModelConfig, TrainConfig, from_dict
 from tlm.data import TokenData
-from tlm.tokenizer import load_tokenizer
+from tlm.load import load_tokenizer, model_config
 
 
 class RunError(ValueError):

@@ -1,0 +1,38 @@
+"""Reading a model directory, whatever wrote it: a tlm run or a Hugging Face GPT-2 directory.
+
+This dispatch sits above `checkpoint` (run directories) and `interop` (Hugging Face
+formats), so that neither of them needs the other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tlm.checkpoint import CheckpointError, load_run, run_model_config
+from tlm.config import ModelConfig
+from tlm.interop import is_hf_model_dir, load_gpt2
+from tlm.interop.gpt2 import config_from_gpt2, read_hf_config
+from tlm.model import TransformerLM
+from tlm.tokenizer import load_tokenizer
+
+__all__ = ["load_model", "load_tokenizer", "model_config"]
+
+
+def model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a run directory or of a Hugging Face GPT-2 directory."""
+    if is_hf_model_dir(path):
+        return config_from_gpt2(read_hf_config(path))
+    return run_model_config(path)
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> TransformerLM:
+    """A run directory of ours, or a Hugging Face GPT-2 directory -> TransformerLM with its
+    latest weights, in eval mode, on `device`."""
+    path = Path(path)
+    if is_hf_model_dir(path):
+        return load_gpt2(path).to(device)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory (a run, or a Hugging Face GPT-2 model)")
+    return load_run(path).to(device)
