@@ -157,12 +157,13 @@ def generate(
     n = config.num_return_sequences
     ids = input_ids.repeat_interleave(n, dim=0)
     mask = None if attention_mask is None else attention_mask.repeat_interleave(n, dim=0)
-    with torch.no_grad():
-        context = Context(model, ids, mask, config.use_cache, config.max_new_tokens)
-        yield from _decode(model, context, config)
+    context = Context(model, ids, mask, config.use_cache, config.max_new_tokens)
+    yield from _decode(model, context, config)
 
 
 def _decode(model: nn.Module, context: Context, c: GenerationConfig) -> Iterator[Step]:
+    """The loop. Grad mode is switched off inside each step only (`_next_step`): between
+    steps the caller's code runs in its own mode, never in one this generator left on."""
     B, V = context.ids.shape[0], model.config.vocab_size
     device = context.ids.device
     eos = torch.tensor(c.eos_ids, device=device, dtype=torch.long)
@@ -174,17 +175,30 @@ def _decode(model: nn.Module, context: Context, c: GenerationConfig) -> Iterator
         seen = counts.scatter_add_(1, context.ids, real) > 0  # [B,V]: padding counts 0
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     for _ in range(c.max_new_tokens):
-        logits = context.next_logits().float()  # [B,V]
-        tokens = _choose(logits, c, generators, seen)
-        tokens = torch.where(finished, c.pad_id, tokens)
-        logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
-        finished = finished | torch.isin(tokens, eos)
-        yield Step(tokens, logprobs, finished)
+        step = _next_step(context, c, generators, seen, finished, eos)
+        yield step
+        finished = step.finished
         if bool(finished.all()):
             return
-        context.append(tokens)
+        context.append(step.tokens)
         if seen is not None:
-            seen[torch.arange(B, device=device), tokens] = True
+            seen[torch.arange(B, device=device), step.tokens] = True
+
+
+@torch.no_grad()
+def _next_step(
+    context: Context,
+    c: GenerationConfig,
+    generators: list[torch.Generator],
+    seen: Tensor | None,
+    finished: Tensor,
+    eos: Tensor,
+) -> Step:
+    logits = context.next_logits().float()  # [B,V]
+    tokens = _choose(logits, c, generators, seen)
+    tokens = torch.where(finished, c.pad_id, tokens)
+    logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
+    return Step(tokens, logprobs, finished | torch.isin(tokens, eos))
 
 
 def _choose(
