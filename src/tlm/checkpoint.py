@@ -30,6 +30,20 @@ from tlm.io import atomic_path, write_text_atomic
 from tlm.model import TransformerLM
 
 STATE_DIR = "train_state"
+LOCK = ".lock"  # held by the one process writing the run (`lock_run`)
+# everything a run directory holds (and the demo's marker): `io.check_replaceable` reads it
+FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "metrics.jsonl",
+    "MODEL_CARD.md",
+    "plots/*.png",
+    f"{STATE_DIR}/latest",
+    f"{STATE_DIR}/step-*/*",
+    LOCK,
+    ".tlm-demo",
+)
 
 
 class CheckpointError(ValueError):

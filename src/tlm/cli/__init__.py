@@ -12,6 +12,7 @@ from tlm.config import ConfigError
 from tlm.data import CorpusError
 from tlm.generate import GenerationError
 from tlm.interop import HFFormatError
+from tlm.io import FolderError
 from tlm.tokenizer import TokenizerError
 from tlm.train import RunError
 
@@ -24,6 +25,7 @@ USER_ERRORS = (
     RunError,
     GenerationError,
     HFFormatError,
+    FolderError,
 )
 
 COMMANDS = [prepare, train, generate, evaluate, export, info, demo]

@@ -9,11 +9,14 @@ from pathlib import Path
 
 import torch
 
+from tlm.checkpoint import FILES as RUN
 from tlm.cli.args import add_command, fail
 from tlm.data import TokenData, prepare
+from tlm.data.prepare import FILES as PREPARED
 from tlm.evaluate import evaluate_tokens
 from tlm.generate import GenerationConfig, complete
 from tlm.interpret import attention_patterns, plot_attention
+from tlm.io import check_replaceable
 from tlm.tokenizer import load_tokenizer
 from tlm.train import Trainer, new_run_configs
 
@@ -44,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    data_dir, out = _claim(Path(args.data)), _claim(Path(args.out))
+    data_dir, out = Path(args.data), Path(args.out)
+    _claim([(data_dir, PREPARED, "meta.json"), (out, RUN, "config.json")])
     corpus = " ".join(args.inputs)
     print(f"[1/4] prepare {corpus} -> {data_dir} (byte-level BPE, {args.vocab_size})")
     meta = prepare(
@@ -108,13 +112,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _claim(folder: Path) -> Path:
-    """The demo may replace a folder it made before, and nothing else."""
-    if folder.exists():
-        if not (folder / MARKER).is_file():
+def _claim(folders: list[tuple[Path, tuple[str, ...], str]]) -> None:
+    """The demo may replace folders it made before, holding nothing else, and no others.
+
+    Every folder is checked before any is removed."""
+    for folder, files, signature in folders:
+        if folder.exists() and not (folder / MARKER).is_file():
             fail(f"{folder} exists and was not made by tlm demo; choose another --data/--out")
-        shutil.rmtree(folder)
-    return folder
+        check_replaceable(folder, files, signature, "a folder made by tlm demo")
+    for folder, _, _ in folders:
+        if folder.exists():
+            shutil.rmtree(folder)
 
 
 def _plot_attention(model, tokenizer, path: Path) -> None:

@@ -10,6 +10,7 @@ is then cut into a training split and a held-out validation split (its last
     OUT/meta.json                tokenizer, counts, bytes, sha256 of every source
 
 It is built under a temporary name and renamed at the end, so a failure leaves nothing.
+`force` replaces an existing folder only if `prepare` wrote it and it holds nothing else.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from tqdm import tqdm
 
 from tlm._version import __version__
 from tlm.data.corpus import CorpusError, Piece, Source, resolve_sources
-from tlm.io import atomic_path, write_text_atomic
+from tlm.io import atomic_path, check_replaceable, write_text_atomic
 from tlm.tokenizer import KINDS, Tokenizer, TokenizerError, load_tokenizer, train_tokenizer
 
 SPLITS = ("train", "val")
+FILES = ("meta.json", "tokenizer.json", "train.bin", "val.bin", ".tlm-demo")  # all prepare writes
 EMPTY = "corpus is empty: no document has any text"
 ENCODE_BATCH_CHARS = 1 << 20  # text handed to the tokenizer at once (BPE encodes in parallel)
 
@@ -53,6 +55,7 @@ def prepare(
         raise CorpusError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if out.exists() and not force:
         raise CorpusError(f"{out} already exists; pass --force to replace it")
+    check_replaceable(out, FILES, "meta.json", "a folder written by tlm prepare")
     sources = resolve_sources(inputs, line_docs)
     total_bytes = sum(s.path.stat().st_size for s in sources if s.path is not None)
     if tokenizer in KINDS:
@@ -69,8 +72,6 @@ def prepare(
             raise CorpusError(EMPTY)
         write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
         tok.save(tmp / "tokenizer.json")
-        if out.exists():  # --force: the old folder goes only once the new one is complete
-            shutil.rmtree(out)
     return meta
 
 
