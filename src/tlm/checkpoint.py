@@ -6,17 +6,26 @@
     RUN/train_state/latest   names the newest complete checkpoint, e.g. "step-000500"
     RUN/train_state/step-000500/{model,optimizer}.safetensors, state.json
 
-A checkpoint folder is written in full under a temporary name and renamed; only then does
-`latest` (rewritten atomically) point to it, and only then is the previous one removed. A
-crash at any moment leaves the last good checkpoint intact. Nothing is loaded through
-pickle: tensors go through safetensors, everything else through JSON.
+A checkpoint folder is written in full under a temporary name and renamed to a name no
+other folder has (a second save of one step gets `step-000500-1`); only then does `latest`
+(rewritten atomically) point to it, and only then are older ones removed. A crash at any
+moment leaves `latest` naming a complete checkpoint. Weights that are not finite are never
+saved. Nothing is loaded through pickle: tensors go through safetensors, everything else
+through JSON.
+
+One process writes a run at a time: `lock_run` holds an OS lock on RUN/.lock (released
+when the process ends, however it ends); readers need no lock, since every file they read
+is replaced in one rename.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +56,18 @@ FILES = (
 
 
 class CheckpointError(ValueError):
-    """A run directory or checkpoint that cannot be read."""
+    """A run directory or checkpoint that cannot be read or written."""
+
+
+class NonFiniteWeights(CheckpointError):
+    """Weights holding NaN or inf, which are never saved."""
 
 
 def save_weights(path: str | Path, model: nn.Module) -> None:
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    bad = next((k for k, v in tensors.items() if not torch.isfinite(v).all()), None)
+    if bad is not None:
+        raise NonFiniteWeights(f"{bad} holds NaN or inf; not saved over the last good weights")
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt", "tlm": __version__})
 
@@ -68,8 +84,13 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
         )
 
 
-def write_config(run: Path, model_config: ModelConfig, train: dict[str, Any]) -> None:
+def write_config(
+    run: Path, model_config: ModelConfig, train: dict[str, Any], data: dict[str, Any] | None = None
+) -> None:
+    """config.json: the model, the training settings, and what the data was made of."""
     payload = {"model": model_config.to_dict(), "train": train, "tlm": __version__}
+    if data is not None:
+        payload["data"] = data
     write_text_atomic(run / "config.json", json.dumps(payload, indent=2) + "\n")
 
 
@@ -117,8 +138,7 @@ def save_checkpoint(
     """Write train_state/step-N atomically, point `latest` at it, refresh model.safetensors."""
     root = run / STATE_DIR
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{state['step']:06d}"
-    folder = root / name
+    folder = _unused_name(root, f"step-{state['step']:06d}")
     with atomic_path(folder) as tmp:
         tmp.mkdir()
         save_weights(tmp / "model.safetensors", model)
@@ -128,13 +148,21 @@ def save_checkpoint(
             tensors["rng.cuda"] = torch.cuda.get_rng_state()
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "state.json").write_text(json.dumps({**state, "param_groups": groups}, indent=2))
-        if folder.exists():  # re-saving the same step (e.g. interrupted right after a save)
-            shutil.rmtree(folder)
-    write_text_atomic(root / "latest", name + "\n")
+    write_text_atomic(root / "latest", folder.name + "\n")
     _link_or_copy(folder / "model.safetensors", run / "model.safetensors")
-    for old in root.glob("step-*"):
-        if old.name != name:
+    for old in [*root.glob("step-*"), *root.glob(".step-*")]:  # and what a crash left
+        if old != folder:
             shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def _unused_name(root: Path, name: str) -> Path:
+    """`name`, or `name-1`, `name-2`, ... if a folder of that name exists (a second save of
+    one step): a save never deletes or overwrites the folder `latest` may name."""
+    folder, n = root / name, 0
+    while folder.exists():
+        n += 1
+        folder = root / f"{name}-{n}"
     return folder
 
 
@@ -151,6 +179,43 @@ def load_checkpoint(
         torch.cuda.set_rng_state(cuda_rng)
     optimizer.load_state_dict(_unflatten_optimizer(tensors, state.pop("param_groups")))
     return state
+
+
+@contextlib.contextmanager
+def lock_run(run: Path) -> Iterator[None]:
+    """Hold RUN/.lock while writing the run; a second writer gets a CheckpointError that
+    names the holder's pid. The OS releases the lock when the process ends, even by SIGKILL."""
+    run.mkdir(parents=True, exist_ok=True)
+    with open(run / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointError(_locked_message(run, f)) from None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def check_unlocked(run: Path) -> None:
+    """Refuse at once if another process is writing `run` (before any work starts)."""
+    if not (run / LOCK).is_file():
+        return
+    with open(run / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointError(_locked_message(run, f)) from None
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _locked_message(run: Path, f) -> str:
+    f.seek(0)
+    pid = f.read().strip() or "?"
+    return f"{run} is being written by process {pid}; wait for it to end or choose another --out"
 
 
 def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict, list]:

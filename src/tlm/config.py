@@ -164,6 +164,7 @@ def _parse_string(name: str, text: str, kinds: tuple[type, ...]) -> Any:
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16")
+BAD_GRADIENT = ("skip", "stop")
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,10 @@ class TrainConfig:
     The learning rate warms up linearly for `warmup_steps`, then follows a cosine from
     `lr` down to `min_lr` (lr/10 unless given) at `max_steps`. One optimizer step sees
     `batch_size * grad_accum` windows of `context_length` tokens.
+
+    `nonfinite_grad`: what a step whose gradient norm is NaN or infinite does, although its
+    loss was finite: "skip" (no update; counted in metrics.jsonl) or "stop" (end the run,
+    keeping the last checkpoint).
     """
 
     data: str = ""
@@ -187,6 +192,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0
+    nonfinite_grad: str = "skip"
     eval_interval: int = 250
     eval_tokens: int = 1 << 15
     log_interval: int = 10
@@ -219,6 +225,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.grad_clip < 0:
             raise ConfigError(f"grad_clip must be >= 0 (0 = off), got {self.grad_clip!r}")
+        _check_choice("nonfinite_grad", self.nonfinite_grad, BAD_GRADIENT)
         _check_choice("device", self.device, DEVICES)
         _check_choice("dtype", self.dtype, DTYPES)
 

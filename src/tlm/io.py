@@ -33,6 +33,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    _remove(tmp)  # left by a process that died mid-write (with this pid, long ago)
     try:
         yield tmp
         if tmp.is_file():
@@ -50,10 +51,14 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         else:
             os.replace(tmp, path)
     finally:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif tmp.exists():
-            tmp.unlink()
+        _remove(tmp)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

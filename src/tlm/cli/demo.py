@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from tlm.checkpoint import FILES as RUN
+from tlm.checkpoint import check_unlocked, lock_run
 from tlm.cli.args import add_command, fail
 from tlm.data import TokenData, prepare
 from tlm.data.prepare import FILES as PREPARED
@@ -68,15 +69,16 @@ def run(args: argparse.Namespace) -> int:
     train_values = {**TRAIN, "data": str(data_dir), "out": str(out), "max_steps": args.max_steps}
     model_config, train_config, data = new_run_configs(MODEL, train_values)
     tokenizer = load_tokenizer(data_dir)
-    trainer = Trainer(
-        model_config, train_config, data, tokenizer.to_json(), progress_bar=not args.quiet
-    )
-    (out / MARKER).touch()
-    print(
-        f"[2/4] train {trainer.model.num_parameters():,} parameters for {args.max_steps} steps "
-        f"on {trainer.device} -> {out}"
-    )
-    results = trainer.fit()
+    with lock_run(out):
+        trainer = Trainer(
+            model_config, train_config, data, tokenizer.to_json(), progress_bar=not args.quiet
+        )
+        (out / MARKER).touch()
+        print(
+            f"[2/4] train {trainer.model.num_parameters():,} parameters for {args.max_steps} "
+            f"steps on {trainer.device} -> {out}"
+        )
+        results = trainer.fit()
     print(
         f"      {results['tokens']:,} tokens in {results['elapsed']:.0f} s: "
         f"train loss {results['train_loss']:.3f}, validation loss {results['val_loss']:.3f}"
@@ -117,6 +119,7 @@ def _claim(folders: list[tuple[Path, tuple[str, ...], str]]) -> None:
 
     Every folder is checked before any is removed."""
     for folder, files, signature in folders:
+        check_unlocked(folder)  # a run being trained right now is not replaced
         if folder.exists() and not (folder / MARKER).is_file():
             fail(f"{folder} exists and was not made by tlm demo; choose another --data/--out")
         check_replaceable(folder, files, signature, "a folder made by tlm demo")

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from tlm.checkpoint import lock_run
 from tlm.cli.args import add_command, add_config_flags, config_overrides, fail
 from tlm.config import ModelConfig, TrainConfig, load_toml, split_fields
 from tlm.tokenizer import load_tokenizer
-from tlm.train import Diverged, Interrupted, Trainer, new_run_configs, resume_run_configs
+from tlm.train import (
+    Diverged,
+    Interrupted,
+    Trainer,
+    check_new_run,
+    new_run_configs,
+    resume_run_configs,
+)
 
 EXAMPLE = """example:
   tlm prepare ../shared/data/tinyshakespeare.txt --tokenizer char --out data/shakespeare_char
@@ -40,41 +49,44 @@ def run(args: argparse.Namespace) -> int:
         model_config, train_config, data = resume_run_configs(out, model_values, train_values)
     else:
         model_config, train_config, data = new_run_configs(model_values, train_values)
-    tokenizer = load_tokenizer(data.folder)
-    trainer = Trainer(
-        model_config,
-        train_config,
-        data,
-        tokenizer.to_json(),
-        resume=args.resume,
-        progress_bar=not args.quiet,
-    )
-    params = trainer.model.num_parameters()
-    print(
-        f"training {params:,} parameters on {trainer.device} ({trainer.dtype}) "
-        f"for {train_config.max_steps:,} steps -> {train_config.out}",
-        file=sys.stderr,
-    )
-    try:
-        results = trainer.fit()
-    except Interrupted as exc:
+    out = Path(train_config.out)
+    with lock_run(out):  # one writer per run: a second one is refused before any work
+        if not args.resume:
+            check_new_run(out, probe_lock=False)  # nobody wrote into it in the meantime
+        trainer = Trainer(
+            model_config,
+            train_config,
+            data,
+            load_tokenizer(data.folder).to_json(),
+            resume=args.resume,
+            progress_bar=not args.quiet,
+        )
+        params = trainer.model.num_parameters()
         print(
-            f"tlm: interrupted; saved step {exc.step} to {train_config.out}. "
-            f"Continue with: tlm train --out {train_config.out} --resume",
+            f"training {params:,} parameters on {trainer.device} ({trainer.dtype}) "
+            f"for {train_config.max_steps:,} steps -> {out}",
             file=sys.stderr,
         )
-        return 130
-    except Diverged as exc:
-        print(
-            f"tlm: error: {exc}; stopped. The last good checkpoint is in "
-            f"{train_config.out}/train_state; try a lower --lr or --grad-clip",
-            file=sys.stderr,
-        )
-        return 1
+        try:
+            results = trainer.fit()
+        except Interrupted as exc:
+            print(
+                f"tlm: interrupted; saved step {exc.step} to {out}. "
+                f"Continue with: tlm train --out {out} --resume",
+                file=sys.stderr,
+            )
+            return 130
+        except Diverged as exc:
+            print(
+                f"tlm: error: {exc}; stopped. The last good checkpoint is in "
+                f"{out}/train_state; try a lower --lr or --grad-clip",
+                file=sys.stderr,
+            )
+            return 1
     val = results["val_loss"]
     print(
         f"done: step {results['step']:,}, train loss {results['train_loss']:.4f}, "
         f"val loss {'n/a' if val is None else f'{val:.4f}'}, {results['elapsed']:.1f} s; "
-        f"run in {train_config.out} (MODEL_CARD.md, plots/loss.png)"
+        f"run in {out} (MODEL_CARD.md, plots/loss.png)"
     )
     return 0

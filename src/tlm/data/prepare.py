@@ -15,6 +15,7 @@ It is built under a temporary name and renamed at the end, so a failure leaves n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Iterator
@@ -225,6 +226,19 @@ class TokenData:
         self.vocab_size: int = self.meta["vocab_size"]
         self.dtype = np.dtype(self.meta["dtype"])
 
+    def fingerprint(self) -> dict[str, Any]:
+        """What the tokens are made of: each source's size and sha256, the tokenizer (its
+        file's sha256) and the token counts. A run records it; a resume compares it."""
+        tokenizer = hashlib.sha256((self.folder / "tokenizer.json").read_bytes()).hexdigest()
+        return {
+            "sources": [{k: s[k] for k in ("name", "bytes", "sha256")} for s in self.meta["sources"]],
+            "tokenizer": self.meta["tokenizer"],
+            "tokenizer_sha256": tokenizer,
+            "vocab_size": self.vocab_size,
+            "documents": self.meta["documents"],
+            "tokens": {name: self.meta["splits"][name]["tokens"] for name in SPLITS},
+        }
+
     def split(self, name: str) -> np.ndarray:
         """The token ids of split `name` ("train" or "val"), memory-mapped read-only."""
         if name not in SPLITS:
@@ -234,6 +248,25 @@ class TokenData:
         if info["tokens"] and not path.is_file():
             raise CorpusError(f"{path} is missing; prepare the data again")
         return read_tokens(path, self.dtype, info["tokens"])
+
+
+def fingerprint_differences(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How the data behind two fingerprints differ, one phrase each ("" when they agree)."""
+    if len(then["sources"]) != len(now["sources"]):
+        return [f"{len(then['sources'])} sources then, {len(now['sources'])} now"]
+    found = []
+    for i, (a, b) in enumerate(zip(then["sources"], now["sources"], strict=True)):
+        for key in ("bytes", "sha256"):
+            if a[key] != b[key]:
+                found.append(f"source {i + 1} ({b['name']}) {key} {_short(a[key])} then, {_short(b[key])} now")
+    for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "documents", "tokens"):
+        if then[key] != now[key]:
+            found.append(f"{key} {_short(then[key])} then, {_short(now[key])} now")
+    return found
+
+
+def _short(value: Any) -> str:
+    return f"{value[:12]}…" if isinstance(value, str) and len(value) == 64 else f"{value}"
 
 
 def read_tokens(path: Path, dtype: np.dtype | type, n: int) -> np.ndarray:

@@ -1,13 +1,14 @@
 """Training: optimizer and schedule, the loop, checkpoints, reports."""
 
 from tlm.train.loop import Diverged, Interrupted, Trainer
-from tlm.train.run import RunError, new_run_configs, resume_run_configs
+from tlm.train.run import RunError, check_new_run, new_run_configs, resume_run_configs
 
 __all__ = [
     "Diverged",
     "Interrupted",
     "RunError",
     "Trainer",
+    "check_new_run",
     "new_run_configs",
     "resume_run_configs",
 ]

@@ -3,7 +3,9 @@
 Each step: for every micro-batch, cross-entropy (eq. 10.51) averaged over the windows and
 backpropagated; then gradient clipping, one AdamW step at the scheduled learning rate.
 Periodically: validation loss, metrics, plot and an atomic checkpoint. Ctrl-C saves
-and stops; a loss that becomes NaN or inf stops without saving over the last good state.
+and stops; a loss that becomes NaN or inf stops without saving over the last good state. A
+gradient whose norm is NaN or inf (the loss finite) never reaches the weights: the step is
+skipped and counted, or the run stops (`TrainConfig.nonfinite_grad`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tlm.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_config
+from tlm.checkpoint import (
+    NonFiniteWeights,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    write_config,
+)
 from tlm.config import ModelConfig, TrainConfig
 from tlm.data import TokenData, batch_generator, eval_windows, random_windows
 from tlm.io import write_text_atomic
@@ -50,6 +58,8 @@ class Progress:
     tokens: int = 0
     elapsed: float = 0.0  # seconds of training, summed over resumes
     window: list[float] = field(default_factory=list)  # train losses since the last log line
+    norms: list[float] = field(default_factory=list)  # gradient norms since the last log line
+    skipped: int = 0  # steps whose gradient was not finite, so no update was made
 
 
 class DeferredInterrupt:
@@ -98,12 +108,13 @@ class Trainer:
         self.val_windows = self._val_windows()
         if resume:
             saved = load_checkpoint(latest_checkpoint(self.run), self.model, self.optimizer)
-            self.state = Progress(**{k: saved[k] for k in ("step", "tokens", "elapsed", "window")})
+            fields = Progress.__dataclass_fields__  # runs saved before a field existed lack it
+            self.state = Progress(**{k: saved[k] for k in fields if k in saved})
         else:
             if config.init_from:  # fine-tuning: start from a trained model's weights
                 self.model.load_state_dict(_initial_weights(config.init_from, model_config))
             self.run.mkdir(parents=True, exist_ok=True)
-            write_config(self.run, model_config, config.to_dict())
+            write_config(self.run, model_config, config.to_dict(), data.fingerprint())
             write_text_atomic(self.run / "tokenizer.json", tokenizer_json)
         self.metrics = Metrics(self.run / "metrics.jsonl", self.state.step if resume else None)
 
@@ -118,8 +129,9 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def train_step(self, step: int) -> float:
-        """One optimizer step; returns the mean training loss of its windows."""
+    def train_step(self, step: int) -> tuple[float, float]:
+        """One optimizer step; returns the mean training loss of its windows and the
+        gradient norm (before clipping). A non-finite norm makes no update."""
         c, T = self.config, self.model_config.context_length
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(step, c)
@@ -133,11 +145,14 @@ class Trainer:
             total += loss.item() / c.grad_accum
         if not math.isfinite(total):
             raise Diverged(f"loss became {total} at step {step + 1}")
-        if c.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip, foreach=True)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total
+        limit = c.grad_clip if c.grad_clip > 0 else math.inf  # inf: measure, never scale
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit, foreach=True).item()
+        if math.isfinite(norm):
+            self.optimizer.step()
+        elif c.nonfinite_grad == "stop":
+            raise Diverged(f"gradient norm became {norm} at step {step + 1} (loss {total:.4f})")
+        self.optimizer.zero_grad(set_to_none=True)  # a non-finite gradient is dropped here
+        return total, norm
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:
@@ -161,7 +176,12 @@ class Trainer:
         started, base = time.perf_counter(), s.elapsed
         with DeferredInterrupt() as interrupt:
             while s.step < c.max_steps:
-                s.window.append(self.train_step(s.step))
+                loss, norm = self.train_step(s.step)
+                s.window.append(loss)
+                if math.isfinite(norm):
+                    s.norms.append(norm)
+                else:
+                    s.skipped += 1
                 s.step, s.tokens = s.step + 1, s.tokens + self.tokens_per_step
                 s.elapsed = base + time.perf_counter() - started
                 last = s.step == c.max_steps
@@ -182,9 +202,11 @@ class Trainer:
     def _log(self, bar: tqdm) -> None:
         s = self.state
         mean = sum(s.window) / len(s.window)
-        s.window = []
+        norm = sum(s.norms) / len(s.norms) if s.norms else None
+        s.window, s.norms = [], []
         row = {"step": s.step, "tokens": s.tokens, "time": round(s.elapsed, 3)}
         row |= {"lr": learning_rate(s.step - 1, self.config), "train_loss": mean}
+        row |= {"grad_norm": norm, "skipped_steps": s.skipped}
         row["tokens_per_s"] = round(s.tokens / max(s.elapsed, 1e-9))
         self.metrics.log(row)
         bar.set_postfix(loss=f"{mean:.4f}", tok_s=f"{row['tokens_per_s']:,}")
@@ -200,7 +222,10 @@ class Trainer:
         plot_losses(self.metrics.rows, self.run / "plots" / "loss.png")
 
     def save(self) -> None:
-        save_checkpoint(self.run, self.model, self.optimizer, asdict(self.state))
+        try:
+            save_checkpoint(self.run, self.model, self.optimizer, asdict(self.state))
+        except NonFiniteWeights as exc:
+            raise Diverged(f"at step {self.state.step}: {exc}") from None
 
     def finish(self) -> dict[str, Any]:
         rows = self.metrics.rows

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from tlm.checkpoint import latest_checkpoint, read_config
+from tlm.checkpoint import LOCK, check_unlocked, latest_checkpoint, read_config
 from tlm.config import ConfigError, ModelConfig, TrainConfig, from_dict
 from tlm.data import TokenData
+from tlm.data.prepare import fingerprint_differences
 from tlm.load import load_tokenizer, model_config
 
 
@@ -27,9 +28,7 @@ def new_run_configs(
         raise RunError("--data is required: a folder written by tlm prepare")
     if not train_config.out:
         raise RunError("--out is required: the run directory to create")
-    out = Path(train_config.out)
-    if out.exists() and any(out.iterdir()):
-        raise RunError(f"{out} already exists; pass --resume to continue it or choose a new --out")
+    check_new_run(Path(train_config.out))
     data = TokenData(train_config.data)
     model_values = dict(model_values)
     if train_config.init_from:
@@ -46,6 +45,7 @@ def resume_run_configs(
     out: str, model_values: dict[str, Any], train_values: dict[str, Any]
 ) -> tuple[ModelConfig, TrainConfig, TokenData]:
     """The saved configs of run `out`; any value given now must equal the saved one."""
+    check_unlocked(Path(out))
     if latest_checkpoint(out) is None:
         raise RunError(f"{out} has no checkpoint to resume from")
     saved = read_config(out)
@@ -60,7 +60,23 @@ def resume_run_configs(
             f"{train_config.data} has vocabulary {data.vocab_size}; "
             f"the run was trained on {model_config.vocab_size}"
         )
+    if "data" in saved:  # runs from before tlm recorded the data compare the vocabulary only
+        differ = fingerprint_differences(saved["data"], data.fingerprint())
+        if differ:
+            raise RunError(
+                f"--resume: {train_config.data} is not the data this run was trained on "
+                f"({'; '.join(differ)}); prepare it as it was, or start a new run"
+            )
     return model_config, train_config, data
+
+
+def check_new_run(out: Path, probe_lock: bool = True) -> None:
+    """A new run goes into a folder that does not exist, is empty, or holds only a lock.
+    `probe_lock=False` once this process holds the lock itself."""
+    if probe_lock:
+        check_unlocked(out)
+    if out.exists() and any(p.name != LOCK for p in out.iterdir()):
+        raise RunError(f"{out} already exists; pass --resume to continue it or choose a new --out")
 
 
 # may differ between a pretrained model and its fine-tuning run; the shape may not
