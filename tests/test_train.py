@@ -1,3 +1,4 @@
+import hashlib
 import json
 import math
 
@@ -10,6 +11,7 @@ from tlm.checkpoint import latest_checkpoint
 from tlm.cli import main
 from tlm.config import TrainConfig
 from tlm.data import batch_generator, prepare, random_windows
+from tlm.generate import GenerationConfig, complete
 from tlm.model import TransformerLM
 from tlm.model.loss import cross_entropy, cross_entropy_reference
 from tlm.tokenizer import load_tokenizer
@@ -34,12 +36,14 @@ def test_cross_entropy_is_eq_10_51():
 
 def test_schedule_warms_up_then_follows_a_cosine():
     c = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
-    assert learning_rate(0, c) == pytest.approx(1e-4)
-    assert learning_rate(9, c) == pytest.approx(1e-3)
-    assert learning_rate(60, c) == pytest.approx((1e-3 + 1e-4) / 2)
-    assert learning_rate(110, c) == pytest.approx(1e-4)
-    steps = [learning_rate(s, c) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(steps, steps[1:], strict=False))
+    for step in range(10):  # linear warmup: lr·(s+1)/warmup
+        assert learning_rate(step, c) == pytest.approx(1e-3 * (step + 1) / 10, rel=1e-12)
+    # cosine from lr to min_lr over the 100 steps after warmup: at a quarter of the way it
+    # has fallen by (1 - cos(π/4))/2 = 14.6% of the range, not the 25% a straight line falls
+    for progress, kept in [(0, 1.0), (0.25, 0.8535534), (0.5, 0.5), (0.75, 0.1464466), (1, 0)]:
+        expected = 1e-4 + kept * (1e-3 - 1e-4)
+        assert learning_rate(10 + round(100 * progress), c) == pytest.approx(expected, rel=1e-6)
+    assert learning_rate(500, c) == pytest.approx(1e-4)  # past max_steps it stays at min_lr
 
 
 def test_no_weight_decay_on_biases_norms_and_embeddings():
@@ -64,12 +68,18 @@ def test_train_writes_the_run_directory(docs_chars, tmp_path):
     assert train_losses[-1] < train_losses[0] - 0.5  # it learns
     assert [r["step"] for r in rows if "val_loss" in r] == [20, 40]
     card = (run / "MODEL_CARD.md").read_text()
-    needles = ("python-docs", "sha256", "Hallucination", "Memorisation", "tlm generate")
-    needles += ("passes over",)
-    for needle in needles:
+    for needle in ("Hallucination", "Memorisation", "tlm generate", "passes over"):
         assert needle in card
-    assert latest_checkpoint(run).name == "step-000040"
+    from pydoc_data.topics import topics  # the corpus's own hash, computed here
+
+    corpus = b"".join(topics[name].encode() for name in sorted(topics))
+    assert f"| `python-docs` | {len(corpus):,} | `{hashlib.sha256(corpus).hexdigest()}` |" in card
+    val_loss = [r["val_loss"] for r in rows if "val_loss" in r][-1]
+    assert f"| final train loss (nats/token) | {train_losses[-1]:.4f} |" in card
+    assert f"| final validation loss (nats/token) | {val_loss:.4f} |" in card
     model = load_model(run)
+    assert f"{sum(p.numel() for p in model.parameters()):,} parameters" in card
+    assert latest_checkpoint(run).name == "step-000040"
     assert (
         model.config.vocab_size == json.loads((docs_chars / "meta.json").read_text())["vocab_size"]
     )
@@ -155,14 +165,18 @@ def test_generate_and_eval_commands(docs_chars, tmp_path, capsys):
     command.append("--do-sample")
     assert main(command) == 0
     first = capsys.readouterr().out
-    assert first.startswith("The") and len(first) > len("The\n")
+    model, tok = load_model(run), load_tokenizer(run)
+    config = GenerationConfig(max_new_tokens=20, do_sample=True, seed=3, eos_token_id=tok.eot_id)
+    (expected,) = complete(model, tok, ["The"], config)  # the library, same seed
+    assert first == "The" + expected.text + "\n" and len(expected.tokens) > 0
     assert main(command) == 0 and capsys.readouterr().out == first  # a seed fixes the sample
+    assert main([*command[:-3], "--seed", "4", "--do-sample"]) == 0
+    assert capsys.readouterr().out != first  # and another seed draws another sample
 
     text = tmp_path / "t.txt"
     text.write_text("The list type.")  # shorter than one window: scored in one forward
     assert main(["eval", str(run), "--text", str(text), "--json"]) == 0
     scores = json.loads(capsys.readouterr().out)
-    model, tok = load_model(run), load_tokenizer(run)
     ids = torch.tensor([[tok.eot_id, *tok.encode("The list type.")]])
     expected = cross_entropy_reference(model(ids[:, :-1]), ids[:, 1:]).item()
     assert scores["loss"] == pytest.approx(expected, rel=1e-5)
@@ -214,3 +228,35 @@ def test_eval_refuses_data_from_another_tokenizer(docs_chars, tmp_path, capsys):
     prepare(["python-docs"], other, tokenizer="bpe", vocab_size=300, progress=False)
     assert main(["eval", str(run), "--data", str(other)]) == 2
     assert "was not tokenized with the tokenizer of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("clip", [0.05, 0.0])
+def test_gradient_clipping_scales_the_whole_gradient_to_the_limit(docs_chars, tmp_path, clip):
+    """g <- g · min(1, c/‖g‖) over all parameters together; 0 turns clipping off."""
+    values = {"data": str(docs_chars), "out": str(tmp_path / "run"), "max_steps": 1}
+    values |= {"batch_size": 4, "grad_clip": clip}
+    shape = {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}
+    model_config, train_config, token_data = new_run_configs(shape, values)
+    tokenizer_json = (docs_chars / "tokenizer.json").read_text()
+    trainer = Trainer(model_config, train_config, token_data, tokenizer_json, progress_bar=False)
+    reference = TransformerLM(model_config)
+    reference.load_state_dict(trainer.model.state_dict())
+    seen, step = {}, trainer.optimizer.step
+
+    def record_gradients(*args, **kwargs):
+        seen.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = record_gradients
+    _, norm = trainer.train_step(0)
+    x, y = random_windows(token_data.split("train"), 4, 16, batch_generator(1337, 0, 0))
+    cross_entropy(reference(x), y).backward()
+    raw = {n: p.grad for n, p in reference.named_parameters()}
+    total = torch.sqrt(sum((g.double() ** 2).sum() for g in raw.values())).item()
+    assert norm == pytest.approx(total, rel=1e-4)  # the norm before clipping is reported
+    scale = min(1.0, clip / total) if clip > 0 else 1.0
+    assert clip == 0 or scale < 0.5  # the limit really binds in the clipped case
+    for name, grad in raw.items():
+        assert torch.allclose(seen[name], grad * scale, atol=1e-7, rtol=1e-4), name
+    clipped = torch.sqrt(sum((g.double() ** 2).sum() for g in seen.values())).item()
+    assert clipped == pytest.approx(clip if clip > 0 else total, rel=1e-4)

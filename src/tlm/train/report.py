@@ -72,7 +72,7 @@ def write_model_card(
 ) -> None:
     counts = parameter_counts(model_config)
     sources = "\n".join(
-        f"| `{s['name']}` | {s['bytes']:,} | `{s['sha256'][:16]}…` |" for s in data_meta["sources"]
+        f"| `{s['name']}` | {s['bytes']:,} | `{s['sha256']}` |" for s in data_meta["sources"]
     )
     splits = data_meta["splits"]
     model_json = json.dumps(model_config.to_dict(), indent=2)
