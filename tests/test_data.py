@@ -1,3 +1,4 @@
+import hashlib
 import json
 
 import numpy as np
@@ -54,9 +55,12 @@ def test_prepare_joins_documents_with_eot(corpus, tmp_path):
     assert meta["splits"]["val"]["tokens"] == round(len(expected) * 0.25)
     total_bytes = sum(len(d.encode()) for d in docs)
     assert meta["splits"]["train"]["bytes"] + meta["splits"]["val"]["bytes"] == total_bytes
-    names = {str(corpus / "a.txt"), str(corpus / "c.jsonl"), str(corpus / "sub" / "b.txt")}
-    assert {s["name"] for s in meta["sources"]} == names
-    assert all(len(s["sha256"]) == 64 for s in meta["sources"])
+    files = [corpus / "a.txt", corpus / "c.jsonl", corpus / "sub" / "b.txt"]  # sorted, as read
+    raw = [path.read_bytes() for path in files]
+    assert meta["sources"] == [
+        {"name": str(path), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for path, data in zip(files, raw, strict=True)
+    ]
     assert json.loads((tmp_path / "out" / "meta.json").read_text()) == meta
 
 

@@ -34,15 +34,14 @@ def start(docs_chars, run):
 
 
 def wait_for_checkpoint(run, proc, at_least: int, timeout: float = 120) -> int:
+    """The step `latest` names once it reaches `at_least` (the pointer is replaced in one
+    rename, so reading it never fails half-way)."""
+    pointer = run / "train_state" / "latest"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the run ended before it could be interrupted"
-        try:
-            folder = latest_checkpoint(run)
-        except Exception:  # pointer being replaced this instant
-            folder = None
-        if folder is not None and int(folder.name.split("-")[1]) >= at_least:
-            return int(folder.name.split("-")[1])
+        if pointer.is_file() and int(pointer.read_text().split("-")[1]) >= at_least:
+            return int(pointer.read_text().split("-")[1])
         time.sleep(0.005)
     raise AssertionError("no checkpoint appeared in time")
 
@@ -69,6 +68,7 @@ def test_killed_run_resumes_to_the_same_final_loss(docs_chars, uninterrupted, tm
     proc.kill()  # SIGKILL: no chance to save anything more
     proc.wait()
     assert step < STEPS
+    assert int(latest_checkpoint(run).name.split("-")[1]) >= step  # complete, or this raises
     assert main(["train", "--out", str(run), "--resume", "--quiet"]) == 0
     assert_same_end(run, uninterrupted)
 
