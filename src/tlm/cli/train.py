@@ -11,7 +11,7 @@ from tlm.tokenizer import load_tokenizer
 from tlm.train import Diverged, Interrupted, Trainer, new_run_configs, resume_run_configs
 
 EXAMPLE = """example:
-  tlm prepare ../shared/data/tinyshakespeare.txt --tokenizer char --out data/shakespeare_char
+  tlm prepare tinyshakespeare --tokenizer char --out data/shakespeare_char
   tlm train --data data/shakespeare_char --out runs/shakespeare_char --n-layers 4 \\
       --n-heads 4 --d-model 128 --context-length 64 --batch-size 12 --max-steps 2000
   tlm train --out runs/shakespeare_char --resume      # continue after Ctrl-C or a crash
