@@ -23,8 +23,7 @@ from tlm.train import Trainer, new_run_configs
 
 EXAMPLE = """examples:
   tlm demo                                  # python-docs, about two minutes on a laptop CPU
-  tlm demo ../shared/data/tinyshakespeare.txt --data data/demo-shakespeare \
-      --out runs/demo-shakespeare
+  tlm demo tinyshakespeare --data data/demo-shakespeare --out runs/demo-shakespeare
 """
 
 MODEL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "context_length": 128, "position": "rope"}

@@ -9,9 +9,8 @@ from tlm.data import prepare
 
 EXAMPLE = """examples:
   tlm prepare python-docs --tokenizer bpe --vocab-size 2048 --out data/python-docs
-  tlm prepare ../shared/data/tinyshakespeare.txt --tokenizer char --val-fraction 0.1 \\
-      --out data/shakespeare_char
-  tlm prepare names.txt --line-docs --tokenizer char --out data/names
+  tlm prepare tinyshakespeare --tokenizer char --val-fraction 0.1 --out data/shakespeare_char
+  tlm prepare names --line-docs --tokenizer char --out data/names   # one document per name
   tlm prepare more.txt --tokenizer runs/my_model --out data/finetune   # reuse a tokenizer
 """
 

@@ -20,7 +20,7 @@ from tlm.train import (
 )
 
 EXAMPLE = """example:
-  tlm prepare ../shared/data/tinyshakespeare.txt --tokenizer char --out data/shakespeare_char
+  tlm prepare tinyshakespeare --tokenizer char --out data/shakespeare_char
   tlm train --data data/shakespeare_char --out runs/shakespeare_char --n-layers 4 \\
       --n-heads 4 --d-model 128 --context-length 64 --batch-size 12 --max-steps 2000
   tlm train --out runs/shakespeare_char --resume      # continue after Ctrl-C or a crash

@@ -1,7 +1,7 @@
 """Data: corpora read as streams of documents, tokenized, packed into memmapped token files."""
 
 from tlm.data.batches import batch_generator, count_eval_chunks, eval_windows, random_windows
-from tlm.data.corpus import CorpusError, Source, resolve_sources
+from tlm.data.corpus import CorpusError, Source, documents, resolve_sources
 from tlm.data.prepare import TokenData, prepare
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "TokenData",
     "batch_generator",
     "count_eval_chunks",
+    "documents",
     "eval_windows",
     "prepare",
     "random_windows",

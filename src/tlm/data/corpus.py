@@ -1,23 +1,31 @@
 """Corpora: where text comes from, read as a stream of documents.
 
 A source is a `.txt` file (one document, or one per line with `line_docs`), a `.jsonl` file
-(one document per line, in its `text` field), or the built-in `python-docs` (the topics of
-CPython's `pydoc_data.topics`, present on every Python). Folders contribute their `.txt` and
-`.jsonl` files; globs are expanded. Every source is read in pieces of about `CHUNK_BYTES`, so
-a corpus larger than memory streams through; a piece never splits a BPE pre-token (see
-`_safe_split`), so the tokens do not depend on the chunk size.
+(one document per line, in its `text` field), or a built-in corpus: `python-docs` (the topics
+of CPython's `pydoc_data.topics`, present on every Python), or one of the text files shipped
+gzip-compressed in `tlm/data/corpora/` (`tinyshakespeare`, `names`), read exactly as the
+`.txt` file it came from. Folders contribute their `.txt` and `.jsonl` files; globs are
+expanded. Every source is read in pieces of about `CHUNK_BYTES`, so a corpus larger than
+memory streams through; a piece never splits a BPE pre-token (see `_safe_split`), so the
+tokens do not depend on the chunk size.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
+from typing import BinaryIO
 
-BUILTIN = {"python-docs"}
+# built-in text corpora: name -> gzip file in tlm/data/corpora/ (origins in its README.md)
+BUILTIN_TEXT = {"tinyshakespeare": "tinyshakespeare.txt.gz", "names": "names.txt.gz"}
+BUILTIN = ("python-docs", *BUILTIN_TEXT)
 SUFFIXES = (".txt", ".jsonl")
 CHUNK_BYTES = 1 << 22  # 4 MiB per read
 
@@ -38,7 +46,8 @@ class Piece:
 class Source:
     """One input: `name` as the user gave it, `path` None for a built-in corpus.
 
-    `bytes` and `sha256` describe the raw input and are filled in as it is read.
+    `bytes` and `sha256` describe the raw input (a built-in's decompressed text) and are
+    filled in as it is read.
     """
 
     name: str
@@ -51,9 +60,9 @@ class Source:
     def pieces(self) -> Iterator[Piece]:
         """Yield the source's text piece by piece; documents never mix."""
         self._hash, self.bytes = hashlib.sha256(), 0
-        if self.path is None:
+        if self.path is None and self.name == "python-docs":
             yield from self._python_docs()
-        elif self.path.suffix == ".jsonl":
+        elif self.path is not None and self.path.suffix == ".jsonl":
             yield from self._jsonl()
         elif self.line_docs:
             yield from self._lines()
@@ -120,7 +129,7 @@ class Source:
     def _decoded_chunks(self) -> Iterator[str]:
         """UTF-8 text in pieces that end where a BPE pre-token ends; errors name the line."""
         lines_before, carry = 0, b""
-        with open(self.path, "rb") as f:
+        with self._open() as f:
             while raw := f.read(CHUNK_BYTES):
                 self._count(raw)
                 data, carry = _safe_split(carry + raw)
@@ -129,6 +138,17 @@ class Source:
                     lines_before += data.count(b"\n")
         if carry:
             yield self._decode(carry, lines_before)
+
+    @contextmanager
+    def _open(self) -> Iterator[BinaryIO]:
+        """The raw bytes: the file, or a built-in's text decompressed as it is read."""
+        if self.path is not None:
+            with open(self.path, "rb") as f:
+                yield f
+            return
+        resource = resources.files("tlm.data") / "corpora" / BUILTIN_TEXT[self.name]
+        with resource.open("rb") as compressed, gzip.GzipFile(fileobj=compressed) as f:
+            yield f
 
     def _decode(self, data: bytes, lines_before: int) -> str:
         if b"\0" in data:
@@ -172,7 +192,7 @@ def resolve_sources(inputs: list[str], line_docs: bool = False) -> list[Source]:
     sources: list[Source] = []
     for item in inputs:
         if item in BUILTIN:
-            sources.append(Source(item, None))
+            sources.append(Source(item, None, line_docs=line_docs))
             continue
         for path in _expand(item):
             sources.append(Source(str(path), path, line_docs=line_docs))
@@ -196,3 +216,18 @@ def _expand(item: str) -> list[Path]:
             raise CorpusError(f"{item}: no files match")
         return files
     raise CorpusError(f"{item}: no such file, folder or built-in corpus ({', '.join(BUILTIN)})")
+
+
+def documents(sources: list[Source]) -> Iterator[str]:
+    """The text of each document, whole and in order: exactly the documents `prepare` writes.
+
+    Documents with no text but whitespace are skipped, as `prepare` skips them; each document
+    is held in memory whole while its pieces are joined.
+    """
+    parts: list[str] = []
+    for source in sources:
+        for piece in source.pieces():
+            parts.append(piece.text)
+            if piece.ends_document:
+                yield "".join(parts)
+                parts = []
