@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -45,6 +46,115 @@ def test_hand_computed_three_tokens_one_head():
         mha.W_O.copy_(torch.eye(2))
     out = mha(X.unsqueeze(0))
     assert torch.allclose(out[0], torch.tensor(expected, dtype=torch.float64), atol=1e-12)
+
+
+def random_attention(impl="fused", seed=0, **shape):
+    """A MultiHeadAttention (float64, position "none") with every weight and bias random."""
+    mha = MultiHeadAttention(tiny_config(position="none", attention_impl=impl, **shape)).double()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in mha.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64))
+    return mha
+
+
+def as_lists(mha):
+    return {name: param.tolist() for name, param in mha.named_parameters()}
+
+
+def times(x, W, b):
+    """x W + b for a vector x and a matrix W [len(x), n], as explicit sums."""
+    return [sum(x[m] * W[m][c] for m in range(len(x))) + b[c] for c in range(len(b))]
+
+
+def attend_by_hand(q, k, v):
+    """Causal attention of one head, eq. 9.11-9.13: (head_i for each i, alpha_ij for j <= i)."""
+    d_k = len(q[0])
+    heads, alphas = [], []
+    for i in range(len(q)):
+        # eq. 9.11  score(x_i, x_j) = q_i · k_j / √d_k
+        scores = [sum(q[i][m] * k[j][m] for m in range(d_k)) / math.sqrt(d_k) for j in range(i + 1)]
+        alpha = softmax(scores)  # eq. 9.12, j <= i only
+        heads.append([sum(alpha[j] * v[j][c] for j in range(i + 1)) for c in range(len(v[0]))])
+        alphas.append(alpha)
+    return heads, alphas
+
+
+def multi_head_by_hand(mha, x):
+    """Eq. 9.15-9.19 for one sequence x (list of T vectors): per-head slices, then W^O."""
+    w, H, d_head = as_lists(mha), mha.n_heads, mha.d_head
+    z, alphas = [[] for _ in x], []
+    for c in range(H):
+        cols = range(c * d_head, (c + 1) * d_head)  # head c's columns of W^Q, W^K, W^V
+        W_Qc, W_Kc, W_Vc = ([[row[j] for j in cols] for row in w[f"W_{n}"]] for n in "QKV")
+        b_Qc, b_Kc, b_Vc = ([w[f"b_{n}"][j] for j in cols] for n in "QKV")
+        q = [times(x_i, W_Qc, b_Qc) for x_i in x]  # eq. 9.15  q_i^c = x_i W^Qc
+        k = [times(x_j, W_Kc, b_Kc) for x_j in x]
+        v = [times(x_j, W_Vc, b_Vc) for x_j in x]
+        heads, alpha = attend_by_hand(q, k, v)  # eq. 9.16-9.18
+        for i, head in enumerate(heads):
+            z[i] += head  # head^1 ⊕ ... ⊕ head^A
+        alphas.append(alpha)
+    return [times(z_i, w["W_O"], w["b_O"]) for z_i in z], alphas  # eq. 9.19
+
+
+def listen_to_pattern(mha):
+    """The attention pattern α the reference path reports at its hook point."""
+    seen = []
+    mha.pattern.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    return seen
+
+
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+@pytest.mark.parametrize("d_head", [4, 3])  # W^Q square (a transposed W^Q still runs), then not
+def test_one_head_with_random_weights_is_eq_9_9_to_9_14(d_head, impl):
+    mha = random_attention(impl, n_heads=1, d_model=4, d_head=d_head)
+    X = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    w, x = as_lists(mha), X.tolist()
+    q = [times(x_i, w["W_Q"], w["b_Q"]) for x_i in x]  # eq. 9.9-9.10  q_i = x_i W^Q
+    k = [times(x_j, w["W_K"], w["b_K"]) for x_j in x]  # k_j = x_j W^K
+    v = [times(x_j, w["W_V"], w["b_V"]) for x_j in x]  # v_j = x_j W^V
+    heads, alphas = attend_by_hand(q, k, v)  # eq. 9.11-9.13
+    a = [times(head, w["W_O"], w["b_O"]) for head in heads]  # eq. 9.14  a_i = head_i W^O
+    pattern = listen_to_pattern(mha)  # reported on the reference path only
+    assert torch.allclose(mha(X[None])[0], torch.tensor(a, dtype=torch.float64), atol=1e-12)
+    for i, alpha in enumerate(alphas if pattern else []):
+        assert pattern[0][0, 0, i].tolist() == pytest.approx(alpha + [0.0] * (4 - i), abs=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+def test_heads_are_column_slices_of_the_projections_eq_9_15_to_9_19(impl):
+    # d_head 4 != d_model / n_heads = 2: the heads are concatenated to 12 columns, W^O [12, 6]
+    mha = random_attention(impl, n_heads=3, d_model=6, d_head=4)
+    X = torch.randn(2, 5, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    pattern = listen_to_pattern(mha)  # reported on the reference path only
+    out = mha(X)
+    for b in range(2):  # each sequence of the batch on its own
+        a, alphas = multi_head_by_hand(mha, X[b].tolist())
+        assert torch.allclose(out[b], torch.tensor(a, dtype=torch.float64), atol=1e-12)
+        for c, i in itertools.product(range(3), range(5) if pattern else []):
+            assert pattern[0][b, c, i, : i + 1].tolist() == pytest.approx(alphas[c][i], abs=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+def test_parallel_form_for_a_batch_is_eq_9_32_to_9_36(impl):
+    mha = random_attention(impl, seed=3, n_heads=2, d_model=6, d_head=5)
+    B, T, H, d_head = 3, 7, 2, 5
+    X = torch.randn(B, T, 6, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    Q = X @ mha.W_Q + mha.b_Q  # eq. 9.32  [B,T,6] @ [6,H*d_head] -> [B,T,H*d_head]
+    K = X @ mha.W_K + mha.b_K
+    V = X @ mha.W_V + mha.b_V
+    future = torch.ones(T, T, dtype=torch.bool).triu(diagonal=1)  # j > i (Fig. 9.9)
+    heads = []
+    for c in range(H):
+        cols = slice(c * d_head, (c + 1) * d_head)
+        Qc, Kc, Vc = Q[..., cols], K[..., cols], V[..., cols]  # eq. 9.34  Q^c = X W^Qc
+        scores = Qc @ Kc.transpose(1, 2) / math.sqrt(d_head)  # [B,T,d_head] @ [B,d_head,T]
+        alpha = scores.masked_fill(future, float("-inf")).softmax(-1)  # eq. 9.33, 9.35
+        heads.append(alpha @ Vc)  # [B,T,T] @ [B,T,d_head] -> [B,T,d_head]
+    expected = torch.cat(heads, dim=-1) @ mha.W_O + mha.b_O  # eq. 9.36  [B,T,H*d_head] @ W^O
+    with torch.no_grad():
+        assert torch.allclose(mha(X), expected, atol=1e-12)
 
 
 def test_causal_mask_is_bottom_right_aligned():

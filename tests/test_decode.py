@@ -13,6 +13,21 @@ def run(model, ids, mask=None, **settings):
     return torch.stack([s.tokens for s in steps], 1), torch.stack([s.logprobs for s in steps], 1)
 
 
+def varied_model(make_model, **overrides):
+    """A model whose greedy tokens change from step to step.
+
+    GPT-2's init (std 0.02) gives near-uniform logits whose argmax repeats one token; weights
+    of std 0.3 (gamma near 1) give a model whose choices depend on the whole window.
+    """
+    model = make_model(**overrides)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            mean = 1.0 if name.endswith("gamma") else 0.0
+            param.normal_(mean, 0.3, generator=generator)
+    return model
+
+
 @pytest.mark.parametrize("position", POSITIONS)
 def test_greedy_is_a_chain_of_argmaxes_and_the_cache_changes_nothing(make_model, position):
     model = make_model(position=position)
@@ -32,12 +47,23 @@ def test_greedy_is_a_chain_of_argmaxes_and_the_cache_changes_nothing(make_model,
 
 
 @pytest.mark.parametrize("position", ["learned", "rope"])
-def test_sliding_window_for_three_context_lengths(make_model, position):
-    model = make_model(position=position, context_length=16)
-    ids = torch.randint(0, 97, (2, 4))
-    cached, _ = run(model, ids, max_new_tokens=48)  # 52 tokens through a 16-token window
-    recomputed, _ = run(model, ids, max_new_tokens=48, use_cache=False)
-    assert cached.shape == (2, 48) and torch.equal(cached, recomputed)
+@pytest.mark.parametrize("context_length", [8, 13, 16])
+def test_sliding_window_for_three_context_lengths(make_model, position, context_length):
+    N = context_length
+    model = varied_model(make_model, position=position, context_length=N)
+    ids = torch.randint(0, 97, (2, 4), generator=torch.Generator().manual_seed(2))
+    new = 3 * N + 4  # 3N + 8 tokens through an N-token window
+    tokens, logprobs = run(model, ids, max_new_tokens=new)
+    seq = ids
+    for t in range(new):  # the reference: the whole model on the last N tokens, every step
+        with torch.no_grad():
+            logits = model(seq[:, -N:])[:, -1]  # [B,V]
+        nxt = logits.argmax(-1)
+        assert torch.equal(tokens[:, t], nxt), f"step {t}"
+        expected = logits.log_softmax(-1)[torch.arange(2), nxt]
+        assert torch.allclose(logprobs[:, t], expected, atol=1e-4), f"step {t}"
+        seq = torch.cat([seq, nxt[:, None]], 1)
+    assert all(len(set(row.tolist())) >= 5 for row in tokens)  # the argmax does move
 
 
 def test_greedy_equals_top_k_1_and_temperature_0(make_model):
@@ -77,16 +103,20 @@ def test_samples_per_prompt_are_reproducible_and_differ(make_model):
 
 
 def test_end_of_sequence_ends_rows_and_then_the_loop(make_model):
-    model = make_model()
-    ids = torch.randint(0, 97, (4, 3))
-    free, _ = run(model, ids, max_new_tokens=20)
-    eos = int(free[0, 2])  # a token row 0 produces at its third step
+    model = varied_model(make_model)
+    ids = torch.randint(0, 97, (4, 3), generator=torch.Generator().manual_seed(0))
+    free, _ = run(model, ids, max_new_tokens=20)  # without padding, rows decode independently
+    eos = tuple(int(free[row, step]) for row, step in enumerate((2, 10, 6, 14)))
+    ends = [next(t for t in range(20) if int(free[row, t]) in eos) for row in range(4)]
+    assert len(set(ends)) == 4 and max(ends) < 19, (eos, ends)  # the test needs these
     steps = list(generate(model, ids, GenerationConfig(max_new_tokens=20, eos_token_id=eos)))
     tokens = torch.stack([s.tokens for s in steps], 1)
-    assert tokens[0, 2] == eos and bool(steps[2].finished[0])
-    assert (tokens[0, 2:] == eos).all()  # an ended row repeats its end token
-    done = [i for i, s in enumerate(steps) if bool(s.finished.all())]
-    assert len(steps) == (done[0] + 1 if done else 20)  # the loop stops once all rows ended
+    finished = torch.stack([s.finished for s in steps], 1)
+    for row, end in enumerate(ends):
+        assert torch.equal(tokens[row, : end + 1], free[row, : end + 1])  # up to its end token
+        assert not finished[row, :end].any() and finished[row, end:].all()
+        assert (tokens[row, end + 1 :] == eos[0]).all()  # then the first end token as padding
+    assert len(steps) == max(ends) + 1  # the loop stops once all rows ended, not before
 
 
 def test_repetition_penalty_applies_to_prompt_tokens(make_model):

@@ -7,18 +7,38 @@ from tlm.model.functional import gelu_tanh, layer_norm, linear
 from tlm.model.layers import Embedding, FeedForward, LayerNorm, PostNormBlock, PreNormBlock
 
 
+def layer_norm_by_the_book(x, gamma, beta, eps):
+    """Eq. 9.22-9.25 written out over the last dimension, ε inside the root (as GPT-2 and torch)."""
+    d = x.shape[-1]
+    mu = x.sum(-1, keepdim=True) / d  # eq. 9.22
+    sigma = (((x - mu) ** 2).sum(-1, keepdim=True) / d + eps).sqrt()  # eq. 9.23, ε added
+    x_hat = (x - mu) / sigma  # eq. 9.24
+    return gamma * x_hat + (0 if beta is None else beta)  # eq. 9.25
+
+
 @pytest.mark.parametrize("shape", [(5, 8), (2, 3, 64), (1, 1, 7)])
-def test_layer_norm_formula_equals_torch(shape):
-    torch.manual_seed(0)
-    x = torch.randn(*shape) * 3 + 1
-    gamma, beta = torch.randn(shape[-1]), torch.randn(shape[-1])
-    expected = F.layer_norm(x, (shape[-1],), gamma, beta, 1e-5)
-    assert torch.allclose(layer_norm(x, gamma, beta, 1e-5), expected, atol=1e-5)
-    module = LayerNorm(shape[-1], 1e-5)
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_is_eq_9_22_to_9_25(shape, bias):
+    generator = torch.Generator().manual_seed(0)
+    d = shape[-1]
+    x = torch.randn(*shape, generator=generator, dtype=torch.float64)
+    # rows from tiny to large spread around means far from 0: with eps = 0.05, a row of
+    # variance ~1e-4 is scaled ~4x apart by σ = √(var + ε) and by √var + ε
+    scale = torch.logspace(-2, 1, shape[-2], dtype=torch.float64)[:, None]  # [rows, 1]
+    mean = 5 * torch.randn(*shape[:-1], 1, generator=generator, dtype=torch.float64)
+    x = x * scale + mean
+    gamma = torch.randn(d, generator=generator, dtype=torch.float64) + 1
+    beta = torch.randn(d, generator=generator, dtype=torch.float64) if bias else None
+    eps = 0.05
+    expected = layer_norm_by_the_book(x, gamma, beta, eps)
+    if bias:
+        assert torch.allclose(layer_norm(x, gamma, beta, eps), expected, atol=1e-12, rtol=0)
+    module = LayerNorm(d, eps, bias).double()
     with torch.no_grad():
         module.gamma.copy_(gamma)
-        module.beta.copy_(beta)
-    assert torch.allclose(module(x), expected, atol=1e-6)
+        if bias:
+            module.beta.copy_(beta)
+    assert torch.allclose(module(x), expected, atol=1e-12, rtol=0)
 
 
 def test_layer_norm_output_has_zero_mean_unit_variance():

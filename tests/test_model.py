@@ -75,15 +75,37 @@ CONFIGS = [
 ]
 
 
+def part_of(name, param):
+    """Which part of `parameter_counts` a named parameter of TransformerLM belongs to."""
+    leaf = name.rsplit(".", 1)[-1]
+    if name == "embedding.E":
+        return "embedding"
+    if name == "embedding.P":
+        return "positions"  # learned P only: sinusoidal P is a buffer, rope and none have none
+    if ".attn." in name and leaf in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O"):
+        return "attention"
+    if ".ffn." in name and leaf in ("W_1", "b_1", "W_2", "b_2"):
+        return "ffn"
+    if leaf in ("gamma", "beta"):
+        return "norms"
+    if name == "W_U":
+        return "head"
+    raise AssertionError(f"parameter {name} {tuple(param.shape)} belongs to no counted part")
+
+
 @pytest.mark.parametrize("overrides", CONFIGS)
 def test_parameter_counts_match_the_model(make_model, overrides):
     model = make_model(**overrides)
-    counts = parameter_counts(model.config)
-    assert counts["total"] == sum(p.numel() for p in model.parameters())
-    assert counts["total"] == model.num_parameters()
-    assert counts["non_embedding"] == model.num_parameters(non_embedding=True)
     parts = ("embedding", "positions", "attention", "ffn", "norms", "head")
-    assert sum(counts[k] for k in parts) == counts["total"]
+    measured = dict.fromkeys(parts, 0)
+    for name, param in model.named_parameters():  # a tied E is listed (and counted) once
+        measured[part_of(name, param)] += param.numel()
+    measured["non_embedding"] = measured["attention"] + measured["ffn"] + measured["norms"]
+    measured["total"] = sum(measured[part] for part in parts)
+    counts = parameter_counts(model.config)
+    assert {k: counts[k] for k in measured} == measured
+    assert model.num_parameters() == measured["total"]
+    assert model.num_parameters(non_embedding=True) == measured["non_embedding"]
 
 
 def test_book_estimate_is_close_for_a_wide_model():
