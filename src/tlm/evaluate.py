@@ -57,8 +57,16 @@ def evaluate_tokens(
 
 
 def evaluate_text(
-    model: nn.Module, tokenizer: Tokenizer, text: str, batch_size: int = 32, progress: bool = False
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    text: str | list[str],
+    batch_size: int = 32,
+    progress: bool = False,
 ) -> dict[str, float]:
-    """Score raw text: <|endoftext|> is prepended, so every token of the text is predicted."""
-    ids = np.array([tokenizer.eot_id, *tokenizer.encode(text)], dtype=np.int64)
-    return evaluate_tokens(model, ids, tokenizer.token_bytes(), batch_size, progress=progress)
+    """Score raw text, one document or several: each document follows <|endoftext|>, as
+    `prepare` separates them, so every token of every document is predicted (and so is the
+    end of each document but the last). Documents are encoded one by one, as `prepare` does."""
+    documents = [text] if isinstance(text, str) else text
+    ids = [i for doc in documents for i in (tokenizer.eot_id, *tokenizer.encode(doc))]
+    tokens = np.array(ids, dtype=np.int64)
+    return evaluate_tokens(model, tokens, tokenizer.token_bytes(), batch_size, progress=progress)

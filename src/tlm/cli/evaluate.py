@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 
-from tlm.cli.args import add_command, fail, read_text_file
-from tlm.data import TokenData
+from tlm.cli.args import add_command, fail
+from tlm.data import TokenData, documents, resolve_sources
 from tlm.evaluate import evaluate_text, evaluate_tokens
 from tlm.load import load_model, load_tokenizer
 
 EXAMPLE = """examples:
   tlm eval runs/shakespeare_char --data data/shakespeare_char --split val --json
   tlm eval runs/shakespeare_char --text some.txt other.txt
+
+--text reads files as `tlm prepare` does (a .txt file is one document, --line-docs one per
+line, .jsonl a "text" field per line; folders, globs and built-in corpora too), and puts
+<|endoftext|> before every document.
 """
 
 
@@ -22,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", help="prepared data folder")
     parser.add_argument("--split", default="val", help="train or val (default val)")
     parser.add_argument("--text", nargs="+", metavar="FILE", help="raw UTF-8 text files")
+    parser.add_argument("--line-docs", action="store_true", help="with --text: one per line")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
@@ -42,8 +47,10 @@ def run(args: argparse.Namespace) -> int:
         )
         results = {"split": args.split, **scores}
     else:
-        text = "".join(read_text_file(path) for path in args.text)
-        scores = evaluate_text(model, tokenizer, text, args.batch_size, progress=True)
+        texts = list(documents(resolve_sources(args.text, args.line_docs)))
+        if not texts:
+            fail(f"{' '.join(args.text)}: no text to evaluate")
+        scores = evaluate_text(model, tokenizer, texts, args.batch_size, progress=True)
         results = {"text": args.text, **scores}
     if args.json:
         print(json.dumps(results))
