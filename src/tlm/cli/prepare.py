@@ -19,7 +19,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = add_command(
         sub, "prepare", "train a tokenizer and pack a corpus into token files", EXAMPLE
     )
-    parser.add_argument("inputs", nargs="+", help="files, folders, globs, or python-docs")
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        help="files, folders, globs, or a built-in corpus: python-docs, tinyshakespeare, names",
+    )
     parser.add_argument("--out", required=True, help="folder to create")
     parser.add_argument(
         "--tokenizer",
@@ -29,7 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (4096)")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="held-out share (0.1)")
     parser.add_argument("--line-docs", action="store_true", help="one document per line")
-    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace --out if tlm prepare wrote it (and nothing else is in it)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=run)
 
