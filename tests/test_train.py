@@ -194,9 +194,11 @@ def test_generate_and_eval_commands(docs_chars, tmp_path, capsys):
     assert "top_k must be >= 1, got 0" in capsys.readouterr().err
 
 
-def test_gradient_accumulation_equals_one_big_batch(docs_chars, tmp_path):
+def first_step_gradients(docs_chars, tmp_path, **train):
+    """A tiny trainer's gradients as its first optimizer step sees them, its reported norm,
+    and a fresh copy of its starting model (to compute the same gradients by hand)."""
     values = {"data": str(docs_chars), "out": str(tmp_path / "run"), "max_steps": 1}
-    values |= {"batch_size": 4, "grad_accum": 2, "grad_clip": 0.0}
+    values |= {"batch_size": 4, **train}
     shape = {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}
     model_config, train_config, token_data = new_run_configs(shape, values)
     tokenizer_json = (docs_chars / "tokenizer.json").read_text()
@@ -210,11 +212,15 @@ def test_gradient_accumulation_equals_one_big_batch(docs_chars, tmp_path):
         return step(*args, **kwargs)
 
     trainer.optimizer.step = record_gradients
-    trainer.train_step(0)
-    tokens = token_data.split("train")
-    micro = [
-        random_windows(tokens, 4, 16, batch_generator(train_config.seed, 0, m)) for m in (0, 1)
-    ]
+    _, norm = trainer.train_step(0)
+    return seen, norm, reference, token_data.split("train")
+
+
+def test_gradient_accumulation_equals_one_big_batch(docs_chars, tmp_path):
+    seen, _, reference, tokens = first_step_gradients(
+        docs_chars, tmp_path, grad_accum=2, grad_clip=0.0
+    )
+    micro = [random_windows(tokens, 4, 16, batch_generator(1337, 0, m)) for m in (0, 1)]
     x, y = torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro])
     cross_entropy(reference(x), y).backward()  # one batch of 8 = both micro-batches
     for name, param in reference.named_parameters():
@@ -233,23 +239,8 @@ def test_eval_refuses_data_from_another_tokenizer(docs_chars, tmp_path, capsys):
 @pytest.mark.parametrize("clip", [0.05, 0.0])
 def test_gradient_clipping_scales_the_whole_gradient_to_the_limit(docs_chars, tmp_path, clip):
     """g <- g · min(1, c/‖g‖) over all parameters together; 0 turns clipping off."""
-    values = {"data": str(docs_chars), "out": str(tmp_path / "run"), "max_steps": 1}
-    values |= {"batch_size": 4, "grad_clip": clip}
-    shape = {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}
-    model_config, train_config, token_data = new_run_configs(shape, values)
-    tokenizer_json = (docs_chars / "tokenizer.json").read_text()
-    trainer = Trainer(model_config, train_config, token_data, tokenizer_json, progress_bar=False)
-    reference = TransformerLM(model_config)
-    reference.load_state_dict(trainer.model.state_dict())
-    seen, step = {}, trainer.optimizer.step
-
-    def record_gradients(*args, **kwargs):
-        seen.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = record_gradients
-    _, norm = trainer.train_step(0)
-    x, y = random_windows(token_data.split("train"), 4, 16, batch_generator(1337, 0, 0))
+    seen, norm, reference, tokens = first_step_gradients(docs_chars, tmp_path, grad_clip=clip)
+    x, y = random_windows(tokens, 4, 16, batch_generator(1337, 0, 0))
     cross_entropy(reference(x), y).backward()
     raw = {n: p.grad for n, p in reference.named_parameters()}
     total = torch.sqrt(sum((g.double() ** 2).sum() for g in raw.values())).item()
