@@ -1,4 +1,7 @@
+import hashlib
+import json
 import shlex
+from pydoc_data.topics import topics
 
 from tlm.cli import main
 
@@ -26,3 +29,17 @@ def test_demo_runs_end_to_end_and_replaces_only_its_own_folders(tmp_path, capsys
     assert main(["demo", "--data", str(mine), "--out", str(out), "--quiet"]) == 2
     assert "was not made by tlm demo" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_demo_trains_on_the_files_it_is_given(tmp_path, capsys):
+    corpus = tmp_path / "topics.txt"
+    corpus.write_text("\n\n".join(list(topics.values())[:20]), encoding="utf-8")
+    raw = corpus.read_bytes()
+    data, out = tmp_path / "data", tmp_path / "run"
+    args = ["demo", str(corpus), "--data", str(data), "--out", str(out), "--max-steps", "2"]
+    assert main([*args, "--vocab-size", "300", "--quiet"]) == 0
+    assert f"[1/4] prepare {corpus} -> {data}" in capsys.readouterr().out
+    source = {"name": str(corpus), "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    assert json.loads((data / "meta.json").read_text())["sources"] == [source]
+    card = (out / "MODEL_CARD.md").read_text()
+    assert f"| `{corpus}` | {len(raw):,} | `{source['sha256'][:16]}…` |" in card

@@ -1,13 +1,18 @@
 """Text in, text out: prompts, stop strings, streaming, and the `tlm generate` command."""
 
 import json
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tlm import load_model, load_tokenizer
 from tlm.cli import main
 from tlm.generate import GenerationConfig, complete, encode_prompts, stream_completion
+from tlm.model.packed import check_format
+
+TOL = 1e-6  # the CLI and the library run the same kernels: their log-probs agree to rounding
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +79,111 @@ def test_generate_command_streams_and_reads_prompt_files(run, tmp_path, capsys):
     )  # no prompt: after <|endoftext|>
 
 
+@pytest.fixture(scope="module")
+def end_biased(run, tmp_path_factory):
+    """Copies of the run leaning towards <|endoftext|>: end_biased(s) adds s to its logit.
+
+    The head is tied (logits = h E^T), so shifting the final LayerNorm's beta by
+    s E[eot] / |E[eot]|^2 adds s to the end token's logit and s cos(E[v], E[eot]) |E[v]| /
+    |E[eot]| to every other token's: the end token gains the most.
+    """
+    eot = load_tokenizer(run).eot_id
+    weights = load_file(str(run / "model.safetensors"))
+    E_eot = weights["embedding.E"][eot]
+    made = {}
+
+    def make(scale: float):
+        if scale not in made:
+            out = tmp_path_factory.mktemp("end_biased") / "run"
+            shutil.copytree(run, out)
+            beta = weights["ln_f.beta"] + scale * E_eot / E_eot.norm() ** 2
+            save_file({**weights, "ln_f.beta": beta}, str(out / "model.safetensors"))
+            made[scale] = out
+        return made[scale]
+
+    return make
+
+
+def generated(capsys, run, *args):
+    """The completions `tlm generate RUN ARGS --json` prints."""
+    assert main(["generate", str(run), *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["completions"]
+
+
+def library(run, prompt, dtype="float32", prompt_logprobs=False, **settings):
+    """What the CLI should print: the library's completion with the config the CLI builds."""
+    tok = load_tokenizer(run)
+    config = GenerationConfig(eos_token_id=tok.eot_id, **settings)
+    model = load_model(run).for_inference(dtype)
+    (completion,) = complete(model, tok, [prompt], config, prompt_logprobs=prompt_logprobs)
+    return completion
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8"])
 def test_generate_command_other_weight_formats(run, capsys, dtype):
-    assert (
-        main(["generate", str(run), "--prompt", "The", "--max-new-tokens", "8", "--dtype", dtype])
-        == 0
-    )
-    assert capsys.readouterr().out.startswith("The")
+    """--dtype reaches the model: the CLI scores as the library does in that format, and the
+    format's scores differ from float32's by far more than the tolerance."""
+    prompt = "The for statement iterates over the items of a list."
+    args = ["--prompt", prompt, "--max-new-tokens", "8", "--prompt-logprobs"]
+    (printed,) = generated(capsys, run, *args, "--dtype", dtype)
+    expected = library(run, prompt, dtype, prompt_logprobs=True, max_new_tokens=8)
+    float32 = library(run, prompt, "float32", prompt_logprobs=True, max_new_tokens=8)
+    assert printed["tokens"] == expected.tokens and printed["finish_reason"] == "length"
+    assert printed["prompt_tokens"] == expected.prompt_tokens
+    scores = printed["prompt_logprobs"] + printed["logprobs"]
+    assert scores == pytest.approx(expected.prompt_logprobs + expected.logprobs, abs=TOL)
+    apart = torch.tensor(float32.prompt_logprobs) - torch.tensor(expected.prompt_logprobs)
+    assert apart.abs().max() > 10 * TOL
+
+
+def test_int8_runs_on_the_cpu_only(run):
+    with pytest.raises(ValueError, match="^int8 inference runs on the CPU only$"):
+        check_format("int8", torch.device("cuda"))  # decided from the device: no GPU needed
+    check_format("int8", torch.device("cpu"))
+    ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact, packed = load_model(run)(ids), load_model(run).for_inference("int8")(ids)
+    error = (packed - exact).abs().max() / exact.abs().max()
+    assert 0 < error < 0.05  # int8 weights: close to float32, not equal
+
+
+def test_no_eos_generates_through_the_end_token(end_biased, capsys):
+    run = end_biased(1000.0)  # <|endoftext|> is the greedy choice at every step
+    eot = load_tokenizer(run).eot_id
+    args = ["--prompt", "The", "--max-new-tokens", "6"]
+    (stopped,) = generated(capsys, run, *args)
+    assert stopped["tokens"] == [] and stopped["finish_reason"] == "eos"
+    (through,) = generated(capsys, run, *args, "--no-eos")
+    assert len(through["tokens"]) == 6 and through["finish_reason"] == "length"
+    assert eot in through["tokens"] and "<|endoftext|>" in through["text"]
+
+
+def test_generate_command_passes_the_length_penalty(end_biased, capsys):
+    """Beam search ranks finished hypotheses by log P / length^length_penalty: find an end
+    bias at which 0 and 2 choose different ones, then the CLI must choose as the library."""
+    settings = dict(max_new_tokens=16, num_beams=4)
+    for scale in (0.0, 1.0, 2.0, 4.0):
+        run = end_biased(scale)
+        expected = {p: library(run, "The", length_penalty=p, **settings) for p in (0.0, 2.0)}
+        if expected[0.0].tokens != expected[2.0].tokens:
+            break
+    else:
+        pytest.fail("no end bias at which the length penalty changes the beam's choice")
+    for penalty, completion in expected.items():
+        args = ["--prompt", "The", "--max-new-tokens", "16", "--num-beams", "4"]
+        (printed,) = generated(capsys, run, *args, "--length-penalty", str(penalty))
+        assert printed["tokens"] == completion.tokens
+        assert printed["finish_reason"] == completion.finish_reason
+
+
+def test_generate_command_passes_the_repetition_penalty(run, capsys):
+    expected = {p: library(run, "The", max_new_tokens=16, repetition_penalty=p) for p in (1, 3)}
+    assert expected[1].tokens != expected[3].tokens
+    for penalty, completion in expected.items():
+        args = ["--prompt", "The", "--max-new-tokens", "16", "--repetition-penalty", str(penalty)]
+        (printed,) = generated(capsys, run, *args)
+        assert printed["tokens"] == completion.tokens
+        assert printed["logprobs"] == pytest.approx(completion.logprobs, abs=TOL)
 
 
 @pytest.mark.parametrize(
