@@ -42,4 +42,4 @@ def test_demo_trains_on_the_files_it_is_given(tmp_path, capsys):
     source = {"name": str(corpus), "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
     assert json.loads((data / "meta.json").read_text())["sources"] == [source]
     card = (out / "MODEL_CARD.md").read_text()
-    assert f"| `{corpus}` | {len(raw):,} | `{source['sha256'][:16]}…` |" in card
+    assert f"| `{corpus}` | {len(raw):,} | `{source['sha256']}` |" in card
