@@ -83,7 +83,7 @@ def test_two_runs_started_together_one_wins(docs_chars, tmp_path):
 
 def test_readers_see_only_complete_checkpoints_while_a_run_trains(docs_chars, tmp_path):
     run = tmp_path / "run"
-    proc = start(docs_chars, run, "--max-steps", "300", "--checkpoint-interval", "1")
+    proc = start(docs_chars, run, "--max-steps", "3000", "--checkpoint-interval", "1")
     loads = 0
     try:
         wait_for(lambda: (run / "model.safetensors").exists(), proc)
