@@ -12,6 +12,17 @@ NORMS = ["pre", "post"]
 V = 300  # the vocabulary of the Hugging Face interop fixtures
 
 
+def written_out(module):
+    """Listen to every attention pattern of `module` (a model or one attention), so each of
+    its forward passes takes the written-out path (eq. 9.11-9.13) instead of the fused one."""
+    from tlm.model.attention import MultiHeadAttention
+
+    for m in module.modules():
+        if isinstance(m, MultiHeadAttention):
+            m.pattern.register_forward_hook(lambda *_: None)
+    return module
+
+
 def tiny_config(**overrides) -> ModelConfig:
     values = dict(vocab_size=97, d_model=64, n_layers=2, n_heads=4, context_length=32)
     values.update(overrides)

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import tiny_config, written_out
 from tlm.model.attention import (
     MultiHeadAttention,
     attention_fused,
@@ -50,12 +50,12 @@ def test_hand_computed_three_tokens_one_head():
 
 def random_attention(impl="fused", seed=0, **shape):
     """A MultiHeadAttention (float64, position "none") with every weight and bias random."""
-    mha = MultiHeadAttention(tiny_config(position="none", attention_impl=impl, **shape)).double()
+    mha = MultiHeadAttention(tiny_config(position="none", **shape)).double()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in mha.parameters():
             param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64))
-    return mha
+    return written_out(mha) if impl == "reference" else mha
 
 
 def as_lists(mha):
@@ -211,7 +211,7 @@ def test_module_reference_equals_fused():
         fused = MultiHeadAttention(tiny_config(position=position))
         for p in fused.parameters():
             torch.nn.init.normal_(p, std=0.2)
-        reference = MultiHeadAttention(tiny_config(position=position, attention_impl="reference"))
+        reference = written_out(MultiHeadAttention(tiny_config(position=position)))
         reference.load_state_dict(fused.state_dict())
         x = torch.randn(3, 20, 64)
         assert torch.allclose(fused(x), reference(x), atol=1e-5)

@@ -31,7 +31,6 @@ def test_frozen():
         ({"position": "absolute"}, "position"),
         ({"norm": "sandwich"}, "norm"),
         ({"activation": "swish"}, "activation"),
-        ({"attention_impl": "flash"}, "attention_impl"),
         ({"dropout": 1.5}, "dropout"),
         ({"layer_norm_eps": 0.0}, "layer_norm_eps"),
         ({"position": "rope", "d_model": 30, "n_heads": 2}, "d_head"),
@@ -60,3 +59,10 @@ def test_from_dict_rejects_unknown_keys_and_coerces_strings():
         ModelConfig.from_dict({"n_layers": "two"})
     with pytest.raises(ConfigError, match="bias"):
         ModelConfig.from_dict({"bias": "maybe"})
+
+
+def test_an_older_runs_attention_impl_is_ignored():
+    old = {**ModelConfig(d_model=48, n_heads=3).to_dict(), "attention_impl": "reference"}
+    assert ModelConfig.from_dict(old) == ModelConfig(d_model=48, n_heads=3)
+    with pytest.raises(TypeError, match="attention_impl"):
+        ModelConfig(attention_impl="fused")  # not a field any more

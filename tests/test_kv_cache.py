@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import NORMS, POSITIONS
+from conftest import NORMS, POSITIONS, written_out
 from tlm.model.kv_cache import KVCache
 
 
@@ -11,7 +11,9 @@ from tlm.model.kv_cache import KVCache
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("position", POSITIONS)
 def test_cached_equals_uncached_at_every_step(make_model, position, norm, impl):
-    model = make_model(position=position, norm=norm, attention_impl=impl)
+    model = make_model(position=position, norm=norm)
+    if impl == "reference":
+        written_out(model)
     ids = torch.randint(0, 97, (2, 20))
     full = model(ids)  # [B,T,V]: position t predicts token t+1
     cache = KVCache(model.config, batch_size=2)

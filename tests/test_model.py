@@ -2,10 +2,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import NORMS, POSITIONS
+from conftest import NORMS, POSITIONS, written_out
 from tlm import ModelConfig, TransformerLM
 from tlm.model.counts import parameter_counts
-from tlm.model.hooks import hook_names, run_with_cache
 
 
 def test_logits_shape(make_model):
@@ -38,7 +37,7 @@ def test_causality(make_model, position, norm):
 @pytest.mark.parametrize("position", POSITIONS)
 def test_reference_model_equals_fused_model(make_model, position, norm):
     fused = make_model(position=position, norm=norm)
-    reference = make_model(position=position, norm=norm, attention_impl="reference")
+    reference = written_out(make_model(position=position, norm=norm))
     reference.load_state_dict(fused.state_dict())
     ids = torch.randint(0, 97, (2, 32))
     with torch.no_grad():
@@ -116,7 +115,7 @@ def test_book_estimate_is_close_for_a_wide_model():
 
 @pytest.mark.parametrize("overrides", [{}, {"n_heads": 2, "d_head": 24, "d_ff": 100}])
 def test_flops_per_token_counts_every_matmul(make_model, overrides):
-    model = make_model(attention_impl="reference", **overrides)
+    model = written_out(make_model(**overrides))
     T = 16
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(torch.randint(0, 97, (1, T)))
@@ -141,17 +140,3 @@ def test_reset_parameters_with_seed_is_reproducible(make_model):
     b.reset_parameters(seed=7)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb), name
-
-
-def test_hook_points_expose_the_residual_stream(make_model):
-    model = make_model(attention_impl="reference")
-    names = hook_names(model)
-    for name in ("embed", "blocks.0.resid_pre", "blocks.1.attn.pattern", "final"):
-        assert name in names
-    ids = torch.randint(0, 97, (1, 9))
-    logits, cache = run_with_cache(model, ids)
-    assert torch.allclose(cache["blocks.0.resid_post"], cache["blocks.1.resid_pre"])
-    assert cache["blocks.1.attn.pattern"].shape == (1, 4, 9, 9)
-    assert torch.allclose(model.unembed(cache["final"]), logits)
-    with pytest.raises(KeyError, match="nope"):
-        run_with_cache(model, ids, names=["nope"])

@@ -13,7 +13,7 @@ from typing import Any, get_type_hints
 NORMS = ("pre", "post")
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
-ATTENTION_IMPLS = ("fused", "reference")
+RETIRED = {"attention_impl"}  # read from old config files and ignored
 
 
 class ConfigError(ValueError):
@@ -56,7 +56,6 @@ class ModelConfig:
     bias: bool = True
     dropout: float = 0.0
     layer_norm_eps: float = 1e-5
-    attention_impl: str = "fused"
     rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
@@ -76,7 +75,6 @@ class ModelConfig:
         _check_choice("norm", self.norm, NORMS)
         _check_choice("position", self.position, POSITIONS)
         _check_choice("activation", self.activation, ACTIVATIONS)
-        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         if self.position == "rope" and self.d_head % 2 != 0:
             raise ConfigError(f"d_head must be even for position='rope', got {self.d_head}")
         if not 0.0 <= self.dropout < 1.0:
@@ -96,7 +94,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        return from_dict(cls, values)
+        """Unknown keys are errors; keys of older versions (`attention_impl`) are dropped."""
+        return from_dict(cls, {k: v for k, v in values.items() if k not in RETIRED})
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -7,22 +7,18 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from tlm.interpret.hooks import run_with_cache
 from tlm.io import atomic_path
 from tlm.model import TransformerLM
-from tlm.model.hooks import run_with_cache
 
 
-@torch.no_grad()
 def attention_patterns(model: TransformerLM, input_ids: Tensor) -> Tensor:
     """α for input_ids [1, T] -> [L, H, T, T], row i = how much position i attends to each j.
 
-    The fused kernel never forms α, so the weights run once more on the reference path.
+    Listening to `attn.pattern` makes this forward pass form α (the written-out path).
     """
-    reference = TransformerLM(model.config.replace(attention_impl="reference", dropout=0.0))
-    reference.load_state_dict(model.state_dict())
-    reference.to(input_ids.device).eval()
     names = [f"blocks.{layer}.attn.pattern" for layer in range(model.config.n_layers)]
-    _, cache = run_with_cache(reference, input_ids, names)
+    _, cache = run_with_cache(model, input_ids, names)
     return torch.stack([cache[name][0] for name in names])  # L x [H,T,T] -> [L,H,T,T]
 
 

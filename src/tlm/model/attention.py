@@ -5,7 +5,8 @@ d_head per-head width.
 
 `attention_reference` computes softmax(mask(QKᵀ/√d_k))V step by step and returns the
 pattern α; `attention_fused` calls `F.scaled_dot_product_attention`. They mean the same
-thing and a test holds them equal; `ModelConfig.attention_impl` picks one.
+thing and a test holds them equal. Each forward pass picks: the written-out path when
+something listens to the hook points `attn.scores` or `attn.pattern`, the fused one otherwise.
 """
 
 from __future__ import annotations
@@ -46,22 +47,35 @@ def simplified_attention(x: Tensor) -> tuple[Tensor, Tensor]:
     return alpha @ x, alpha  # eq. 9.6  a_i = sum_j alpha_ij x_j
 
 
-def attention_reference(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0
-) -> tuple[Tensor, Tensor]:
-    """Scaled dot-product attention written out (eq. 9.11-9.13, 9.35).
+def attention_scores(q: Tensor, k: Tensor, mask: Tensor | None = None) -> Tensor:
+    """q·k/√d_k for every query and key, -inf where the mask forbids (eq. 9.11, Fig. 9.9).
 
-    q: [B,H,T,d_head], k and v: [B,H,S,d_head]; mask: bool broadcastable to [B,H,T,S],
-    True = may attend (None = attend everywhere). Returns (heads [B,H,T,d_head],
-    pattern α [B,H,T,S]).
+    q: [B,H,T,d_head], k: [B,H,S,d_head]; mask: bool broadcastable to [B,H,T,S], True = may
+    attend (None = attend everywhere). Returns [B,H,T,S].
     """
     d_k = q.shape[-1]
     scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # eq. 9.11  [B,H,T,d_head] @ [B,H,d_head,S]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))  # -inf above the diagonal (Fig. 9.9)
-    pattern = torch.softmax(scores, dim=-1)  # eq. 9.12  α_ij, each row sums to 1
+    return scores
+
+
+def attend(pattern: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
+    """head_i = Σ_j α_ij v_j (eq. 9.13): [B,H,T,S] @ [B,H,S,d_head] -> [B,H,T,d_head]."""
     weights = F.dropout(pattern, dropout_p) if dropout_p > 0 else pattern
-    return weights @ v, pattern  # eq. 9.13  head_i = sum_j α_ij v_j   [B,H,T,S] @ [B,H,S,d_head]
+    return weights @ v
+
+
+def attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Scaled dot-product attention written out (eq. 9.11-9.13, 9.35).
+
+    q: [B,H,T,d_head], k and v: [B,H,S,d_head]; mask as in `attention_scores`. Returns
+    (heads [B,H,T,d_head], pattern α [B,H,T,S]).
+    """
+    pattern = torch.softmax(attention_scores(q, k, mask), dim=-1)  # eq. 9.12  rows sum to 1
+    return attend(pattern, v, dropout_p), pattern
 
 
 def attention_fused(
@@ -108,7 +122,6 @@ class MultiHeadAttention(nn.Module):
         d, d_attn = config.d_model, config.d_attn
         self.layer = layer  # its slot in a KVCache
         self.n_heads, self.d_head = config.n_heads, config.d_head
-        self.impl = config.attention_impl
         self.dropout = config.dropout
         self.W_Q = nn.Parameter(torch.empty(d, d_attn))
         self.W_K = nn.Parameter(torch.empty(d, d_attn))
@@ -122,9 +135,10 @@ class MultiHeadAttention(nn.Module):
         else:
             self.b_Q = self.b_K = self.b_V = self.b_O = None
         self.rotary = Rotary(config) if config.position == "rope" else None
-        self.q, self.k, self.v = HookPoint(), HookPoint(), HookPoint()
-        self.pattern = HookPoint()
-        self.z = HookPoint()  # the concatenated heads before W_O
+        self.q, self.k, self.v = HookPoint(), HookPoint(), HookPoint()  # [B,H,T,d_head]
+        self.scores, self.pattern = HookPoint(), HookPoint()  # [B,H,T,S]
+        self.z = HookPoint()  # each head's output before W_O  [B,T,H,d_head]
+        self.out = HookPoint()  # after W_O  [B,T,d]
 
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Q = XW^Q + b_Q, K = XW^K + b_K, V = XW^V + b_V (eq. 9.34): [B,T,d] -> 3 × [B,T,H*dh]."""
@@ -169,12 +183,13 @@ class MultiHeadAttention(nn.Module):
         if mask is None and 1 < T < S:  # new queries after cached keys (bottom-right aligned)
             mask = causal_mask(T, S, x.device)
         dropout_p = self.dropout if self.training else 0.0
-        if self.impl == "reference":
+        if self.scores.listening or self.pattern.listening:  # α is wanted: write it out
             if whole_window:
                 mask = causal_mask(T, S, x.device)
-            heads, pattern = attention_reference(q, k, v, mask, dropout_p)
-            self.pattern(pattern)
+            scores = self.scores(attention_scores(q, k, mask))  # eq. 9.11
+            pattern = self.pattern(torch.softmax(scores, dim=-1))  # eq. 9.12
+            heads = attend(pattern, v, dropout_p)  # eq. 9.13
         else:
             heads = attention_fused(q, k, v, mask, dropout_p, is_causal=whole_window)
-        z = self.z(heads.transpose(1, 2).reshape(B, T, -1))  # concat: [B,H,T,dh] -> [B,T,H*dh]
-        return self.project_out(z)  # eq. 9.19
+        z = self.z(heads.transpose(1, 2))  # [B,H,T,dh] -> [B,T,H,dh]
+        return self.out(self.project_out(z.reshape(B, T, -1)))  # concat, then W^O: eq. 9.19

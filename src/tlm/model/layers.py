@@ -58,7 +58,8 @@ class FeedForward(nn.Module):
     """FFN(x) = act(x W_1 + b_1) W_2 + b_2 (eq. 9.21), applied at each position.
 
     The two products are methods (`up`, `down`) that `model/packed.py` may replace with
-    faster kernels for inference.
+    faster kernels for inference. Hook points (public names `blocks.l.mlp.*`): `pre` and
+    `post` the hidden layer before and after the activation [B,T,d_ff], `out` [B,T,d].
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -69,7 +70,7 @@ class FeedForward(nn.Module):
         self.b_1 = nn.Parameter(torch.zeros(d_ff)) if config.bias else None
         self.b_2 = nn.Parameter(torch.zeros(d)) if config.bias else None
         self.act = ACTIVATIONS[config.activation]
-        self.hidden = HookPoint()
+        self.pre, self.post, self.out = HookPoint(), HookPoint(), HookPoint()
 
     def up(self, x: Tensor) -> Tensor:
         return linear(x, self.W_1, self.b_1)  # x W_1 + b_1: [B,T,d] -> [B,T,d_ff]
@@ -78,8 +79,8 @@ class FeedForward(nn.Module):
         return linear(h, self.W_2, self.b_2)  # h W_2 + b_2: [B,T,d_ff] -> [B,T,d]
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.hidden(self.act(self.up(x)))  # eq. 9.21
-        return self.down(h)
+        h = self.post(self.act(self.pre(self.up(x))))  # eq. 9.21
+        return self.out(self.down(h))
 
 
 class PreNormBlock(nn.Module):
@@ -87,22 +88,23 @@ class PreNormBlock(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.resid_pre = HookPoint()
         self.ln1 = LayerNorm(config.d_model, config.layer_norm_eps, config.bias)
         self.attn = MultiHeadAttention(config, layer)
+        self.resid_mid = HookPoint()
         self.ln2 = LayerNorm(config.d_model, config.layer_norm_eps, config.bias)
         self.ffn = FeedForward(config)
+        self.resid_post = HookPoint()
         self.drop = nn.Dropout(config.dropout)
-        self.resid_pre, self.resid_mid, self.resid_post = HookPoint(), HookPoint(), HookPoint()
-        self.attn_out, self.ffn_out = HookPoint(), HookPoint()
 
     def forward(
         self, x: Tensor, positions: Tensor, mask: Tensor | None = None, cache: KVCache | None = None
     ) -> Tensor:
         x = self.resid_pre(x)
         t2 = self.attn(self.ln1(x), positions, mask, cache)  # eq. 9.39-9.40  MHA(LayerNorm(X))
-        t3 = self.resid_mid(x + self.drop(self.attn_out(t2)))  # eq. 9.41  residual add
+        t3 = self.resid_mid(x + self.drop(t2))  # eq. 9.41  residual add
         t5 = self.ffn(self.ln2(t3))  # eq. 9.42-9.43  FFN(LayerNorm(T3))
-        return self.resid_post(t3 + self.drop(self.ffn_out(t5)))  # eq. 9.44
+        return self.resid_post(t3 + self.drop(t5))  # eq. 9.44
 
 
 class PostNormBlock(PreNormBlock):
@@ -113,9 +115,9 @@ class PostNormBlock(PreNormBlock):
     ) -> Tensor:
         x = self.resid_pre(x)
         t1 = self.attn(x, positions, mask, cache)  # eq. 10.26  SelfAttention(X)
-        t3 = self.resid_mid(self.ln1(x + self.drop(self.attn_out(t1))))  # eq. 10.27-10.28
+        t3 = self.resid_mid(self.ln1(x + self.drop(t1)))  # eq. 10.27-10.28
         t4 = self.ffn(t3)  # eq. 10.29
-        return self.resid_post(self.ln2(t3 + self.drop(self.ffn_out(t4))))  # eq. 10.30-10.31
+        return self.resid_post(self.ln2(t3 + self.drop(t4)))  # eq. 10.30-10.31
 
 
 BLOCKS = {"pre": PreNormBlock, "post": PostNormBlock}

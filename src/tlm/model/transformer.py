@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from tlm.config import ModelConfig
 from tlm.model.attention import padding_mask
 from tlm.model.counts import flops_per_token, parameter_counts
-from tlm.model.hooks import HookPoint
+from tlm.model.hooks import HookPoint, name_hook_points
 from tlm.model.kv_cache import KVCache
 from tlm.model.layers import BLOCKS, Embedding, LayerNorm
 from tlm.model.packed import can_prepack_float32, check_format, pack_for_inference
@@ -19,8 +19,8 @@ from tlm.model.packed import can_prepack_float32, check_format, pack_for_inferen
 class TransformerLM(nn.Module):
     """input_ids [B,T] -> logits [B,T,V]: embed, L blocks, (final LayerNorm), unembed.
 
-    The residual stream is readable at the hook points `embed`, `blocks.{l}.resid_pre`,
-    `blocks.{l}.resid_mid`, `blocks.{l}.resid_post` and `final` (after the last norm).
+    Every activation is readable at a named hook point (`embed`, `blocks.{l}.resid_pre`,
+    `blocks.{l}.attn.pattern`, ..., `final`, `logits`; the list is in `model/hooks.py`).
     """
 
     inference_format: str | None = None  # set by `for_inference` once the products are packed
@@ -44,6 +44,8 @@ class TransformerLM(nn.Module):
             self.W_U = None  # the head is E^T (weight tying, §9.5)
         else:
             self.W_U = nn.Parameter(torch.empty(config.d_model, config.vocab_size))
+        self.logits = HookPoint()
+        name_hook_points(self)
         if init:
             self.reset_parameters()
 
@@ -108,7 +110,7 @@ class TransformerLM(nn.Module):
             cache.advance(T)
         if last_only:
             x = x[:, -1:]  # only the last position predicts the next token
-        return self.unembed(self.final(self.ln_f(x)))
+        return self.logits(self.unembed(self.final(self.ln_f(x))))
 
     def unembed(self, h: Tensor) -> Tensor:
         """u = h E^T (eq. 9.45), or h W_U untied: [B,T,d] -> [B,T,V]."""

@@ -80,7 +80,7 @@ def check_new_run(out: Path, probe_lock: bool = True) -> None:
 
 
 # may differ between a pretrained model and its fine-tuning run; the shape may not
-FINE_TUNING_FIELDS = ("dropout", "attention_impl")
+FINE_TUNING_FIELDS = ("dropout",)
 
 
 def _init_model_values(source: str, given: dict[str, Any], data: TokenData) -> dict[str, Any]:
