@@ -1,13 +1,29 @@
-"""Looking inside a model (§9.5): activations by name, interventions, attention, logit lens."""
+"""Looking inside a model (§9.5): activations by name, interventions, attention patterns,
+the logit lens, direct logit attribution, activation patching, contextual embeddings."""
 
 from tlm.interpret.attention import attention_patterns, plot_attention
+from tlm.interpret.attribution import Attribution, direct_logit_attribution
+from tlm.interpret.embeddings import cosine_across_contexts, word_vectors
 from tlm.interpret.hooks import HookError, ablate_head, hooks, run_with_cache
+from tlm.interpret.lens import LogitLens, logit_lens, residual_stream
+from tlm.interpret.patching import Patch, Sweep, patching_sweep, run_patched
 
 __all__ = [
+    "Attribution",
     "HookError",
+    "LogitLens",
+    "Patch",
+    "Sweep",
     "ablate_head",
     "attention_patterns",
+    "cosine_across_contexts",
+    "direct_logit_attribution",
     "hooks",
+    "logit_lens",
+    "patching_sweep",
     "plot_attention",
+    "residual_stream",
+    "run_patched",
     "run_with_cache",
+    "word_vectors",
 ]
