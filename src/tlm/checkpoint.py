@@ -25,6 +25,7 @@ import fcntl
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -213,9 +214,15 @@ def check_unlocked(run: Path) -> None:
 
 
 def _locked_message(run: Path, f) -> str:
-    f.seek(0)
-    pid = f.read().strip() or "?"
-    return f"{run} is being written by process {pid}; wait for it to end or choose another --out"
+    """Name the holder: its pid, written just after it took the lock (so wait a moment)."""
+    for _ in range(100):
+        f.seek(0)
+        pid = f.read().strip()
+        if pid:
+            break
+        time.sleep(0.01)
+    holder = pid or "?"
+    return f"{run} is being written by process {holder}; wait for it to end or choose another --out"
 
 
 def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
