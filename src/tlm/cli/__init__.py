@@ -6,12 +6,13 @@ import argparse
 import sys
 
 from tlm.checkpoint import CheckpointError
-from tlm.cli import demo, evaluate, export, generate, info, prepare, train
+from tlm.cli import demo, evaluate, export, generate, info, inspect, prepare, train
 from tlm.cli.args import UsageError, error_exit
 from tlm.config import ConfigError
 from tlm.data import CorpusError
 from tlm.generate import GenerationError
 from tlm.interop import HFFormatError
+from tlm.interpret import HookError
 from tlm.io import FolderError
 from tlm.tokenizer import TokenizerError
 from tlm.train import RunError
@@ -26,9 +27,10 @@ USER_ERRORS = (
     GenerationError,
     HFFormatError,
     FolderError,
+    HookError,
 )
 
-COMMANDS = [prepare, train, generate, evaluate, export, info, demo]
+COMMANDS = [prepare, train, generate, evaluate, export, info, inspect, demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

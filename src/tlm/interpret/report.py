@@ -1,0 +1,157 @@
+"""`inspect_prompt`: everything `tlm inspect` shows about one prompt, as JSON-ready data,
+and `write_report`: the pictures and one self-contained page (`index.html`, data inline)."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlm.interpret.attention import attention_patterns
+from tlm.interpret.attribution import direct_logit_attribution
+from tlm.interpret.hooks import HookError
+from tlm.interpret.lens import logit_lens, residual_stream
+from tlm.interpret.patching import patching_sweep
+from tlm.interpret.plots import (
+    plot_attention,
+    plot_attention_grid,
+    plot_logit_lens,
+    plot_patching,
+    plot_residual_norms,
+)
+from tlm.io import write_text_atomic
+from tlm.model import TransformerLM
+from tlm.tokenizer import Tokenizer
+
+
+def encode_prompt(model: TransformerLM, tokenizer: Tokenizer, prompt: str, what: str) -> list[int]:
+    """<|endoftext|> then the prompt's tokens; refused if empty or longer than the context."""
+    ids = [tokenizer.eot_id, *tokenizer.encode(prompt)]
+    if len(ids) == 1:
+        raise HookError(f"the {what} prompt tokenizes to nothing; give some text")
+    if len(ids) > model.config.context_length:
+        raise HookError(
+            f"the {what} prompt has {len(ids)} tokens (with <|endoftext|>); the model's "
+            f"context is {model.config.context_length}"
+        )
+    return ids
+
+
+def one_token(tokenizer: Tokenizer, text: str, flag: str) -> int:
+    ids = tokenizer.encode(text)
+    if len(ids) != 1:
+        raise HookError(f"{flag} {text!r} is {len(ids)} tokens; give text that is one token")
+    return ids[0]
+
+
+def rounded(tensor: torch.Tensor, places: int = 4) -> Any:
+    return torch.round(tensor.float() * 10**places).div(10**places).tolist()
+
+
+@torch.no_grad()
+def inspect_prompt(
+    model: TransformerLM,
+    tokenizer: Tokenizer,
+    prompt: str,
+    corrupted: str | None = None,
+    target: str | None = None,
+    foil: str | None = None,
+    top_k: int = 5,
+) -> dict[str, Any]:
+    """Patterns, logit lens, residual norms, attribution and (with `corrupted`) patching."""
+    device = next(model.parameters()).device
+    ids = encode_prompt(model, tokenizer, prompt, "clean")
+    x = torch.tensor([ids], device=device)
+    tokens = [tokenizer.decode([i]) for i in ids]
+    lens = logit_lens(model, x)
+    probs, top = lens.top(top_k)
+    words = [[[tokenizer.decode([int(i)]) for i in row] for row in depth] for depth in top]
+    _, stream = residual_stream(model, x)
+    logits = model(x)[0, -1]
+    target_id = one_token(tokenizer, target, "--target") if target else int(logits.argmax())
+    data: dict[str, Any] = {
+        "model": f"{model.config.n_layers} layers, {model.config.n_heads} heads, "
+        f"d_model {model.config.d_model}, {model.config.norm}-norm, {model.config.position}",
+        "prompt": prompt,
+        "tokens": tokens,
+        "patterns": rounded(attention_patterns(model, x)),
+        "lens": {
+            "depths": lens.labels,
+            "k": top_k,
+            "top": [
+                [list(zip(w, p, strict=True)) for w, p in zip(wd, pd.tolist(), strict=True)]
+                for wd, pd in zip(words, probs, strict=True)
+            ],
+        },
+        "norms": rounded(stream.float().norm(dim=-1)),
+        "target": tokenizer.decode([target_id]),
+        "attribution": None,
+        "patching": None,
+    }
+    if model.config.norm == "pre":
+        attribution = direct_logit_attribution(model, x, target_id)
+        data["attribution"] = {
+            "target": data["target"],
+            "logit": float(logits[target_id]),
+            "labels": attribution.labels,
+            "values": rounded(attribution.values),
+        }
+    if corrupted is not None:
+        data["patching"] = _patching(model, tokenizer, x, corrupted, target_id, foil, tokens)
+    return data
+
+
+def _patching(model, tokenizer, x, corrupted, target_id, foil, tokens) -> dict[str, Any]:
+    bad = torch.tensor([encode_prompt(model, tokenizer, corrupted, "corrupted")], device=x.device)
+    foil_id = one_token(tokenizer, foil, "--foil") if foil else None
+    labels = [f"{t}: {tok}" for t, tok in enumerate(tokens)]
+    sweeps = {
+        over: patching_sweep(model, x, bad, target_id, foil_id, over=over, labels=labels)
+        for over in ("positions", "heads")
+    }
+    target = repr(tokenizer.decode([target_id]))
+    name = (
+        f"u[{target}]" if foil_id is None else f"u[{target}] - u[{tokenizer.decode([foil_id])!r}]"
+    )
+    return {
+        "corrupted": corrupted,
+        "metric": name,
+        "clean": sweeps["positions"].clean,
+        "corrupted_value": sweeps["positions"].corrupted,
+        **{
+            over: {"rows": s.rows, "columns": s.columns, "recovery": rounded(s.recovery)}
+            for over, s in sweeps.items()
+        },
+    }
+
+
+def write_report(data: dict[str, Any], out: Path, layer: int = 0, head: int = 0) -> list[Path]:
+    """The PNGs and index.html for `data` (from `inspect_prompt`) in folder `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    patterns = torch.tensor(data["patterns"])  # [L, H, T, T]
+    tokens = data["tokens"]
+    written = [out / "attention.png", out / f"attention-L{layer}H{head}.png"]
+    plot_attention(patterns, tokens, written[0])
+    plot_attention_grid(patterns[layer, head], tokens, written[1], f"layer {layer}, head {head}")
+    lens = data["lens"]
+    top_prob = torch.tensor([[cell[0][1] for cell in depth] for depth in lens["top"]])
+    top_word = [[cell[0][0] for cell in depth] for depth in lens["top"]]
+    written.append(out / "logit-lens.png")
+    plot_logit_lens(top_prob, top_word, lens["depths"], tokens, written[-1])
+    written.append(out / "residual-norms.png")
+    plot_residual_norms(torch.tensor(data["norms"]), lens["depths"], tokens, written[-1])
+    if data["patching"] is not None:
+        for over in ("positions", "heads"):
+            sweep = data["patching"][over]
+            written.append(out / f"patching-{over}.png")
+            title = f"activation patching over {over}: {data['patching']['metric']} restored"
+            recovery = torch.tensor(sweep["recovery"])
+            plot_patching(recovery, sweep["rows"], sweep["columns"], written[-1], title)
+    template = resources.files("tlm.interpret").joinpath("page.html").read_text(encoding="utf-8")
+    inline = json.dumps(data, ensure_ascii=False).replace("</", "<\\/")  # safe inside <script>
+    written.append(out / "index.html")
+    write_text_atomic(written[-1], template.replace("/*DATA*/", inline))
+    return written

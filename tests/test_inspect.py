@@ -1,0 +1,189 @@
+"""`tlm inspect`: the pictures, the page in a real headless Chromium, and bad input."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from tlm import TransformerLM, load_model, load_tokenizer
+from tlm.checkpoint import save_weights, write_config
+from tlm.cli import main
+from tlm.interpret import logit_lens
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "out" / "test-artifacts"  # screenshots of the page, kept after the run
+PROMPT, CORRUPTED = "The for statement", "The far statement"  # one character changed
+
+
+@pytest.fixture(scope="module")
+def run(docs_chars, tmp_path_factory):
+    """A run directory of a small random model with the python-docs characters."""
+    tokenizer = load_tokenizer(docs_chars)
+    config = tiny_config(vocab_size=tokenizer.vocab_size, n_layers=3, context_length=48)
+    torch.manual_seed(0)
+    model = TransformerLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # varied patterns from head to head
+            p.normal_(1.0 if name.endswith("gamma") else 0.0, 0.3)
+    folder = tmp_path_factory.mktemp("runs") / "tiny"
+    folder.mkdir()
+    save_weights(folder / "model.safetensors", model)
+    write_config(folder, config, {})
+    tokenizer.save(folder / "tokenizer.json")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def report(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("inspect")
+    args = ["inspect", str(run), "--prompt", PROMPT, "--corrupted", CORRUPTED]
+    assert main([*args, "--target", "n", "--layer", "1", "--head", "2", "--out", str(out)]) == 0
+    return out
+
+
+def page_data(report):
+    html = (report / "index.html").read_text()
+    inline = re.search(r'<script id="data" type="application/json">(.*?)</script>', html, re.S)
+    return json.loads(inline.group(1))
+
+
+def test_inspect_writes_the_pictures_and_a_self_contained_page(report, run):
+    names = sorted(p.name for p in report.iterdir())
+    assert names == [
+        "attention-L1H2.png",
+        "attention.png",
+        "index.html",
+        "logit-lens.png",
+        "patching-heads.png",
+        "patching-positions.png",
+        "residual-norms.png",
+    ]
+    assert all((report / n).read_bytes()[:4] == b"\x89PNG" for n in names if n.endswith(".png"))
+    html = (report / "index.html").read_text()
+    assert "http://" not in html and "https://" not in html and "src=" not in html  # no network
+    data = page_data(report)
+    tokenizer = load_tokenizer(run)
+    ids = [tokenizer.eot_id, *tokenizer.encode(PROMPT)]
+    assert data["tokens"] == [tokenizer.decode([i]) for i in ids]
+    patterns = torch.tensor(data["patterns"])
+    assert patterns.shape == (3, 4, len(ids), len(ids))
+    assert torch.allclose(patterns.sum(-1), torch.ones(3, 4, len(ids)), atol=1e-3)
+    _, top = logit_lens(load_model(run), torch.tensor([ids])).top(5)
+    for depth in range(4):  # the page's lens is the library's
+        words = [cell[0][0] for cell in data["lens"]["top"][depth]]
+        assert words == [tokenizer.decode([int(i)]) for i in top[depth, :, 0]]
+    recovery = data["patching"]["positions"]["recovery"][0]  # entering block 0, at position
+    assert recovery[6] == pytest.approx(1.0, abs=1e-3)  # 6 ("o" / "a") the stream is the token
+    assert recovery[:6] == [0.0] * 6
+    assert data["attribution"]["target"] == "n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", ""], "the clean prompt tokenizes to nothing"),
+        (["--prompt", "x" * 60], "the clean prompt has 61 tokens (with <|endoftext|>)"),
+        (["--prompt", "ab", "--corrupted", "abc"], "the corrupted prompt has 4 tokens and"),
+        (["--prompt", "ab", "--layer", "3"], "layer 3 is out of range: the model has layers 0..2"),
+        (["--prompt", "ab", "--head", "9"], "head 9 is out of range: the model has heads 0..3"),
+        (["--prompt", "ab", "--target", "xy"], "--target 'xy' is 2 tokens"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys, args, message):
+    assert main(["inspect", str(run), *args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tlm: error:") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and DRIVER):
+        pytest.skip(
+            "Debian's chromium and chromium-driver are not installed (.ci/run installs them)"
+        )
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-sync",
+        "--disable-component-update",
+        "--window-size=1400,1000",
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)  # no download
+    yield driver
+    driver.quit()
+
+
+def console_errors(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def test_the_page_in_a_real_browser(browser, report, run):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    data = page_data(report)
+    T = len(data["tokens"])
+    browser.get((report / "index.html").as_uri())
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "inspect-page.png"))
+    rows = browser.find_elements(By.CSS_SELECTOR, "#grid tr[data-query]")
+    assert len(rows) == T and all(
+        len(r.find_elements(By.CSS_SELECTOR, "td.cell")) == T for r in rows
+    )
+
+    def grid_colours():
+        cells = browser.find_elements(By.CSS_SELECTOR, "#grid td.cell")
+        return [c.value_of_css_property("background-color") for c in cells]
+
+    first = grid_colours()
+    assert first[T] != first[T + 1] or first[2 * T] != first[2 * T + 1]  # α varies along a row
+    assert first[1] == "rgba(255, 255, 255, 1)"  # above the diagonal: α = 0 (causal)
+    Select(browser.find_element(By.ID, "layer")).select_by_value("2")
+    Select(browser.find_element(By.ID, "head")).select_by_value("3")
+    assert grid_colours() != first  # another layer and head draw another grid
+
+    for position in (2, T - 3):  # hovering a token shows the lens at that position
+        ActionChains(browser).move_to_element(
+            browser.find_element(By.ID, f"tok-{position}")
+        ).perform()
+        title = browser.find_element(By.ID, "lens-position").text
+        assert title.startswith(f"position {position}")
+        cells = browser.find_elements(By.CSS_SELECTOR, "#lens tr")[-1].find_elements(
+            By.TAG_NAME, "td"
+        )
+        word, prob = data["lens"]["top"][-1][position][0]
+        assert cells[0].text == f"{json.dumps(word, ensure_ascii=False)[1:-1]} {prob:.3f}"
+        selected = browser.find_element(By.CSS_SELECTOR, "#grid tr.selected")
+        assert selected.get_attribute("data-query") == str(position)
+    browser.save_screenshot(str(ARTIFACTS / "inspect-page-hover.png"))
+    heat = browser.find_elements(By.CSS_SELECTOR, "#patching tr")
+    assert len(heat) == 1 + 3 and browser.find_element(By.ID, "patching-section").is_displayed()
+    assert console_errors(browser) == []
+
+
+def test_a_javascript_error_would_fail_the_page_test(browser, report, tmp_path):
+    """The console check can fail: a page whose script throws is caught."""
+    broken = tmp_path / "index.html"
+    broken.write_text((report / "index.html").read_text().replace("drawGrid();\n", "drawGird();\n"))
+    browser.get(broken.as_uri())
+    assert any("drawGird" in message for message in console_errors(browser))
