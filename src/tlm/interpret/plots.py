@@ -121,12 +121,12 @@ def plot_patching(
     """The share of the clean behaviour each patched activation restores [rows, columns]."""
     plt = _pyplot()
     R, C = recovery.shape
-    fig, ax = plt.subplots(figsize=(min(20, 2.5 + 0.7 * C), 1.5 + 0.5 * R))
+    fig, ax = plt.subplots(figsize=(min(14, 3 + 0.4 * C), 2.5 + 0.45 * R))
     limit = max(1.0, float(recovery.abs().max()))
     image = ax.imshow(recovery.cpu().numpy(), cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto")
-    ax.set_xticks(range(C), columns, rotation=90, fontsize=8)
+    ax.set_xticks(range(C), labels_of(columns), rotation=90, fontsize=8)
     ax.set_yticks(range(R), rows, fontsize=8)
-    fig.colorbar(image, ax=ax, fraction=0.03, label="recovery (1 = all of the clean difference)")
+    fig.colorbar(image, ax=ax, fraction=0.04, label="recovery")
     ax.set_title(title)
     fig.tight_layout()
     _save(fig, path)
