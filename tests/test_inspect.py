@@ -187,3 +187,20 @@ def test_a_javascript_error_would_fail_the_page_test(browser, report, tmp_path):
     broken.write_text((report / "index.html").read_text().replace("drawGrid();\n", "drawGird();\n"))
     browser.get(broken.as_uri())
     assert any("drawGird" in message for message in console_errors(browser))
+
+
+def test_inspect_reads_a_hugging_face_gpt2_directory(gpt2_dir, tmp_path):
+    out = tmp_path / "out"
+    args = ["inspect", str(gpt2_dir), "--prompt", "The for statement", "--out", str(out)]
+    assert main([*args, "--corrupted", "The if statement"]) == 0
+    data = page_data(out)
+    tokenizer = load_tokenizer(gpt2_dir)
+    assert data["tokens"][1:] == [
+        tokenizer.decode([i]) for i in tokenizer.encode("The for statement")
+    ]
+    assert len(data["patterns"]) == 2 and data["patching"]["heads"]["columns"] == [
+        "H0",
+        "H1",
+        "H2",
+        "H3",
+    ]
