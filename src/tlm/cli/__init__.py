@@ -6,7 +6,19 @@ import argparse
 import sys
 
 from tlm.checkpoint import CheckpointError
-from tlm.cli import demo, evaluate, export, generate, info, inspect, prepare, train
+from tlm.cli import (
+    ask,
+    classify,
+    demo,
+    evaluate,
+    export,
+    generate,
+    info,
+    inspect,
+    prepare,
+    score,
+    train,
+)
 from tlm.cli.args import UsageError, error_exit
 from tlm.config import ConfigError
 from tlm.data import CorpusError
@@ -14,6 +26,7 @@ from tlm.generate import GenerationError
 from tlm.interop import HFFormatError
 from tlm.interpret import HookError
 from tlm.io import FolderError
+from tlm.tasks import TaskError
 from tlm.tokenizer import TokenizerError
 from tlm.train import RunError
 
@@ -28,9 +41,10 @@ USER_ERRORS = (
     HFFormatError,
     FolderError,
     HookError,
+    TaskError,
 )
 
-COMMANDS = [prepare, train, generate, evaluate, export, info, inspect, demo]
+COMMANDS = [prepare, train, generate, evaluate, score, classify, ask, export, info, inspect, demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

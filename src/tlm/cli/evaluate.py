@@ -13,6 +13,7 @@ from tlm.load import load_model, load_tokenizer
 EXAMPLE = """examples:
   tlm eval runs/shakespeare_char --data data/shakespeare_char --split val --json
   tlm eval runs/shakespeare_char --text some.txt other.txt
+  tlm eval runs/shakespeare_char --data data/shakespeare_char --stride 16   # more context
 
 --text reads files as `tlm prepare` does (a .txt file is one document, --line-docs one per
 line, .jsonl a "text" field per line; folders, globs and built-in corpora too), and puts
@@ -27,6 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--split", default="val", help="train or val (default val)")
     parser.add_argument("--text", nargs="+", metavar="FILE", help="raw UTF-8 text files")
     parser.add_argument("--line-docs", action="store_true", help="with --text: one per line")
+    parser.add_argument(
+        "--stride",
+        type=int,
+        help="rolling windows: each new window scores S tokens, with T - S of context before",
+    )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
@@ -43,15 +49,17 @@ def run(args: argparse.Namespace) -> int:
             fail(f"{args.data} was not tokenized with the tokenizer of {args.run}")
         tokens = data.split(args.split)
         scores = evaluate_tokens(
-            model, tokens, tokenizer.token_bytes(), args.batch_size, None, True
+            model, tokens, tokenizer.token_bytes(), args.batch_size, None, True, args.stride
         )
         results = {"split": args.split, **scores}
     else:
         texts = list(documents(resolve_sources(args.text, args.line_docs)))
         if not texts:
             fail(f"{' '.join(args.text)}: no text to evaluate")
-        scores = evaluate_text(model, tokenizer, texts, args.batch_size, progress=True)
+        scores = evaluate_text(model, tokenizer, texts, args.batch_size, True, args.stride)
         results = {"text": args.text, **scores}
+    if args.stride is not None:
+        results["stride"] = args.stride
     if args.json:
         print(json.dumps(results))
     else:

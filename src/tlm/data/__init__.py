@@ -1,6 +1,12 @@
 """Data: corpora read as streams of documents, tokenized, packed into memmapped token files."""
 
-from tlm.data.batches import batch_generator, count_eval_chunks, eval_windows, random_windows
+from tlm.data.batches import (
+    batch_generator,
+    count_eval_chunks,
+    eval_windows,
+    random_windows,
+    strided_windows,
+)
 from tlm.data.corpus import CorpusError, Source, documents, resolve_sources
 from tlm.data.prepare import TokenData, prepare
 
@@ -15,4 +21,5 @@ __all__ = [
     "prepare",
     "random_windows",
     "resolve_sources",
+    "strided_windows",
 ]

@@ -58,3 +58,26 @@ def count_eval_chunks(n_tokens: int, T: int, chunk: int = 1024) -> int:
     """How many tensors `eval_windows` yields for `n_tokens` tokens (for progress bars)."""
     n_full, rest = divmod(max(0, n_tokens - 1), T)
     return -(-n_full // chunk) + (rest > 0)
+
+
+def strided_windows(n_tokens: int, T: int, stride: int) -> list[tuple[int, int, int]]:
+    """Rolling windows over a stream of `n_tokens`: (start, length, first scored position).
+
+    Window k holds tokens [k·stride, k·stride + length) and predicts each of them after the
+    first; only targets no earlier window scored count, so each window's first T − stride
+    predictions are context only and every token after the first is scored exactly once,
+    with at least T − stride tokens before it (all of them up to T with stride 1). Stride T
+    gives the non-overlapping windows of `eval_windows`.
+    """
+    if not 1 <= stride <= T:
+        raise CorpusError(f"stride must be in [1, {T}] (the context length), got {stride}")
+    windows, scored = [], 0  # targets 1..scored are done
+    for start in range(0, max(1, n_tokens - 1), stride):
+        length = min(T + 1, n_tokens - start)  # T inputs and the token after them
+        end = start + length - 1  # the last target of this window
+        if end > scored:
+            windows.append((start, length, scored - start))  # predictions from this index on
+            scored = end
+        if end == n_tokens - 1:
+            break
+    return windows

@@ -1,0 +1,75 @@
+"""`tlm classify`: zero-shot classification by comparing the labels' probabilities (§10.7)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tlm.cli.args import add_command
+from tlm.load import load_model, load_tokenizer
+from tlm.tasks import accuracy, classify, confusion_matrix
+from tlm.tasks.inputs import read_examples
+
+EXAMPLE = """examples:
+  tlm classify runs/demo --labels positive,negative \\
+      --template 'The sentiment of the sentence "{text}" is:' \\
+      --input reviews.jsonl --gold-field label
+  echo "I loved it" | tlm classify runs/demo --labels positive,negative --template '{text} It was'
+
+Each input goes into the template in place of {text}; each label follows it after a space,
+and the label with the higher probability wins. --input: .jsonl (--text-field, default
+text), .tsv (text<TAB>gold), or plain lines (- for stdin). With gold labels: accuracy (by
+summed log-probability, per token, and per byte as acc_norm) and a confusion matrix.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(sub, "classify", "classify texts by label probability", EXAMPLE)
+    parser.add_argument("run", help="run directory or Hugging Face GPT-2 directory")
+    parser.add_argument("--labels", required=True, help="comma-separated labels")
+    parser.add_argument("--template", required=True, help='with {text}, e.g. "{text} It was"')
+    parser.add_argument("--input", default="-", help="FILE.jsonl, FILE.tsv, FILE or - (stdin)")
+    parser.add_argument("--text-field", default="text", help="JSONL field of the text")
+    parser.add_argument("--gold-field", help="JSONL field of the gold label (.tsv: 2nd column)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    labels = [label.strip() for label in args.labels.split(",")]
+    examples = read_examples(args.input, args.text_field, args.gold_field)
+    model, tokenizer = load_model(args.run), load_tokenizer(args.run)
+    results = classify(model, tokenizer, [text for text, _ in examples], labels, args.template)
+    rows = [
+        {
+            "text": r.text,
+            "label": r.label,
+            "label_norm": r.label_norm,
+            "probabilities": r.probabilities,
+        }
+        for r in results
+    ]
+    gold = [g for _, g in examples]
+    summary = None
+    if all(g is not None for g in gold):
+        summary = {"labels": labels, "n": len(gold)}
+        for name, key in (("acc", "label"), ("acc_norm", "label_norm")):
+            summary[name], summary[f"{name}_stderr"] = accuracy(
+                [row[key] == g for row, g in zip(rows, gold, strict=True)]
+            )
+        summary["confusion"] = confusion_matrix(gold, [row["label"] for row in rows], labels)
+    if args.json:
+        print(json.dumps({"results": rows, "summary": summary}))
+        return 0
+    for row in rows:
+        probs = "  ".join(f"{label} {p:.3f}" for label, p in row["probabilities"].items())
+        print(f"{row['label']}\t{probs}\t{row['text']}")
+    if summary:
+        print(
+            f"accuracy {summary['acc']:.3f} ± {summary['acc_stderr']:.3f} (acc_norm "
+            f"{summary['acc_norm']:.3f}) over {summary['n']}; rows gold, columns predicted:"
+        )
+        width = max(len(label) for label in labels)
+        for label, counts in zip(labels, summary["confusion"], strict=True):
+            print(f"  {label:>{width}}  " + "  ".join(f"{c:5d}" for c in counts))
+    return 0
