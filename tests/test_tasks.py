@@ -285,3 +285,18 @@ def test_the_three_rankings_sum_per_token_per_byte():
 
     options = [option(-6, 3, 12), option(-4, 1, 2), option(-5, 5, 5)]
     assert best(options) == {"acc": 1, "acc_per_token": 2, "acc_norm": 0}
+
+
+def test_the_documented_word_order_sets_pair_equal_characters():
+    from pathlib import Path
+
+    from tlm.tasks.inputs import read_choices
+
+    folder = Path(__file__).resolve().parents[1] / "docs" / "tasks"
+    for name, n in (("python-word-order.jsonl", 41), ("shakespeare-word-order.jsonl", 30)):
+        items = read_choices(str(folder / name))
+        assert len(items) == n
+        for item in items:
+            right, wrong = item["choices"][item["gold"]], item["choices"][1 - item["gold"]]
+            assert sorted(right) == sorted(wrong) and right != wrong
+            assert right.split(" ")[0] == wrong.split(" ")[0]
