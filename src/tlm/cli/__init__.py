@@ -16,6 +16,7 @@ from tlm.cli import (
     info,
     inspect,
     prepare,
+    scaling,
     score,
     train,
 )
@@ -26,6 +27,7 @@ from tlm.generate import GenerationError
 from tlm.interop import HFFormatError
 from tlm.interpret import HookError
 from tlm.io import FolderError
+from tlm.scaling import FitError, SweepError
 from tlm.tasks import TaskError
 from tlm.tokenizer import TokenizerError
 from tlm.train import RunError
@@ -42,9 +44,24 @@ USER_ERRORS = (
     FolderError,
     HookError,
     TaskError,
+    FitError,
+    SweepError,
 )
 
-COMMANDS = [prepare, train, generate, evaluate, score, classify, ask, export, info, inspect, demo]
+COMMANDS = [
+    prepare,
+    train,
+    generate,
+    evaluate,
+    score,
+    classify,
+    ask,
+    scaling,
+    export,
+    info,
+    inspect,
+    demo,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,57 @@
+"""scaling.png: the sweep's losses against N, D and C on log-log axes, with the fitted laws."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tlm.io import atomic_path
+from tlm.scaling.fit import Fits, best_per, frontier
+
+
+def plot_scaling(
+    N: np.ndarray,
+    D: np.ndarray,
+    L: np.ndarray,
+    fits: Fits,
+    path: Path,
+    held_out: tuple[float, float, float] | None = None,
+) -> None:
+    """Three panels: L(N), L(D) and L(C) (eq. 10.52-10.54); `held_out` = (N, D, loss) of a
+    run left out of the fit, drawn as a star where it landed and where it was predicted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    C = 6 * N * D
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), constrained_layout=True)
+    panels = [
+        (axes[0], N, best_per(N, L), fits.N, "N (non-embedding parameters)", "α_N"),
+        (axes[1], D, best_per(D, L), fits.D, "D (training tokens)", "α_D"),
+        (axes[2], C, frontier(C, L), fits.C, "C = 6ND (FLOPs)", "α_C"),
+    ]
+    for ax, X, (xs, ls), law, label, name in panels:
+        ax.scatter(X, L, s=14, color="0.65", label="every run")
+        ax.scatter(xs, ls, s=28, color="C0", label="fitted points")
+        grid = np.geomspace(X.min() / 1.5, X.max() * 1.5, 100)
+        ax.plot(grid, law(grid), color="C1", label=f"{name} = {law.alpha:.3f}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.grid(alpha=0.3, which="both")
+    if held_out is not None:
+        n, d, loss = held_out
+        axes[2].scatter([6 * n * d], [loss], marker="*", s=160, color="C3", label="held out")
+        axes[2].scatter(
+            [6 * n * d], [fits.joint(n, d)], marker="x", s=80, color="C3", label="L(N, D) predicted"
+        )
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.suptitle("scaling laws (eq. 10.52-10.54) fitted to this sweep")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)
