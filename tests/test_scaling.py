@@ -11,7 +11,7 @@ import pytest
 
 from tlm.cli import main
 from tlm.scaling import bootstrap, fit_all, plan_budgets
-from tlm.scaling.fit import Joint, power_law
+from tlm.scaling.fit import Joint, best_per, frontier, power_law
 from tlm.scaling.sweep import non_embedding
 
 
@@ -22,6 +22,20 @@ def test_a_power_law_is_recovered_from_noisy_points():
     law = power_law(X, L)
     assert law.alpha == pytest.approx(0.076, abs=0.005)
     assert np.allclose(law(X), (2.3e5 / X) ** 0.076, rtol=0.01)
+
+
+def test_each_law_sees_the_runs_kaplan_et_al_measure():
+    N = np.array([1e4, 1e4, 2e4, 2e4, 4e4])
+    D = np.array([1e5, 4e5, 1e5, 4e5, 1e5])
+    L = np.array([3.0, 2.6, 2.8, 2.4, 2.7])
+    xs, best = best_per(N, L)  # each size at its lowest loss
+    assert xs.tolist() == [1e4, 2e4, 4e4] and best.tolist() == [2.6, 2.4, 2.7]
+    xs, best = best_per(D, L)
+    assert xs.tolist() == [1e5, 4e5] and best.tolist() == [2.7, 2.4]
+    C, best = frontier(6 * N * D, L)  # C: 6e9, 2.4e10, 1.2e10, 4.8e10, 2.4e10
+    assert (C / 6e9).tolist() == [1, 2, 4, 8] and best.tolist() == [3.0, 2.8, 2.6, 2.4]
+    fits = fit_all(N, D, L)
+    assert fits.C.alpha == pytest.approx(-np.polyfit(np.log(C), np.log(best), 1)[0])
 
 
 TRUTH = Joint(1.5, 40.0, 300.0, 0.35, 0.4)

@@ -96,7 +96,7 @@ def best_per(X: np.ndarray, L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def frontier(C: np.ndarray, L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Runs that reach a lower loss than every run of less compute."""
-    order = np.argsort(C)
+    order = np.lexsort((L, C))  # by compute; of equal compute, the lower loss first
     keep, best = [], math.inf
     for i in order:
         if L[i] < best:
