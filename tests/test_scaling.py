@@ -2,6 +2,7 @@
 data, and a sweep that resumes without repeating a run."""
 
 import csv
+import json
 import subprocess
 import sys
 import time
@@ -128,19 +129,40 @@ def test_bad_csv_is_one_line_and_exit_2(tmp_path, capsys, content, message):
     assert err.startswith("tlm: error:") and message in err and err.count("\n") == 1
 
 
+def write_sweep(folder, N, D, L):
+    path = folder / "sweep.csv"
+    rows = [f"r{i},{n},{d},{x}" for i, (n, d, x) in enumerate(zip(N, D, L, strict=True))]
+    path.write_text("\n".join(["name,N,D,val_loss", *rows]) + "\n")
+    return path
+
+
 def test_fit_command_writes_the_picture_and_predicts_the_held_out_run(tmp_path, capsys):
     N, D, L, truth = synthetic(seed=2, noise=0.005)
-    path = tmp_path / "sweep.csv"
-    lines = ["name,N,D,val_loss"] + [
-        f"r{i},{n},{d},{loss}" for i, (n, d, loss) in enumerate(zip(N, D, L, strict=True))
-    ]
-    path.write_text("\n".join(lines) + "\n")
+    path = write_sweep(tmp_path, N, D, L)
     assert main(["scaling", "fit", str(path), "--rounds", "10", "--json"]) == 0
-    import json
-
     report = json.loads(capsys.readouterr().out)
-    held = report["held_out"]
+    [held] = report["held_out"]
     assert held["name"] == f"r{int(np.argmax(N * D))}"  # the largest C by default
     assert abs(held["error"]) < 0.03
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "fit.json").read_text())["runs"] == len(L) - 1
+
+
+def test_runs_from_a_budget_up_are_held_out_and_predicted(tmp_path, capsys):
+    N, D, L, truth = synthetic(seed=3, noise=0.005)
+    path = write_sweep(tmp_path, N, D, L)
+    C = 6 * N * D
+    top = np.sort(C)[-3]
+    assert (
+        main(["scaling", "fit", str(path), "--rounds", "5", "--holdout-from", str(top), "--json"])
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert sorted(h["name"] for h in report["held_out"]) == sorted(
+        f"r{i}" for i in np.flatnonzero(C >= top)
+    )
+    assert report["runs"] == len(L) - 3
+    for h in report["held_out"]:
+        assert h["predicted"] == pytest.approx(truth(h["N"], h["D"]), rel=0.03)
+    assert main(["scaling", "fit", str(path), "--holdout", "r0", "nope"]) == 2
+    assert "'nope' is not a run" in capsys.readouterr().err

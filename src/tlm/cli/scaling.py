@@ -23,6 +23,7 @@ EXAMPLE = """examples:
   tlm scaling sweep --data data/shakespeare_char --out runs/grid --sizes 2x64 4x128 \\
       --tokens 2e5 1e6
   tlm scaling fit runs/scaling/sweep.csv        # writes scaling.png and fit.json beside it
+  tlm scaling fit runs/scaling/sweep.csv --holdout-from 1e13   # predict the 1e13 runs
 
 A sweep stopped for any reason continues when the same command is run again: finished runs
 (rows of sweep.csv) are never repeated; a run with a checkpoint resumes from it.
@@ -48,7 +49,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     sweep.set_defaults(handler=run_sweep_command)
     fit = verbs.add_parser("fit", help="fit L(N), L(D), L(C) and L(N, D) to a sweep's CSV")
     fit.add_argument("csv", help="sweep.csv (columns name, N, D, val_loss)")
-    fit.add_argument("--holdout", help="the run to leave out and predict (default: largest C)")
+    fit.add_argument(
+        "--holdout",
+        nargs="+",
+        metavar="NAME",
+        help="runs to leave out and predict (default: the one of largest C; 'none': none)",
+    )
+    fit.add_argument(
+        "--holdout-from",
+        type=float,
+        metavar="C",
+        help="leave out and predict every run of at least C FLOPs (within 2%%)",
+    )
     fit.add_argument("--rounds", type=int, default=200, help="bootstrap rounds (200)")
     fit.add_argument("--out", help="folder for scaling.png and fit.json (the CSV's)")
     fit.add_argument("--json", action="store_true", help="print one JSON object")
@@ -98,32 +110,47 @@ def load_csv(path: str) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
     return names, N, D, L
 
 
+def held_out(names: list[str], C: np.ndarray, args: argparse.Namespace) -> np.ndarray:
+    """Which runs the fit leaves out, to predict them."""
+    if args.holdout_from is not None:
+        if args.holdout:
+            fail("give --holdout or --holdout-from, not both")
+        return C >= args.holdout_from * 0.98  # planned runs land within 2% of their budget
+    if args.holdout == ["none"]:
+        return np.zeros(len(names), dtype=bool)
+    if args.holdout:
+        unknown = [name for name in args.holdout if name not in names]
+        if unknown:
+            fail(f"--holdout {unknown[0]!r} is not a run of {args.csv}")
+        return np.isin(names, args.holdout)
+    held = np.zeros(len(names), dtype=bool)
+    if len(names) > 3:
+        held[np.argmax(C)] = True
+    return held
+
+
 def run_fit_command(args: argparse.Namespace) -> int:
     names, N, D, L = load_csv(args.csv)
-    keep = np.ones(len(L), dtype=bool)
-    held = None
-    if args.holdout != "none" and len(L) > 3:
-        index = names.index(args.holdout) if args.holdout in names else int(np.argmax(N * D))
-        if args.holdout not in (None, *names):
-            fail(f"--holdout {args.holdout!r} is not a run of {args.csv}")
-        keep[index] = False
-        held = index
+    held = held_out(names, 6 * N * D, args)
+    keep = ~held
     fits = fit_all(N[keep], D[keep], L[keep])
     fits.intervals = bootstrap(N[keep], D[keep], L[keep], args.rounds)
-    report = summary(fits, len(L[keep]))
-    if held is not None:
-        predicted = float(fits.joint(N[held], D[held]))
-        report["held_out"] = {
-            "name": names[held],
-            "N": N[held],
-            "D": D[held],
-            "loss": L[held],
-            "predicted": predicted,
-            "error": predicted / L[held] - 1,
+    report = summary(fits, int(keep.sum()))
+    report["held_out"] = [
+        {
+            "name": names[i],
+            "N": N[i],
+            "D": D[i],
+            "C": 6 * N[i] * D[i],
+            "loss": L[i],
+            "predicted": float(fits.joint(N[i], D[i])),
+            "error": float(fits.joint(N[i], D[i])) / L[i] - 1,
+            "frontier": float(fits.C(6 * N[i] * D[i])),
         }
+        for i in np.flatnonzero(held)
+    ]
     out = Path(args.out or Path(args.csv).parent)
-    hold = None if held is None else (N[held], D[held], L[held])
-    plot_scaling(N[keep], D[keep], L[keep], fits, out / "scaling.png", hold)
+    plot_scaling(N[keep], D[keep], L[keep], fits, out / "scaling.png", (N[held], D[held], L[held]))
     write_text_atomic(out / "fit.json", json.dumps(report, indent=2) + "\n")
     print(json.dumps(report) if args.json else describe(report))
     return 0
@@ -172,10 +199,10 @@ def describe(r: dict) -> str:
     lines.append("    (Chinchilla: E = 1.69, α = 0.34, β = 0.28)")
     for C, nd in r["optimal"].items():
         lines.append(f"  compute-optimal at C = {C}: N = {nd['N']:.3g}, D = {nd['D']:.3g}")
-    if "held_out" in r:
-        h = r["held_out"]
+    for h in r["held_out"]:
         lines.append(
-            f"  held out {h['name']}: measured {h['loss']:.4f}, predicted "
-            f"{h['predicted']:.4f} ({h['error']:+.1%})"
+            f"  held out {h['name']} (C = {h['C']:.3g}): measured {h['loss']:.4f}, "
+            f"L(N, D) predicts {h['predicted']:.4f} ({h['error']:+.1%}); "
+            f"the L(C) frontier there: {h['frontier']:.4f}"
         )
     return "\n".join(lines)
