@@ -35,6 +35,8 @@ def test_each_law_sees_the_runs_kaplan_et_al_measure():
     assert xs.tolist() == [1e5, 4e5] and best.tolist() == [2.7, 2.4]
     C, best = frontier(6 * N * D, L)  # C: 6e9, 2.4e10, 1.2e10, 4.8e10, 2.4e10
     assert (C / 6e9).tolist() == [1, 2, 4, 8] and best.tolist() == [3.0, 2.8, 2.6, 2.4]
+    near = frontier(np.array([1.0, 1.01, 1.02, 2.0]), np.array([2.3, 2.2, 2.1, 2.0]))
+    assert [x.tolist() for x in near] == [[1.02, 2.0], [2.1, 2.0]]  # one budget, one point
     fits = fit_all(N, D, L)
     assert fits.C.alpha == pytest.approx(-np.polyfit(np.log(C), np.log(best), 1)[0])
 

@@ -94,11 +94,24 @@ def best_per(X: np.ndarray, L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return xs, np.array([L[X == x].min() for x in xs])
 
 
-def frontier(C: np.ndarray, L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Runs that reach a lower loss than every run of less compute."""
+def frontier(
+    C: np.ndarray, L: np.ndarray, tolerance: float = 0.05
+) -> tuple[np.ndarray, np.ndarray]:
+    """The lowest loss at each compute, where it is lower than at every smaller compute.
+
+    Runs within `tolerance` of one compute (one budget, after rounding to whole steps)
+    count as one point: the best of them.
+    """
     order = np.lexsort((L, C))  # by compute; of equal compute, the lower loss first
-    keep, best = [], math.inf
+    groups: list[list[int]] = []
     for i in order:
+        if groups and C[i] <= C[groups[-1][0]] * (1 + tolerance):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    keep, best = [], math.inf
+    for group in groups:
+        i = min(group, key=lambda j: L[j])
         if L[i] < best:
             keep.append(i)
             best = L[i]
