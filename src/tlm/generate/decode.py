@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -23,6 +22,7 @@ from tlm.generate.sampling import (
     process_logits,
     sample,
 )
+from tlm.generate.slots import Slots, random_seed, row_generator
 from tlm.model.kv_cache import KVCache
 
 
@@ -149,7 +149,8 @@ def generate(
     With `num_return_sequences` n, each prompt becomes n consecutive rows. Sample j of a
     prompt draws from its own generator, seeded by (seed, j): a sample does not depend on
     which other prompts share the batch. Stops when every row has ended or after
-    `max_new_tokens` steps.
+    `max_new_tokens` steps. The cached path runs on `Slots` (each row at its own length);
+    `use_cache=False` runs the whole window of every row at every step, the reference.
     """
     config = config or GenerationConfig(**settings)
     if config.num_beams > 1:
@@ -157,8 +158,34 @@ def generate(
     n = config.num_return_sequences
     ids = input_ids.repeat_interleave(n, dim=0)
     mask = None if attention_mask is None else attention_mask.repeat_interleave(n, dim=0)
-    context = Context(model, ids, mask, config.use_cache, config.max_new_tokens)
-    yield from _decode(model, context, config)
+    if config.use_cache:
+        yield from _decode_slots(model, ids, mask, config)
+    else:
+        yield from _decode(model, Context(model, ids, mask, use_cache=False), config)
+
+
+def _decode_slots(model: nn.Module, ids: Tensor, mask: Tensor | None, c: GenerationConfig):
+    """The rows of ids [B,T] (padding dropped) as sequences of one `Slots`, stepped together."""
+    if c.max_new_tokens == 0:
+        return
+    B, n = ids.shape[0], c.num_return_sequences
+    seed = random_seed() if c.seed is None else c.seed
+    capacity = min(model.config.context_length, ids.shape[1] + c.max_new_tokens)
+    slots = Slots(model, B, capacity)
+    prompts = [
+        row.tolist() if mask is None else row[mask[r].bool()].tolist() for r, row in enumerate(ids)
+    ]
+    rows = {slots.add(prompt, c, r % n, seed): r for r, prompt in enumerate(prompts)}
+    finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    eos = torch.tensor(c.eos_ids, device=ids.device, dtype=torch.long)
+    while not slots.idle():
+        tokens = torch.full((B,), c.pad_id, dtype=torch.long, device=ids.device)
+        logprobs = torch.zeros(B, device=ids.device)  # 0 for a row that has ended
+        for emitted in slots.step():
+            tokens[rows[emitted.sequence]] = emitted.token
+            logprobs[rows[emitted.sequence]] = emitted.logprob
+        finished = finished | torch.isin(tokens, eos)
+        yield Step(tokens, logprobs, finished)
 
 
 def _decode(model: nn.Module, context: Context, c: GenerationConfig) -> Iterator[Step]:
@@ -216,10 +243,5 @@ def _row_generators(
     seed: int | None, rows: int, per_prompt: int, device: torch.device
 ) -> list[torch.Generator]:
     """Row r is sample r % per_prompt of its prompt; it draws from a generator of (seed, j)."""
-    if seed is None:  # follows torch.manual_seed, like the rest of PyTorch
-        seed = int(torch.randint(0, 2**62, ()).item())
-    generators = []
-    for row in range(rows):
-        state = np.random.SeedSequence([seed, row % per_prompt]).generate_state(1, np.uint64)[0]
-        generators.append(torch.Generator(device=device).manual_seed(int(state)))
-    return generators
+    seed = random_seed() if seed is None else seed
+    return [row_generator(seed, row % per_prompt, device) for row in range(rows)]

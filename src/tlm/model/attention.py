@@ -22,6 +22,7 @@ from tlm.model.functional import linear
 from tlm.model.hooks import HookPoint
 from tlm.model.kv_cache import KVCache
 from tlm.model.positions import Rotary
+from tlm.model.slot_cache import Rows
 
 
 def causal_mask(T: int, S: int, device: torch.device | None = None) -> Tensor:
@@ -161,7 +162,7 @@ class MultiHeadAttention(nn.Module):
         x: Tensor,
         positions: Tensor | None = None,
         mask: Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | Rows | None = None,
     ) -> Tensor:
         """x: [B,T,d] -> a: [B,T,d].
 

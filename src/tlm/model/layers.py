@@ -16,6 +16,7 @@ from tlm.model.functional import ACTIVATIONS, linear
 from tlm.model.hooks import HookPoint
 from tlm.model.kv_cache import KVCache
 from tlm.model.positions import sinusoidal_table
+from tlm.model.slot_cache import Rows
 
 
 class Embedding(nn.Module):
@@ -98,7 +99,11 @@ class PreNormBlock(nn.Module):
         self.drop = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: Tensor, positions: Tensor, mask: Tensor | None = None, cache: KVCache | None = None
+        self,
+        x: Tensor,
+        positions: Tensor,
+        mask: Tensor | None = None,
+        cache: KVCache | Rows | None = None,
     ) -> Tensor:
         x = self.resid_pre(x)
         t2 = self.attn(self.ln1(x), positions, mask, cache)  # eq. 9.39-9.40  MHA(LayerNorm(X))
@@ -111,7 +116,11 @@ class PostNormBlock(PreNormBlock):
     """The post-norm form of the original transformer (eq. 10.24-10.31): norm after the add."""
 
     def forward(
-        self, x: Tensor, positions: Tensor, mask: Tensor | None = None, cache: KVCache | None = None
+        self,
+        x: Tensor,
+        positions: Tensor,
+        mask: Tensor | None = None,
+        cache: KVCache | Rows | None = None,
     ) -> Tensor:
         x = self.resid_pre(x)
         t1 = self.attn(x, positions, mask, cache)  # eq. 10.26  SelfAttention(X)

@@ -14,6 +14,7 @@ from tlm.model.hooks import HookPoint, name_hook_points
 from tlm.model.kv_cache import KVCache
 from tlm.model.layers import BLOCKS, Embedding, LayerNorm
 from tlm.model.packed import can_prepack_float32, check_format, pack_for_inference
+from tlm.model.slot_cache import Rows
 
 
 class TransformerLM(nn.Module):
@@ -81,15 +82,17 @@ class TransformerLM(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        cache: KVCache | None = None,
+        cache: KVCache | Rows | None = None,
         attention_mask: Tensor | None = None,
         last_only: bool = False,
     ) -> Tensor:
         """input_ids [B,T] -> logits [B,T,V] ([B,1,V] with `last_only`).
 
         With a `cache`, input_ids are the positions after the ones it holds, and their keys
-        and values are added to it. `attention_mask` [B, cached + T] is 1 for tokens and 0
-        for left padding: padding is never attended to, and positions count tokens only.
+        and values are added to it; a `SlotCache.rows(...)` cache gives each row its own
+        length, positions and mask (`model/slot_cache.py`). `attention_mask` [B, cached + T]
+        is 1 for tokens and 0 for left padding: padding is never attended to, and positions
+        count tokens only.
         """
         B, T = input_ids.shape
         start = 0 if cache is None else cache.length
@@ -98,7 +101,11 @@ class TransformerLM(nn.Module):
                 f"input has {start + T} tokens; context_length is {self.config.context_length}"
             )
         mask = None
-        if attention_mask is None:
+        if isinstance(cache, Rows):  # a length per row (continuous batching)
+            if attention_mask is not None:
+                raise ValueError("rows of a SlotCache have no padding: give no attention_mask")
+            positions, mask = cache.positions(T), cache.mask(T)
+        elif attention_mask is None:
             positions = torch.arange(start, start + T, device=input_ids.device)  # [T]
         else:
             positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, start:]  # [B,T]

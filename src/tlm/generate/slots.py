@@ -1,0 +1,228 @@
+"""Continuous batching: a decoding state per row, advanced one token at a time.
+
+`Slots` holds up to `slots` sequences at once, each in its own row of a `SlotCache`, with
+its own length and positions, sampling settings, random generator and stop rules.
+`step()` advances every row by one token:
+
+1. sequences waiting for a row take the free ones (lowest first);
+2. rows new this step run their prompt ("prefill"; rows of one length side by side share
+   one pass), and a row whose text has outgrown its cache runs its last `capacity` tokens
+   again (the window slides for that row only, as the uncached model sees it);
+3. every other row feeds its last token through one batched pass over the rows in use;
+4. each row chooses its token from its own logits with its own settings, and a row that
+   has ended gives its row back at once.
+
+A sequence joins at the next step and leaves when done, and nothing it does reaches
+another row: the same seed gives the same tokens alone or in a busy batch. `generate`
+(`decode.py`) and the server (`tlm.serve`) both run on this.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from tlm.generate.sampling import (
+    GenerationError,
+    apply_repetition_penalty,
+    greedy,
+    process_logits,
+    sample,
+)
+from tlm.model.slot_cache import SlotCache
+
+
+@dataclass(eq=False)  # compared and hashed by identity
+class Sequence:
+    """One row's prompt, settings and output so far."""
+
+    prompt: list[int]
+    config: object  # GenerationConfig (decode.py imports this module)
+    generator: torch.Generator | None
+    seen: Tensor | None  # [V] bool, for the repetition penalty
+    top_logprobs: int = 0
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos", "length" or "cancelled"
+    slot: int | None = None
+    fresh: bool = True  # its prompt is not in the cache yet
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Emitted:
+    """The token one sequence chose at a step."""
+
+    sequence: Sequence
+    token: int
+    logprob: float  # log P(token | text) under the model, before any filtering
+    top: list[tuple[int, float]]  # the `top_logprobs` likeliest tokens and their log P
+    finished: bool
+
+
+def row_generator(seed: int, sample: int, device: torch.device | str) -> torch.Generator:
+    """Sample j of a prompt draws from a generator of (seed, j), whatever else is running."""
+    state = np.random.SeedSequence([seed, sample]).generate_state(1, np.uint64)[0]
+    return torch.Generator(device=device).manual_seed(int(state))
+
+
+def random_seed() -> int:
+    """A seed when none is given; follows torch.manual_seed, like the rest of PyTorch."""
+    return int(torch.randint(0, 2**62, ()).item())
+
+
+class Slots:
+    """Up to `slots` sequences decoded together, each at its own pace."""
+
+    def __init__(self, model: nn.Module, slots: int, capacity: int | None = None) -> None:
+        self.model = model
+        N = model.config.context_length
+        self.capacity = min(capacity or N, N)
+        first = next(model.parameters())
+        self.device = first.device
+        self.cache = SlotCache(model.config, slots, self.capacity, first.dtype, first.device)
+        self.rows: list[Sequence | None] = [None] * slots
+        self.waiting: deque[Sequence] = deque()
+
+    def add(
+        self, prompt: list[int], config, sample: int = 0, seed: int | None = None, top_logprobs=0
+    ) -> Sequence:
+        """Queue a sequence; it takes a row at the next step with one free. A prompt longer
+        than the cache is seen through its last `capacity` tokens, as the window slides."""
+        if config.num_beams > 1:
+            raise GenerationError("beam search keeps its beams together: use beam_search")
+        if config.max_new_tokens < 1:
+            raise GenerationError("a sequence in a row decodes at least one token")
+        if not prompt:
+            raise GenerationError("a prompt needs at least one token (<|endoftext|> will do)")
+        generator = None
+        if config.do_sample:
+            generator = row_generator(random_seed() if seed is None else seed, sample, self.device)
+        seen = None
+        if config.repetition_penalty != 1.0:
+            seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
+            seen[torch.tensor(prompt, device=self.device)] = True
+        sequence = Sequence(list(prompt), config, generator, seen, top_logprobs)
+        self.waiting.append(sequence)
+        return sequence
+
+    def cancel(self, sequence: Sequence) -> None:
+        """Stop a sequence now (a client went away): its row is free for the next step."""
+        if sequence.done:
+            return
+        sequence.finish_reason = "cancelled"
+        if sequence in self.waiting:
+            self.waiting.remove(sequence)
+        self._release(sequence)
+
+    @property
+    def busy(self) -> int:
+        return sum(row is not None for row in self.rows)
+
+    def idle(self) -> bool:
+        return not self.waiting and self.busy == 0
+
+    def step(self) -> list[Emitted]:
+        """Advance every sequence in a row by one token."""
+        self._admit()
+        with torch.no_grad():
+            sequences, logits = self._forward()
+            return [self._choose(s, row) for s, row in zip(sequences, logits, strict=True)]
+
+    def _admit(self) -> None:
+        for slot, row in enumerate(self.rows):
+            if not self.waiting:
+                return
+            if row is None:
+                sequence = self.waiting.popleft()
+                sequence.slot, sequence.fresh = slot, True
+                self.rows[slot] = sequence
+                self.cache.clear(slot)
+
+    def _forward(self) -> tuple[list[Sequence], list[Tensor]]:
+        """Logits [V] for the next token of every row in use."""
+        prefill, decode = [], []
+        for slot, sequence in enumerate(self.rows):
+            if sequence is None:
+                continue
+            if sequence.fresh or self.cache.lengths[slot] + 1 > self.capacity:
+                prefill.append(slot)
+            else:
+                decode.append(slot)
+        out: dict[int, Tensor] = {}
+        for lo, hi in self._prefill_groups(prefill):
+            windows = [self._window(self.rows[s]) for s in range(lo, hi)]
+            for s in range(lo, hi):
+                self.cache.clear(s)
+                self.rows[s].fresh = False
+            ids = torch.tensor(windows, device=self.device)
+            logits = self.model(ids, self.cache.rows(lo, hi), last_only=True)[:, -1]
+            out.update(zip(range(lo, hi), logits, strict=True))
+        if decode:
+            lo, hi = decode[0], decode[-1] + 1
+            active = [s in decode for s in range(lo, hi)]
+            last = [self.rows[s].tokens[-1] if s in decode else 0 for s in range(lo, hi)]
+            ids = torch.tensor(last, device=self.device)[:, None]  # [B,1]
+            logits = self.model(ids, self.cache.rows(lo, hi, active), last_only=True)[:, -1]
+            out.update((s, logits[s - lo]) for s in decode)
+        slots = sorted(out)
+        return [self.rows[s] for s in slots], [out[s] for s in slots]
+
+    def _window(self, sequence: Sequence) -> list[int]:
+        """The tokens a prefill runs: the prompt, or the last `capacity` of the whole text."""
+        return (sequence.prompt + sequence.tokens)[-self.capacity :]
+
+    def _prefill_groups(self, slots: list[int]) -> list[tuple[int, int]]:
+        """Runs of neighbouring slots whose windows have one length: one pass each."""
+        groups: list[tuple[int, int]] = []
+        for s in slots:
+            if groups and groups[-1][1] == s and self._width(s) == self._width(s - 1):
+                groups[-1] = (groups[-1][0], s + 1)
+            else:
+                groups.append((s, s + 1))
+        return groups
+
+    def _width(self, slot: int) -> int:
+        return len(self._window(self.rows[slot]))
+
+    def _choose(self, sequence: Sequence, logits: Tensor) -> Emitted:
+        c = sequence.config
+        logits = logits.float()
+        logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before any filter
+        chosen = logits[None]
+        if sequence.seen is not None:
+            chosen = apply_repetition_penalty(chosen, sequence.seen[None], c.repetition_penalty)
+        if c.do_sample:
+            chosen = process_logits(chosen, c.temperature, c.top_k, c.top_p)
+            token = int(sample(chosen[0], sequence.generator))
+        else:
+            token = int(greedy(chosen[0]))
+        top = []
+        if sequence.top_logprobs:
+            values, ids = logprobs.topk(min(sequence.top_logprobs, len(logprobs)))
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        logprob = float(logprobs[token])
+        sequence.tokens.append(token)
+        sequence.logprobs.append(logprob)
+        if sequence.seen is not None:
+            sequence.seen[token] = True
+        if token in c.eos_ids:
+            sequence.finish_reason = "eos"
+        elif len(sequence.tokens) >= c.max_new_tokens:
+            sequence.finish_reason = "length"
+        if sequence.done:
+            self._release(sequence)
+        return Emitted(sequence, token, logprob, top, sequence.done)
+
+    def _release(self, sequence: Sequence) -> None:
+        if sequence.slot is not None and self.rows[sequence.slot] is sequence:
+            self.rows[sequence.slot] = None
+            self.cache.clear(sequence.slot)
+        sequence.slot = None

@@ -1,0 +1,139 @@
+"""Continuous batching: rows at their own lengths give what each row gives alone."""
+
+import pytest
+import torch
+
+from conftest import NORMS, POSITIONS, written_out
+from tlm.generate import GenerationConfig, generate
+from tlm.generate.slots import Slots
+from tlm.model.slot_cache import SlotCache
+
+
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("position", POSITIONS)
+def test_rows_at_their_own_lengths_equal_each_row_alone(make_model, position, norm, impl):
+    model = make_model(position=position, norm=norm)
+    if impl == "reference":
+        written_out(model)
+    texts = [torch.randint(0, 97, (12,)).tolist() for _ in range(4)]
+    cache = SlotCache(model.config, slots=4)
+    lengths = [7, 3, 5, 4]
+    for slot, n in enumerate(lengths):  # prefill each row alone
+        model(torch.tensor([texts[slot][:n]]), cache.rows(slot, slot + 1))
+
+    def step(active, lo=0):
+        slots = range(lo, lo + len(active))
+        ids = torch.tensor(
+            [[texts[s][lengths[s]] if on else 0] for s, on in zip(slots, active, strict=True)]
+        )
+        logits = model(ids, cache.rows(lo, lo + len(active), active), last_only=True)
+        for i, (s, on) in enumerate(zip(slots, active, strict=True)):
+            if on:
+                alone = model(torch.tensor([texts[s][: lengths[s] + 1]]), last_only=True)
+                assert torch.allclose(logits[i], alone[0], atol=1e-5), (s, lengths)
+                lengths[s] += 1
+
+    for _ in range(2):  # slot 2 runs along as a dummy: its own positions must stay intact
+        step([True, True, False, True])
+    assert cache.lengths == lengths == [9, 5, 5, 6]
+    step([True] * 4)
+    step([False, True], lo=1)  # slots 1, 2: one length, the first out: not the shared path
+    assert cache.lengths == [10, 6, 7, 7]
+
+
+def reference(model, prompt, **settings):
+    """One prompt alone, without a cache: the whole window at every step."""
+    config = GenerationConfig(use_cache=False, **settings)
+    return [int(s.tokens[0]) for s in generate(model, torch.tensor([prompt]), config)]
+
+
+def run(slots, sequences, joins=None):
+    """Step until every sequence is done; joins = {step: [(prompt, config, seed)]}."""
+    joins, step = joins or {}, 0
+    while not slots.idle() or step in joins:
+        assert step < 200, "the sequences never end"
+        for prompt, config, seed in joins.pop(step, []):
+            sequences.append(slots.add(prompt, config, seed=seed))
+        slots.step()
+        step += 1
+    return [s.tokens for s in sequences]
+
+
+def test_a_request_joining_a_busy_batch_gets_what_it_gets_alone(make_model):
+    model = make_model(position="learned")
+    greedy = GenerationConfig(max_new_tokens=12)
+    hot = GenerationConfig(max_new_tokens=20, do_sample=True, temperature=1.5, top_k=20)
+    penalised = GenerationConfig(max_new_tokens=9, repetition_penalty=20.0)
+    nucleus = GenerationConfig(max_new_tokens=15, do_sample=True, top_p=0.8)
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (4, 9, 2, 6)]
+    slots = Slots(model, slots=3)
+    first = slots.add(prompts[0], hot, seed=5)
+    tokens = run(
+        slots,
+        [first],
+        joins={2: [(prompts[1], greedy, None)], 3: [(prompts[2], penalised, None)]}
+        | {4: [(prompts[3], nucleus, 7)]},  # waits for a free row: three are busy
+    )
+    assert tokens[0] == reference(model, prompts[0], **vars_of(hot), seed=5)
+    assert tokens[1] == reference(model, prompts[1], max_new_tokens=12)
+    assert tokens[2] == reference(model, prompts[2], max_new_tokens=9, repetition_penalty=20.0)
+    assert tokens[2] != reference(model, prompts[2], max_new_tokens=9)  # the penalty acts
+    assert tokens[3] == reference(model, prompts[3], **vars_of(nucleus), seed=7)
+    assert [len(t) for t in tokens] == [20, 12, 9, 15]
+
+
+def vars_of(config):
+    keys = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p")
+    return {k: getattr(config, k) for k in keys}
+
+
+def test_one_row_slides_its_window_while_the_others_go_on(make_model):
+    model = make_model(position="rope", context_length=16)
+    with torch.no_grad():  # large weights: next tokens that depend on the whole window
+        for name, param in model.named_parameters():
+            if name.rsplit(".", 1)[-1] in ("W_Q", "W_K", "W_V", "W_O", "W_1", "W_2"):
+                param.mul_(10)
+    long, short = torch.randint(0, 97, (12,)).tolist(), torch.randint(0, 97, (3,)).tolist()
+    slots = Slots(model, slots=2)
+    config = GenerationConfig(max_new_tokens=10)
+    sequences = [slots.add(long, config), slots.add(short, config)]
+    tokens = run(slots, sequences)  # the long row passes 16 tokens after 4 steps
+    assert tokens[0] == reference(model, long, max_new_tokens=10)
+    assert tokens[1] == reference(model, short, max_new_tokens=10)
+    assert len(set(tokens[0])) > 3
+
+
+def test_rows_of_one_length_share_a_prefill_and_rows_end_on_their_own(make_model):
+    model = make_model()
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append(tuple(args[0].shape)))
+    eos = 3
+    slots = Slots(model, slots=4)
+    prompt = [1, 2, 5, 7]
+    config = GenerationConfig(max_new_tokens=6, eos_token_id=eos, do_sample=True)
+    sequences = [slots.add(prompt, config, sample=j, seed=0) for j in range(3)]
+    slots.add([4, 4], GenerationConfig(max_new_tokens=2))
+    slots.step()
+    assert calls == [(3, 4), (1, 2)]  # three rows of four tokens in one pass, then the other
+    slots.step()
+    assert calls[-1] == (4, 1)  # then one decode pass over every row in use
+    run(slots, [])
+    for s in sequences:
+        assert s.finish_reason == ("eos" if eos in s.tokens else "length")
+        assert eos not in s.tokens[:-1] and len(s.tokens) <= 6
+    assert len({tuple(s.tokens) for s in sequences}) > 1  # samples j = 0, 1, 2 differ
+
+
+def test_a_cancelled_sequence_frees_its_row_for_the_next_step(make_model):
+    model = make_model()
+    slots = Slots(model, slots=1)
+    config = GenerationConfig(max_new_tokens=50)
+    first, second = slots.add([1, 2, 3], config), slots.add([4, 5], config)
+    slots.step()
+    assert first.slot == 0 and second.slot is None and slots.busy == 1
+    slots.cancel(first)
+    assert first.finish_reason == "cancelled" and slots.busy == 0
+    emitted = slots.step()
+    assert [e.sequence for e in emitted] == [second] and second.slot == 0
+    assert second.tokens[:1] == reference(model, [4, 5], max_new_tokens=1)
