@@ -105,3 +105,18 @@ def test_text_stream_never_splits_a_character(bpe):
     pieces = [stream.push([i]) for i in ids] + [stream.flush()]
     assert "".join(pieces) == text
     assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_text_stream_decodes_only_the_tokens_since_its_last_text(bpe):
+    text = " ".join(["naïve ✓ 漢字 done"] * 30)
+    ids = bpe.encode(text)
+    lengths = []
+    decode = bpe.decode
+    bpe.decode = lambda part: lengths.append(len(part)) or decode(part)
+    try:
+        stream = TextStream(bpe)
+        pieces = [stream.push([i]) for i in ids] + [stream.flush()]
+    finally:
+        del bpe.decode
+    assert "".join(pieces) == text and len(ids) > 100
+    assert max(lengths) <= 8  # a few pending tokens, never the whole output

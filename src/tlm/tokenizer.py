@@ -156,24 +156,28 @@ class TextStream:
 
     A byte-level token may carry only some bytes of a UTF-8 character; decoding tokens one
     at a time would print replacement characters. `push` returns only text that is final.
+    Each push decodes only the tokens since the last text it gave (and the push before, as
+    context for decoders that look at neighbours), never the whole output again.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+        self.tokenizer, self.ids = tokenizer, []
+        self.prefix = self.read = 0  # ids[prefix:read] were shown; ids[read:] are pending
 
     def push(self, ids: Iterable[int]) -> str:
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
+        text = self.tokenizer.decode(self.ids[self.prefix :])
         if text.endswith("\ufffd"):  # the rest of a multi-byte character is still to come
             return ""
         return self._take(text)
 
     def flush(self) -> str:
-        return self._take(self.tokenizer.decode(self.ids))
+        return self._take(self.tokenizer.decode(self.ids[self.prefix :]))
 
     def _take(self, text: str) -> str:
-        new, self.shown = text[self.shown :], len(text)
-        return new
+        shown = len(self.tokenizer.decode(self.ids[self.prefix : self.read]))
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[shown:]
 
 
 def train_tokenizer(

@@ -142,15 +142,15 @@ def _until_stopped(steps, tokenizer: Tokenizer, stop: tuple[str, ...], rows: int
     if not stop:
         yield from steps
         return
-    tokens: list[list[int]] = [[] for _ in range(rows)]
+    streams = [TextStream(tokenizer) for _ in range(rows)]  # no row is decoded twice
+    texts = [""] * rows
     stopped = [False] * rows
     for step in steps:
         yield step
         for r in range(rows):
             if not stopped[r]:
-                tokens[r].append(int(step.tokens[r]))
-                text = tokenizer.decode(tokens[r])
-                stopped[r] = bool(step.finished[r]) or _first_stop(text, stop) is not None
+                texts[r] += streams[r].push([int(step.tokens[r])])
+                stopped[r] = bool(step.finished[r]) or _first_stop(texts[r], stop) is not None
         if all(stopped):
             return
 
