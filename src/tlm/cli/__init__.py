@@ -18,6 +18,7 @@ from tlm.cli import (
     prepare,
     scaling,
     score,
+    serve,
     train,
 )
 from tlm.cli.args import UsageError, error_exit
@@ -57,6 +58,7 @@ COMMANDS = [
     classify,
     ask,
     scaling,
+    serve,
     export,
     info,
     inspect,

@@ -124,7 +124,7 @@ def stream_completion(
         if token in config.eos_ids:
             break
         text += stream.push([token])
-        cut = _first_stop(text, stop)
+        cut = first_stop(text, stop)
         if cut is not None:
             yield text[shown:cut]
             return
@@ -133,7 +133,7 @@ def stream_completion(
             yield text[shown:safe]
             shown = safe
     text += stream.flush()
-    cut = _first_stop(text, stop)
+    cut = first_stop(text, stop)
     yield text[shown:cut]
 
 
@@ -150,7 +150,7 @@ def _until_stopped(steps, tokenizer: Tokenizer, stop: tuple[str, ...], rows: int
         for r in range(rows):
             if not stopped[r]:
                 texts[r] += streams[r].push([int(step.tokens[r])])
-                stopped[r] = bool(step.finished[r]) or _first_stop(texts[r], stop) is not None
+                stopped[r] = bool(step.finished[r]) or first_stop(texts[r], stop) is not None
         if all(stopped):
             return
 
@@ -168,7 +168,7 @@ def _finish(
     if end is not None:
         tokens, logprobs, completion.finish_reason = tokens[:end], logprobs[:end], "eos"
     text = tokenizer.decode(tokens)
-    cut = _first_stop(text, stop)
+    cut = first_stop(text, stop)
     if cut is not None:
         text, completion.finish_reason = text[:cut], "stop"
         while tokens and len(tokenizer.decode(tokens[:-1])) >= cut:  # drop tokens past it
@@ -176,6 +176,6 @@ def _finish(
     completion.text, completion.tokens, completion.logprobs = text, tokens, logprobs
 
 
-def _first_stop(text: str, stop: tuple[str, ...]) -> int | None:
+def first_stop(text: str, stop: tuple[str, ...]) -> int | None:
     found = [i for i in (text.find(s) for s in stop) if i >= 0]
     return min(found) if found else None

@@ -1,0 +1,57 @@
+"""`tlm serve`: an OpenAI-compatible HTTP server for a run or a GPT-2 directory."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tlm.cli.args import add_command, fail
+from tlm.load import load_model, load_tokenizer
+from tlm.model.packed import FORMATS
+
+EXAMPLE = """examples:
+  tlm serve runs/demo                                 # http://127.0.0.1:8000
+  tlm serve out/gpt2 --port 8080 --slots 8 --dtype int8 --api-key secret
+  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+      -d '{"prompt": "The for statement", "max_tokens": 20, "temperature": 0}'
+
+Listens on loopback unless --host says otherwise. Endpoints: GET /health, /v1/models,
+/metrics; POST /v1/completions, /v1/chat/completions (streaming with "stream": true).
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(sub, "serve", "serve a model over HTTP (the OpenAI API)", EXAMPLE)
+    parser.add_argument("run", help="run directory or GPT-2 directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1/*")
+    parser.add_argument("--slots", type=int, default=4, help="sequences decoded at once (4)")
+    parser.add_argument("--max-queue", type=int, default=64, help="waiting sequences (64)")
+    parser.add_argument("--dtype", default="float32", choices=FORMATS, help="weights (float32)")
+    parser.add_argument("--name", help="the model's name in the API (the directory's name)")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tlm.serve import Engine, Metrics, create_app
+
+    if args.slots < 1 or args.max_queue < 1:
+        fail("--slots and --max-queue must be at least 1")
+    if not 0 <= args.port <= 65535:
+        fail(f"--port {args.port} is not a port")
+    model = load_model(args.run).for_inference(args.dtype)
+    tokenizer = load_tokenizer(args.run)
+    metrics = Metrics()
+    engine = Engine(model, tokenizer, args.slots, args.max_queue, metrics.on_token)
+    metrics.watch(engine)
+    name = args.name or Path(args.run).resolve().name
+    app = create_app(engine, name, args.api_key, metrics)
+    print(f"tlm serve: {name} on http://{args.host}:{args.port} ({args.slots} slots)", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
+    return 0

@@ -1,0 +1,172 @@
+"""The serving engine: one thread steps a `Slots` batch; requests join and leave between steps.
+
+A `Job` is one prompt with its n samples. `Engine.submit` queues it (or refuses with
+`QueueFull` when the queue is at its bound); the engine thread adds its sequences to the
+batch at the next step, turns each chosen token into text as it arrives (`TextStream`,
+holding back text that could still become a stop string), and hands every piece to the
+job's `deliver` callback, from the engine thread. A job that ends early (a stop string,
+`cancel` when its client goes away) gives its rows back before the next step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tlm.generate import GenerationConfig
+from tlm.generate.slots import Sequence, Slots
+from tlm.generate.text import first_stop
+from tlm.tokenizer import TextStream, Tokenizer
+
+
+class QueueFull(Exception):
+    """The queue of waiting requests is at its bound."""
+
+
+@dataclass
+class Event:
+    """What a job's stream receives: one token of choice `index`, and the text it made final."""
+
+    index: int
+    text: str
+    token: int | None = None
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None  # on the last event of a choice: "stop" or "length"
+
+
+@dataclass(eq=False)
+class Job:
+    prompt: list[int]
+    config: GenerationConfig  # num_return_sequences is the job's n
+    deliver: Callable[[Event | None], None]  # None: every choice has ended
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    top_logprobs: int = 0
+    created: float = field(default_factory=time.perf_counter)
+    choices: list[_Choice] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Choice:
+    job: Job
+    index: int
+    sequence: Sequence
+    stream: TextStream
+    text: str = ""
+    shown: int = 0
+    last: float | None = None  # when its previous token came
+
+
+class Engine:
+    """Runs the batch in a daemon thread; `submit` and `cancel` are safe from any thread."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer: Tokenizer,
+        slots: int = 4,
+        max_queue: int = 64,
+        on_token: Callable[[float | None, float | None], None] | None = None,
+    ) -> None:
+        self.tokenizer, self.slots, self.max_queue = tokenizer, Slots(model, slots), max_queue
+        self.on_token = on_token  # (time to first token, inter-token latency), for metrics
+        self.lock = threading.Condition()
+        self.incoming: list[Job] = []
+        self.cancelled: list[Job] = []
+        self.choices: dict[Sequence, _Choice] = {}
+        self.running = True
+        self.thread = threading.Thread(target=self._run, name="tlm-engine", daemon=True)
+        self.thread.start()
+
+    @property
+    def queued(self) -> int:
+        """Sequences waiting for a row."""
+        return len(self.slots.waiting) + sum(j.config.num_return_sequences for j in self.incoming)
+
+    @property
+    def busy(self) -> int:
+        return self.slots.busy
+
+    def submit(self, job: Job) -> None:
+        with self.lock:
+            if self.queued + job.config.num_return_sequences > self.max_queue:
+                raise QueueFull(
+                    f"{self.queued} sequences are waiting (the bound is {self.max_queue})"
+                )
+            self.incoming.append(job)
+            self.lock.notify()
+
+    def cancel(self, job: Job) -> None:
+        with self.lock:
+            self.cancelled.append(job)
+            self.lock.notify()
+
+    def close(self) -> None:
+        with self.lock:
+            self.running = False
+            self.lock.notify()
+        self.thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                while self.running and not (self.incoming or self.cancelled) and self.slots.idle():
+                    self.lock.wait()
+                if not self.running:
+                    return
+                incoming, self.incoming = self.incoming, []
+                cancelled, self.cancelled = self.cancelled, []
+            for job in incoming:
+                self._start(job)
+            for job in cancelled:
+                for choice in job.choices:
+                    self._end(choice, None)
+            if not self.slots.idle():
+                for emitted in self.slots.step():
+                    choice = self.choices.get(emitted.sequence)
+                    if choice is not None:
+                        self._token(choice, emitted)
+
+    def _start(self, job: Job) -> None:
+        n = job.config.num_return_sequences
+        for j in range(n):
+            sequence = self.slots.add(job.prompt, job.config, j, job.seed, job.top_logprobs)
+            choice = _Choice(job, j, sequence, TextStream(self.tokenizer))
+            job.choices.append(choice)
+            self.choices[sequence] = choice
+
+    def _token(self, choice: _Choice, emitted) -> None:
+        now = time.perf_counter()
+        if self.on_token is not None:
+            first = now - choice.job.created if choice.last is None else None
+            gap = None if choice.last is None else now - choice.last
+            self.on_token(first, gap)
+        choice.last = now
+        end = emitted.sequence.finish_reason
+        if end != "eos":
+            choice.text += choice.stream.push([emitted.token])
+        if end is not None:
+            choice.text += choice.stream.flush()
+        cut = first_stop(choice.text, choice.job.stop)
+        if cut is not None:
+            end, choice.text = "stop", choice.text[:cut]
+        hold = 0 if end else max((len(s) - 1 for s in choice.job.stop), default=0)
+        safe = max(choice.shown, len(choice.text) - hold)
+        piece, choice.shown = choice.text[choice.shown : safe], safe
+        event = Event(choice.index, piece, emitted.token, emitted.logprob, emitted.top)
+        if end is not None:
+            event.finish_reason = "stop" if end in ("eos", "stop") else "length"
+        choice.job.deliver(event)
+        if end is not None:
+            self._end(choice, end)
+
+    def _end(self, choice: _Choice, reason: str | None) -> None:
+        """Give the choice's row back; once every choice of its job has ended, say so."""
+        if self.choices.pop(choice.sequence, None) is None:
+            return
+        self.slots.cancel(choice.sequence)  # frees the row unless it has ended already
+        if not any(c.sequence in self.choices for c in choice.job.choices):
+            choice.job.deliver(None)

@@ -1,0 +1,53 @@
+"""`GET /metrics`: Prometheus text from `prometheus_client`, in a registry of the server's own."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "tlm_requests", "HTTP requests by path and status", ["path", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("tlm_prompt_tokens", "prompt tokens received", registry=r)
+        self.generated_tokens = Counter("tlm_generated_tokens", "tokens generated", registry=r)
+        self.queue_depth = Gauge("tlm_queue_depth", "sequences waiting for a slot", registry=r)
+        self.busy_slots = Gauge("tlm_busy_slots", "slots decoding a sequence", registry=r)
+        self.time_to_first_token = Histogram(
+            "tlm_time_to_first_token_seconds",
+            "from request to its first token",
+            buckets=LATENCY,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "tlm_inter_token_latency_seconds",
+            "between consecutive tokens of a sequence",
+            buckets=LATENCY,
+            registry=r,
+        )
+
+    def watch(self, engine) -> None:
+        self.queue_depth.set_function(lambda: engine.queued)
+        self.busy_slots.set_function(lambda: engine.busy)
+
+    def on_token(self, first: float | None, gap: float | None) -> None:
+        if first is not None:
+            self.time_to_first_token.observe(first)
+        if gap is not None:
+            self.inter_token_latency.observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
