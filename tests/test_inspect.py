@@ -2,13 +2,12 @@
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import console_errors, tiny_config
 from tlm import TransformerLM, load_model, load_tokenizer
 from tlm.checkpoint import save_weights, write_config
 from tlm.cli import main
@@ -98,42 +97,6 @@ def test_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys, args, message):
     err = capsys.readouterr().err
     assert err.startswith("tlm: error:") and message in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
-
-
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not (CHROMIUM and DRIVER):
-        pytest.skip(
-            "Debian's chromium and chromium-driver are not installed (.ci/run installs them)"
-        )
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-sync",
-        "--disable-component-update",
-        "--window-size=1400,1000",
-    ):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)  # no download
-    yield driver
-    driver.quit()
-
-
-def console_errors(driver) -> list[str]:
-    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
 def test_the_page_in_a_real_browser(browser, report, run):

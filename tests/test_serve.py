@@ -8,16 +8,19 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
 import torch
 
+from conftest import console_errors
 from tlm.cli import main
 from tlm.generate import GenerationConfig, complete
 from tlm.load import load_model, load_tokenizer
 
 KEY = "test-key"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "out" / "test-artifacts"  # screenshots
 CHAT = "System: Be brief.\nUser: for?\nAssistant: It runs a block.\nUser: while?\nAssistant: Again."
 TEXT = "The for statement runs a block once for each item. The while statement repeats it.\n\n"
 
@@ -263,3 +266,31 @@ def test_a_completion_ends_at_the_end_of_text(client, run):
     got = client.completions.create(model="run", prompt="The", max_tokens=100, seed=seed)
     assert got.choices[0].text == expected.text and "<|endoftext|>" not in expected.text
     assert got.choices[0].finish_reason == "stop"
+
+
+def test_the_page_streams_text_and_shows_the_explorer(browser, server, run):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(server + "/")
+    for field, value in (("key", KEY), ("temperature", "0"), ("max_tokens", "24")):
+        box = browser.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+    browser.find_element(By.ID, "generate").click()
+    wait = WebDriverWait(browser, 30)
+    wait.until(lambda b: b.find_element(By.ID, "status").text.startswith("done"))
+    expected = local_greedy(run, "The for statement", 24)
+    assert browser.find_element(By.ID, "output").text == "The for statement" + expected.text
+    tokens = browser.find_elements(By.CSS_SELECTOR, "#output .tok")
+    assert len(tokens) == len(expected.tokens) + (expected.finish_reason == "eos")
+    assert "p = " in tokens[0].get_attribute("title")  # probability and alternatives on hover
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "serve-page.png"))
+    browser.find_element(By.ID, "inspect").click()
+    browser.switch_to.frame(wait.until(lambda b: b.find_element(By.ID, "explorer")))
+    T = 4  # <|endoftext|> The for statement
+    wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#grid tr[data-query]")) == T)
+    browser.switch_to.default_content()
+    browser.save_screenshot(str(ARTIFACTS / "serve-page-explorer.png"))
+    assert console_errors(browser) == []

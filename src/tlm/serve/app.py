@@ -12,11 +12,13 @@ import asyncio
 import json
 import time
 import uuid
+from importlib import resources
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from tlm.generate import GenerationConfig
+from tlm.interpret.report import inspect_prompt
 from tlm.serve.engine import Engine, Event, Job, QueueFull
 from tlm.serve.metrics import Metrics
 from tlm.serve.requests import (
@@ -162,6 +164,32 @@ def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Me
         s = sampling(body, max_n=len(engine.slots.rows) * 4, default_max_tokens=256)
         shape = Chat(model_name, tokenizer, s, metrics)
         return await run(request, [chat_prompt(body)], s, (CHAT_STOP,), shape)
+
+    @app.post("/v1/inspect")
+    async def inspect(request: Request):
+        body = await read(request)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt must be a string", "prompt", "invalid_type")
+        n = 1 + len(tokenizer.encode(prompt))
+        if n > context:
+            raise ApiError(
+                400,
+                f"the prompt has {n} tokens; the context holds {context}",
+                "prompt",
+                "context_length_exceeded",
+            )
+        model = engine.slots.model
+        job = engine.call(lambda: inspect_prompt(model, tokenizer, prompt))
+        return JSONResponse(await asyncio.wrap_future(job))
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        return resources.files("tlm.serve").joinpath("page.html").read_text(encoding="utf-8")
+
+    @app.get("/explorer.html", response_class=HTMLResponse)
+    async def explorer():  # the inspection page of `tlm inspect`, filled in by the page
+        return resources.files("tlm.interpret").joinpath("page.html").read_text(encoding="utf-8")
 
     @app.get("/metrics")
     async def prometheus():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from tlm.generate import GenerationConfig
@@ -76,6 +77,7 @@ class Engine:
         self.lock = threading.Condition()
         self.incoming: list[Job] = []
         self.cancelled: list[Job] = []
+        self.calls: list[tuple[Callable, Future]] = []
         self.choices: dict[Sequence, _Choice] = {}
         self.running = True
         self.thread = threading.Thread(target=self._run, name="tlm-engine", daemon=True)
@@ -104,6 +106,16 @@ class Engine:
             self.cancelled.append(job)
             self.lock.notify()
 
+    def call(self, fn: Callable) -> Future:
+        """Run fn() in the engine thread between two steps (e.g. an inspection, which listens
+        to the model's hook points and must not meet a decoding step); its result or error
+        arrives in the future."""
+        future: Future = Future()
+        with self.lock:
+            self.calls.append((fn, future))
+            self.lock.notify()
+        return future
+
     def close(self) -> None:
         with self.lock:
             self.running = False
@@ -113,12 +125,20 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self.lock:
-                while self.running and not (self.incoming or self.cancelled) and self.slots.idle():
+                while self.running and not (self.incoming or self.cancelled or self.calls):
+                    if not self.slots.idle():
+                        break
                     self.lock.wait()
                 if not self.running:
                     return
                 incoming, self.incoming = self.incoming, []
                 cancelled, self.cancelled = self.cancelled, []
+                calls, self.calls = self.calls, []
+            for fn, future in calls:
+                try:
+                    future.set_result(fn())
+                except Exception as error:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(error)
             for job in incoming:
                 self._start(job)
             for job in cancelled:

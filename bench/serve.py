@@ -1,0 +1,220 @@
+"""Serving benchmark (not a test): the continuous-batching engine behind `tlm serve`.
+
+    nice python bench/serve.py             # GPT-2 124M shape, a few minutes on 2 CPU cores
+    python bench/serve.py --quick          # a 2-layer, d=64 model: a smoke test in seconds
+
+Random weights of the GPT-2 124M shape, fp32 prepacked (`for_inference("float32")`), two
+torch threads, greedy decoding of random 32-token prompts with no early stop. Requests go
+through `Engine` (one thread stepping `Slots`, as `tlm serve` runs it) with no HTTP in
+between; the tokenizer is a stub whose `decode` gives one "x" per token, since the engine
+needs text only to stream it. Times are `time.perf_counter`, taken in each job's `deliver`
+callback (the engine thread), from the moment the job is submitted.
+
+1. clients: 1, 8 and 32 clients (as many slots), each submitting a request of 64 new
+   tokens, waiting for it to end, and repeating; aggregate tok/s, time to first token
+   (TTFT) and inter-token latency (ITL) percentiles.
+2. mixed: 16 requests of 8/16/32/128 new tokens on 8 slots, all submitted at once to the
+   engine (a request joins as a row frees) against static batches of 8 on `Slots` (a
+   batch runs until its longest request ends before the next one starts).
+3. join: TTFT of a request that arrives while 7 long ones decode, against one 7-row decode
+   step plus the request's prefill alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import threading
+import time
+
+import numpy as np
+import torch
+
+from tlm import ModelConfig, TransformerLM
+from tlm.generate import GenerationConfig
+from tlm.generate.slots import Slots
+from tlm.serve.engine import Engine, Job
+
+PROMPT = 32
+GPT2 = {"vocab_size": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "context_length": 1024}
+TINY = {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 2, "context_length": 256}
+
+
+class StubTokenizer:
+    """All the engine asks of a tokenizer: one "x" per token (no 50257-id vocabulary needed)."""
+
+    eot_id = 0
+
+    def decode(self, ids: list[int]) -> str:
+        return "x" * len(ids)
+
+
+def prompt(rng: random.Random, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(PROMPT)]
+
+
+def run_job(engine: Engine, ids: list[int], new: int) -> list[float]:
+    """Submit one request and wait for it: [submit time, then the time of each token]."""
+    done, times = threading.Event(), []
+
+    def deliver(event) -> None:
+        if event is None:
+            done.set()
+        else:
+            times.append(time.perf_counter())
+
+    job = Job(ids, GenerationConfig(max_new_tokens=new), deliver)
+    times.append(job.created)
+    engine.submit(job)
+    done.wait()
+    return times
+
+
+def client(engine: Engine, seed: int, requests: int, vocab: int, new: int, results) -> None:
+    """One client: a request, wait for its end, the next."""
+    rng = random.Random(seed)
+    for _ in range(requests):
+        results.append(run_job(engine, prompt(rng, vocab), new))
+
+
+def together(target, calls: list[tuple]) -> None:
+    """Run target(*args) for every args in `calls` at once, each in a thread; wait for all."""
+    threads = [threading.Thread(target=target, args=args) for args in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1e3  # ms
+
+
+def part_clients(model, vocab: int, requests: int, new: int) -> None:
+    print(f"1. clients: each sends {requests} x (prompt {PROMPT}, {new} new), one at a time")
+    print("   clients  slots   tok/s   TTFT p50/p99 ms   ITL p50/p99 ms   wall s")
+    rates = {}
+    for clients in (1, 8, 32):
+        engine = Engine(model, StubTokenizer(), slots=clients, max_queue=clients)
+        run_job(engine, prompt(random.Random(-1), vocab), 2)  # warm up
+        results: list[list[float]] = []
+        started = time.perf_counter()
+        together(client, [(engine, c, requests, vocab, new, results) for c in range(clients)])
+        wall = time.perf_counter() - started
+        engine.close()
+        tokens = sum(len(times) - 1 for times in results)
+        ttft = [times[1] - times[0] for times in results]
+        itl = [gap for times in results for gap in np.diff(times[1:])]
+        rates[clients] = tokens / wall
+        print(
+            f"   {clients:7d} {clients:6d} {rates[clients]:7.1f}   "
+            f"{pct(ttft, 50):6.0f} / {pct(ttft, 99):6.0f}  "
+            f"{pct(itl, 50):6.1f} / {pct(itl, 99):6.1f}  {wall:7.1f}"
+        )
+    print(f"   8 clients / 1 client throughput: {rates[8] / rates[1]:.2f}x (goal >= 3.5x)")
+
+
+def part_mixed(model, vocab: int, slots: int = 8, count: int = 16) -> None:
+    rng = random.Random(0)
+    lengths = [rng.choice([8, 16, 32, 128]) for _ in range(count)]
+    prompts = [prompt(rng, vocab) for _ in lengths]
+    tokens = sum(lengths)
+    print(f"2. mixed: {count} requests, {slots} slots, new tokens {lengths} ({tokens} in all)")
+
+    engine = Engine(model, StubTokenizer(), slots=slots, max_queue=count)
+    run_job(engine, prompts[0], 2)  # warm up
+    started = time.perf_counter()
+    together(run_job, [(engine, ids, new) for ids, new in zip(prompts, lengths, strict=True)])
+    continuous = time.perf_counter() - started
+    engine.close()
+
+    batch = Slots(model, slots)
+    started = time.perf_counter()
+    for lo in range(0, count, slots):
+        for ids, new in zip(prompts[lo : lo + slots], lengths[lo : lo + slots], strict=True):
+            batch.add(ids, GenerationConfig(max_new_tokens=new))
+        while not batch.idle():
+            batch.step()
+    static = time.perf_counter() - started
+
+    for name, wall in (("continuous (engine)", continuous), ("static (groups of 8)", static)):
+        print(f"   {name:21s} {wall:6.2f} s  {tokens / wall:7.1f} tok/s")
+    print(f"   continuous / static: {static / continuous:.2f}x (goal >= 1.5x)")
+
+
+def part_join(model, vocab: int, repeats: int, long: int) -> None:
+    rng = random.Random(1)
+    busy = 7
+    # alone: one 7-row decode step, and a 32-token prefill on an idle batch (both on Slots)
+    steps, prefills = [], []
+    batch = Slots(model, busy + 1)
+    for _ in range(busy):
+        batch.add(prompt(rng, vocab), GenerationConfig(max_new_tokens=repeats + 3))
+    batch.step()  # the prefill of the 7
+    for _ in range(repeats + 2):
+        started = time.perf_counter()
+        batch.step()
+        steps.append(time.perf_counter() - started)
+    alone = Slots(model, 1)
+    for _ in range(repeats):
+        alone.add(prompt(rng, vocab), GenerationConfig(max_new_tokens=1))
+        started = time.perf_counter()
+        alone.step()
+        prefills.append(time.perf_counter() - started)
+    step, prefill = statistics.median(steps), statistics.median(prefills)
+
+    # busy: 7 long requests decode in the engine while single requests arrive one by one
+    engine = Engine(model, StubTokenizer(), slots=busy + 1, max_queue=busy + 1)
+    run_job(engine, prompt(rng, vocab), 2)  # warm up
+    longs = [Job(prompt(rng, vocab), GenerationConfig(max_new_tokens=long), lambda e: None)]
+    longs += [Job(prompt(rng, vocab), longs[0].config, lambda e: None) for _ in range(busy - 1)]
+    for job in longs:
+        engine.submit(job)
+    while engine.busy < busy or not all(c.last for j in longs for c in j.choices):
+        time.sleep(0.01)
+    ttfts, busy_then = [], []
+    for _ in range(repeats):
+        time.sleep(rng.uniform(0, 2 * step))  # arrive anywhere within a step
+        busy_then.append(engine.busy)
+        times = run_job(engine, prompt(rng, vocab), 1)
+        ttfts.append(times[1] - times[0])
+    still = min(busy_then + [engine.busy])
+    for job in longs:
+        engine.cancel(job)
+    engine.close()
+    print(f"3. join: a new request (prompt {PROMPT}) while {busy} long ones decode")
+    expected = (step + prefill) * 1e3
+    print(f"   alone: 7-row decode step {step * 1e3:.1f} ms + prefill {prefill * 1e3:.1f} ms")
+    print(f"          = {expected:.1f} ms")
+    print(
+        f"   busy engine TTFT: median {statistics.median(ttfts) * 1e3:.1f} ms, max "
+        f"{max(ttfts) * 1e3:.1f} ms ({repeats} arrivals, at least {still} rows busy throughout)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a 2-layer, d=64 model")
+    parser.add_argument("--requests", type=int, default=2, help="requests per client (part 1)")
+    parser.add_argument("--new", type=int, default=64, help="new tokens per request (part 1)")
+    parser.add_argument("--repeats", type=int, default=7, help="arrivals measured (part 3)")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    shape = TINY if args.quick else GPT2
+    model = TransformerLM(ModelConfig(**shape, activation="gelu_tanh")).for_inference("float32")
+    name = "tiny (2 layers, d=64)" if args.quick else "GPT-2 124M shape"
+    print(f"{name}, fp32 prepacked, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"load average {os.getloadavg()[0]:.2f} (other processes share these cores)")
+    started = time.perf_counter()
+    part_clients(model, shape["vocab_size"], args.requests, args.new)
+    part_mixed(model, shape["vocab_size"])
+    part_join(model, shape["vocab_size"], args.repeats, long=shape["context_length"] - PROMPT - 8)
+    wall = time.perf_counter() - started
+    print(f"total {wall:.0f} s, load average {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+    main()
