@@ -202,11 +202,26 @@ def test_each_bad_request_gets_its_status_and_the_server_goes_on(
 
 def test_a_full_queue_answers_429_with_retry_after(run):
     proc, url = start(run, "--slots", "1", "--max-queue", "2")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    long = {"model": "run", "prompt": "The", "max_tokens": 10**6, "stream": True}
     try:
-        status, answer, headers = post(url + "/v1/completions", {"prompt": "a", "n": 3})
+        streams = [client.completions.create(**long, extra_body={"ignore_eos": True})]
+        next(iter(streams[0]))  # decoding in the one slot
+        streams += [client.completions.create(**long, extra_body={"ignore_eos": True})]
+        streams += [client.completions.create(**long, extra_body={"ignore_eos": True})]
+        status, answer, headers = post(url + "/v1/completions", {"prompt": "a"})  # queue: 2
         assert status == 429 and headers["Retry-After"] == "1"
         assert answer["error"]["type"] == "rate_limit_error"
-        assert post(url + "/v1/completions", {"prompt": "a", "n": 2, "max_tokens": 2})[0] == 200
+        assert answer["error"]["code"] == "queue_full"
+        status, answer, _ = post(url + "/v1/completions", {"prompt": "a", "n": 3})
+        assert status == 400 and answer["error"]["param"] == "n"  # could never fit
+        for stream in streams:
+            stream.close()
+        deadline = time.monotonic() + 2  # the closed streams leave; retry as Retry-After says
+        while (got := post(url + "/v1/completions", {"prompt": "a", "max_tokens": 2})[0]) == 429:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert got == 200
     finally:
         proc.terminate()
         proc.wait(timeout=10)

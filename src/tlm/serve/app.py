@@ -92,6 +92,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Me
         return out
 
     async def run(request: Request, texts: list[str], s: Sampling, extra_stop, shape):
+        if s.n > engine.max_queue:  # could never be queued, however long the client waits
+            raise ApiError(
+                400, f"n must be <= {engine.max_queue} (--max-queue)", "n", "invalid_value"
+            )
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         started = jobs(texts, s, extra_stop, queue, loop)
         submitted = []
