@@ -1,6 +1,6 @@
 """Serving benchmark (not a test): the continuous-batching engine behind `tlm serve`.
 
-    nice python bench/serve.py             # GPT-2 124M shape, a few minutes on 2 CPU cores
+    nice python bench/serve.py             # GPT-2 124M shape, about 2 minutes on 2 CPU cores
     python bench/serve.py --quick          # a 2-layer, d=64 model: a smoke test in seconds
 
 Random weights of the GPT-2 124M shape, fp32 prepacked (`for_inference("float32")`), two
@@ -8,14 +8,18 @@ torch threads, greedy decoding of random 32-token prompts with no early stop. Re
 through `Engine` (one thread stepping `Slots`, as `tlm serve` runs it) with no HTTP in
 between; the tokenizer is a stub whose `decode` gives one "x" per token, since the engine
 needs text only to stream it. Times are `time.perf_counter`, taken in each job's `deliver`
-callback (the engine thread), from the moment the job is submitted.
+callback (the engine thread), from the moment the job is submitted. The model runs off
+the Python main thread throughout, as in the engine: on this shared 2-core machine, calls
+from the main thread were seen 4-16x slower under load from other processes.
 
 1. clients: 1, 8 and 32 clients (as many slots), each submitting a request of 64 new
    tokens, waiting for it to end, and repeating; aggregate tok/s, time to first token
    (TTFT) and inter-token latency (ITL) percentiles.
-2. mixed: 16 requests of 8/16/32/128 new tokens on 8 slots, all submitted at once to the
-   engine (a request joins as a row frees) against static batches of 8 on `Slots` (a
-   batch runs until its longest request ends before the next one starts).
+2. mixed: 16 requests of 8/16/32/128 new tokens (drawn with seeds 0, 1, 2) on 8 slots, all
+   submitted at once to the engine (a request joins as a row frees) against static batches
+   of 8 on `Slots` (a batch runs until its longest request ends before the next starts);
+   the ratio of the two schedules' step counts is what a draw can gain at most, if a
+   step costs the same with any number of rows.
 3. join: TTFT of a request that arrives while 7 long ones decode, against one 7-row decode
    step plus the request's prefill alone.
 """
@@ -88,6 +92,13 @@ def together(target, calls: list[tuple]) -> None:
         t.join()
 
 
+def off_main(fn, *args):
+    """fn(*args) in a new thread, as the engine runs the model (see the module docstring)."""
+    out = []
+    together(lambda: out.append(fn(*args)), [()])
+    return out[0]
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1e3  # ms
 
@@ -116,54 +127,74 @@ def part_clients(model, vocab: int, requests: int, new: int) -> None:
     print(f"   8 clients / 1 client throughput: {rates[8] / rates[1]:.2f}x (goal >= 3.5x)")
 
 
-def part_mixed(model, vocab: int, slots: int = 8, count: int = 16) -> None:
-    rng = random.Random(0)
-    lengths = [rng.choice([8, 16, 32, 128]) for _ in range(count)]
-    prompts = [prompt(rng, vocab) for _ in lengths]
-    tokens = sum(lengths)
-    print(f"2. mixed: {count} requests, {slots} slots, new tokens {lengths} ({tokens} in all)")
+def part_mixed(model, vocab: int, mixes: int, slots: int = 8, count: int = 16) -> None:
+    print(
+        f"2. mixed: {count} requests of 8/16/32/128 new tokens, {slots} slots, seeds 0-{mixes - 1}"
+    )
+    print("  seed  tokens  continuous s  tok/s   static s  tok/s   ratio  steps static/continuous")
+    ratios = []
+    for mix in range(mixes):
+        rng = random.Random(mix)
+        lengths = [rng.choice([8, 16, 32, 128]) for _ in range(count)]
+        prompts = [prompt(rng, vocab) for _ in lengths]
+        tokens = sum(lengths)
+        engine = Engine(model, StubTokenizer(), slots=slots, max_queue=count)
+        run_job(engine, prompts[0], 2)  # warm up
+        started = time.perf_counter()
+        together(run_job, [(engine, ids, new) for ids, new in zip(prompts, lengths, strict=True)])
+        continuous = time.perf_counter() - started
+        engine.close()
+        static = off_main(static_batches, model, prompts, lengths, slots)
+        ratios.append(static / continuous)
+        # steps each schedule needs (a step costs about the same with any number of rows)
+        rows = [0] * slots
+        for new in lengths:  # a request takes the row that frees first
+            rows[rows.index(min(rows))] += new
+        groups = sum(max(lengths[lo : lo + slots]) for lo in range(0, count, slots))
+        print(
+            f"   {mix:3d} {tokens:7d} {continuous:10.2f} {tokens / continuous:7.1f} "
+            f"{static:10.2f} {tokens / static:6.1f}  {ratios[-1]:5.2f}x  "
+            f"{groups} / {max(rows)} steps = {groups / max(rows):.2f}x"
+        )
+    print(f"   continuous / static, median: {statistics.median(ratios):.2f}x (goal >= 1.5x)")
 
-    engine = Engine(model, StubTokenizer(), slots=slots, max_queue=count)
-    run_job(engine, prompts[0], 2)  # warm up
-    started = time.perf_counter()
-    together(run_job, [(engine, ids, new) for ids, new in zip(prompts, lengths, strict=True)])
-    continuous = time.perf_counter() - started
-    engine.close()
 
+def static_batches(model, prompts: list[list[int]], lengths: list[int], slots: int) -> float:
+    """Seconds to run the requests in groups of `slots`, each group until its longest ends."""
     batch = Slots(model, slots)
     started = time.perf_counter()
-    for lo in range(0, count, slots):
+    for lo in range(0, len(prompts), slots):
         for ids, new in zip(prompts[lo : lo + slots], lengths[lo : lo + slots], strict=True):
             batch.add(ids, GenerationConfig(max_new_tokens=new))
         while not batch.idle():
             batch.step()
-    static = time.perf_counter() - started
+    return time.perf_counter() - started
 
-    for name, wall in (("continuous (engine)", continuous), ("static (groups of 8)", static)):
-        print(f"   {name:21s} {wall:6.2f} s  {tokens / wall:7.1f} tok/s")
-    print(f"   continuous / static: {static / continuous:.2f}x (goal >= 1.5x)")
+
+def alone(model, vocab: int, rng: random.Random, busy: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of one `busy`-row decode step, and of one prompt's prefill on its own."""
+    steps, prefills = [], []
+    batch = Slots(model, busy + 1)
+    for _ in range(busy):
+        batch.add(prompt(rng, vocab), GenerationConfig(max_new_tokens=repeats + 3))
+    batch.step()  # the prefill of the `busy` rows
+    for _ in range(repeats + 2):
+        started = time.perf_counter()
+        batch.step()
+        steps.append(time.perf_counter() - started)
+    single = Slots(model, 1)
+    for _ in range(repeats):
+        single.add(prompt(rng, vocab), GenerationConfig(max_new_tokens=1))
+        started = time.perf_counter()
+        single.step()
+        prefills.append(time.perf_counter() - started)
+    return statistics.median(steps), statistics.median(prefills)
 
 
 def part_join(model, vocab: int, repeats: int, long: int) -> None:
     rng = random.Random(1)
     busy = 7
-    # alone: one 7-row decode step, and a 32-token prefill on an idle batch (both on Slots)
-    steps, prefills = [], []
-    batch = Slots(model, busy + 1)
-    for _ in range(busy):
-        batch.add(prompt(rng, vocab), GenerationConfig(max_new_tokens=repeats + 3))
-    batch.step()  # the prefill of the 7
-    for _ in range(repeats + 2):
-        started = time.perf_counter()
-        batch.step()
-        steps.append(time.perf_counter() - started)
-    alone = Slots(model, 1)
-    for _ in range(repeats):
-        alone.add(prompt(rng, vocab), GenerationConfig(max_new_tokens=1))
-        started = time.perf_counter()
-        alone.step()
-        prefills.append(time.perf_counter() - started)
-    step, prefill = statistics.median(steps), statistics.median(prefills)
+    step, prefill = off_main(alone, model, vocab, rng, busy, repeats)
 
     # busy: 7 long requests decode in the engine while single requests arrive one by one
     engine = Engine(model, StubTokenizer(), slots=busy + 1, max_queue=busy + 1)
@@ -197,8 +228,9 @@ def part_join(model, vocab: int, repeats: int, long: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 2-layer, d=64 model")
-    parser.add_argument("--requests", type=int, default=2, help="requests per client (part 1)")
+    parser.add_argument("--requests", type=int, default=3, help="requests per client (part 1)")
     parser.add_argument("--new", type=int, default=64, help="new tokens per request (part 1)")
+    parser.add_argument("--mixes", type=int, default=3, help="workloads drawn (part 2)")
     parser.add_argument("--repeats", type=int, default=7, help="arrivals measured (part 3)")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -210,7 +242,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f} (other processes share these cores)")
     started = time.perf_counter()
     part_clients(model, shape["vocab_size"], args.requests, args.new)
-    part_mixed(model, shape["vocab_size"])
+    part_mixed(model, shape["vocab_size"], args.mixes)
     part_join(model, shape["vocab_size"], args.repeats, long=shape["context_length"] - PROMPT - 8)
     wall = time.perf_counter() - started
     print(f"total {wall:.0f} s, load average {os.getloadavg()[0]:.2f} at the end")
