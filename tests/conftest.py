@@ -31,6 +31,31 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**values)
 
 
+def save_run(folder, model, tokenizer):
+    """Write `model` and `tokenizer` as a run directory that `tlm.load_model` reads."""
+    from tlm.checkpoint import save_weights, write_config
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_weights(folder / "model.safetensors", model)
+    write_config(folder, model.config, {})
+    tokenizer.save(folder / "tokenizer.json")
+    return folder
+
+
+def varied_char_run(corpus, folder, **overrides):
+    """A run of a random model on `corpus`'s characters whose weights are N(0, 0.3) (norm
+    gains N(1, 0.3)): attention patterns and predictions that vary with the context."""
+    from tlm import load_tokenizer
+
+    tokenizer = load_tokenizer(corpus)
+    torch.manual_seed(0)
+    model = TransformerLM(tiny_config(vocab_size=tokenizer.vocab_size, **overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if name.endswith("gamma") else 0.0, 0.3)
+    return save_run(folder, model, tokenizer)
+
+
 @pytest.fixture
 def make_model():
     """A factory: make_model(**config overrides) -> TransformerLM in eval mode, seeded."""

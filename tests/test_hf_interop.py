@@ -7,9 +7,8 @@ import torch
 import transformers  # a dev dependency: missing, it must fail, not skip
 from safetensors.torch import load_file, save_file
 
-from conftest import V, hf_model, tiny_config
+from conftest import V, hf_model, save_run, tiny_config
 from tlm import TransformerLM, load_model, load_tokenizer
-from tlm.checkpoint import save_weights, write_config
 from tlm.cli import main
 from tlm.interop import HFFormatError
 from tlm.interop.export import export_hf
@@ -28,10 +27,7 @@ def make_run(folder, tokenizer, **overrides):
         for name, param in model.named_parameters():
             if "b_" in name or "gamma" in name or "beta" in name:
                 param.add_(0.1 * torch.randn_like(param))
-    folder.mkdir()
-    save_weights(folder / "model.safetensors", model)
-    write_config(folder, config, {})
-    tokenizer.save(folder / "tokenizer.json")
+    save_run(folder, model, tokenizer)
     return model
 
 

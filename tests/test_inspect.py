@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import console_errors, tiny_config
-from tlm import TransformerLM, load_model, load_tokenizer
-from tlm.checkpoint import save_weights, write_config
+from conftest import console_errors, varied_char_run
+from tlm import load_model, load_tokenizer
 from tlm.cli import main
 from tlm.interpret import logit_lens
 
@@ -21,19 +20,8 @@ PROMPT, CORRUPTED = "The for statement", "The far statement"  # one character ch
 @pytest.fixture(scope="module")
 def run(docs_chars, tmp_path_factory):
     """A run directory of a small random model with the python-docs characters."""
-    tokenizer = load_tokenizer(docs_chars)
-    config = tiny_config(vocab_size=tokenizer.vocab_size, n_layers=3, context_length=48)
-    torch.manual_seed(0)
-    model = TransformerLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # varied patterns from head to head
-            p.normal_(1.0 if name.endswith("gamma") else 0.0, 0.3)
     folder = tmp_path_factory.mktemp("runs") / "tiny"
-    folder.mkdir()
-    save_weights(folder / "model.safetensors", model)
-    write_config(folder, config, {})
-    tokenizer.save(folder / "tokenizer.json")
-    return folder
+    return varied_char_run(docs_chars, folder, n_layers=3, context_length=48)
 
 
 @pytest.fixture(scope="module")

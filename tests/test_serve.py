@@ -70,14 +70,14 @@ def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
 
 
-def local_greedy(run, prompt, max_tokens, stop=(), **settings):
+def local(run, prompt, max_tokens, stop=(), **settings):
     model, tokenizer = load_model(run).for_inference("float32"), load_tokenizer(run)
     config = GenerationConfig(max_new_tokens=max_tokens, eos_token_id=tokenizer.eot_id, **settings)
     return complete(model, tokenizer, [prompt], config, stop)[0]
 
 
 def test_greedy_through_the_api_equals_tlm_generate_and_streams_the_same(client, run):
-    expected = local_greedy(run, "The for", 24)
+    expected = local(run, "The for", 24)
     got = client.completions.create(model="run", prompt="The for", max_tokens=24, temperature=0)
     assert got.choices[0].text == expected.text and len(expected.text) > 10
     ended = expected.finish_reason == "eos"  # usage counts the end-of-text token too
@@ -99,7 +99,7 @@ def test_n_seeds_stops_and_logprobs(client, run):
     first = sample(7)
     assert sample(7) == first and len(first) == 3 and len(set(first)) > 1
     assert sample(8) != first
-    greedy = local_greedy(run, "The while", 30).text
+    greedy = local(run, "The while", 30).text
     for stop in (greedy[len(greedy) // 2 : len(greedy) // 2 + 3], " statement rep"):
         assert stop in greedy
         r = client.completions.create(
@@ -115,6 +115,14 @@ def test_n_seeds_stops_and_logprobs(client, run):
         model="run", prompt="The", max_tokens=5, temperature=0, logprobs=3
     )
     lp = r.choices[0].logprobs
+    chunks = client.completions.create(
+        model="run", prompt="The", max_tokens=5, temperature=0, logprobs=3, stream=True
+    )  # offsets run on across the chunks, and start after an echoed prompt
+    assert [c.choices[0].logprobs.text_offset[0] for c in chunks] == lp.text_offset
+    echoed = client.completions.create(
+        model="run", prompt="The", max_tokens=5, temperature=0, logprobs=3, echo=True
+    )
+    assert echoed.choices[0].logprobs.text_offset == [3 + o for o in lp.text_offset]
     assert len(lp.token_logprobs) == 5 and all(len(t) == 3 for t in lp.top_logprobs)
     model, tokenizer = load_model(run), load_tokenizer(run)
     ids = torch.tensor([[tokenizer.eot_id, *tokenizer.encode("The")]])
@@ -128,7 +136,7 @@ def test_chat_renders_the_template_and_stops_at_the_next_turn(client, run):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "for?"}]
     r = client.chat.completions.create(model="run", messages=messages, max_tokens=20, temperature=0)
     prompt = "System: Be brief.\nUser: for?\nAssistant:"
-    expected = local_greedy(run, prompt, 20, stop=("\nUser:",))
+    expected = local(run, prompt, 20, stop=("\nUser:",))
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == expected.text.lstrip(" ")
     chunks = client.chat.completions.create(
@@ -138,7 +146,7 @@ def test_chat_renders_the_template_and_stops_at_the_next_turn(client, run):
 
 
 def test_greedy_is_unchanged_while_eight_other_requests_decode(client, run):
-    expected = local_greedy(run, "The while", 40).text
+    expected = local(run, "The while", 40).text
     others = []
 
     def busy(i):
@@ -274,7 +282,7 @@ def test_32_streaming_clients_five_requests_each_all_complete(client, server):
 
 def test_a_completion_ends_at_the_end_of_text(client, run):
     for seed in range(20):  # a sample that ends its document (this model ends them)
-        expected = local_greedy(run, "The", 100, do_sample=True, seed=seed)  # as the server
+        expected = local(run, "The", 100, do_sample=True, seed=seed)  # as the server
         if expected.finish_reason == "eos":
             break
     assert expected.finish_reason == "eos"
@@ -295,7 +303,7 @@ def test_the_page_streams_text_and_shows_the_explorer(browser, server, run):
     browser.find_element(By.ID, "generate").click()
     wait = WebDriverWait(browser, 30)
     wait.until(lambda b: b.find_element(By.ID, "status").text.startswith("done"))
-    expected = local_greedy(run, "The for statement", 24)
+    expected = local(run, "The for statement", 24)
     assert browser.find_element(By.ID, "output").text == "The for statement" + expected.text
     tokens = browser.find_elements(By.CSS_SELECTOR, "#output .tok")
     assert len(tokens) == len(expected.tokens) + (expected.finish_reason == "eos")

@@ -9,9 +9,8 @@ import pytest
 import torch
 import transformers  # a dev dependency: missing, it must fail, not skip
 
-from conftest import tiny_config
-from tlm import TransformerLM, load_model, load_tokenizer
-from tlm.checkpoint import save_weights, write_config
+from conftest import varied_char_run
+from tlm import load_model, load_tokenizer
 from tlm.cli import main
 from tlm.evaluate import evaluate_tokens
 from tlm.model.loss import cross_entropy
@@ -30,19 +29,7 @@ from tlm.tasks.score import score_reference
 @pytest.fixture(scope="module")
 def run(docs_chars, tmp_path_factory):
     """A run of a random char model whose predictions depend on the context."""
-    tokenizer = load_tokenizer(docs_chars)
-    config = tiny_config(vocab_size=tokenizer.vocab_size, context_length=40)
-    torch.manual_seed(0)
-    model = TransformerLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if name.endswith("gamma") else 0.0, 0.3)
-    folder = tmp_path_factory.mktemp("runs") / "tiny"
-    folder.mkdir()
-    save_weights(folder / "model.safetensors", model)
-    write_config(folder, config, {})
-    tokenizer.save(folder / "tokenizer.json")
-    return folder
+    return varied_char_run(docs_chars, tmp_path_factory.mktemp("runs") / "tiny", context_length=40)
 
 
 def test_a_score_is_the_sum_of_one_forward_pass(run):

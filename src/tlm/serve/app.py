@@ -48,15 +48,16 @@ def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Me
         metrics.requests.labels(request.url.path, "500").inc()
         return JSONResponse(ApiError(500, f"internal error: {error}").body(), status_code=500)
 
+    def authorize(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise ApiError(
+                401,
+                "a missing or wrong API key (Authorization: Bearer KEY)",
+                code="invalid_api_key",
+            )
+
     async def read(request: Request) -> dict:
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if given != f"Bearer {api_key}":
-                raise ApiError(
-                    401,
-                    "a missing or wrong API key (Authorization: Bearer KEY)",
-                    code="invalid_api_key",
-                )
+        authorize(request)
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -142,12 +143,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Me
 
     @app.get("/v1/models")
     async def models(request: Request):
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-            raise ApiError(
-                401,
-                "a missing or wrong API key (Authorization: Bearer KEY)",
-                code="invalid_api_key",
-            )
+        authorize(request)
         return {
             "object": "list",
             "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tlm"}],
@@ -205,7 +201,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Me
 class Completions:
     """Events -> the text_completion object, whole or as chunks."""
 
-    object = "text_completion"
+    object = chunk_object = "text_completion"
     prompt_tokens = 0
 
     def __init__(self, model, tokenizer, echo, s: Sampling, metrics: Metrics):
@@ -217,8 +213,13 @@ class Completions:
             metrics,
         )
         self.id, self.created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        self.streaming = False
 
-    def _logprobs(self, events: list[Event], offset: int = 0) -> dict | None:
+    def opening(self, index: int, text: str) -> tuple[str, bool]:
+        """The text a choice starts with (the prompt, with echo), and whether it has started."""
+        return (self.echo[index // self.s.n] if self.echo is not None else "") + text, True
+
+    def _logprobs(self, events: list[Event], offset: int) -> dict | None:
         if not self.s.logprobs:
             return None
         tokens = [self.tokenizer.decode([e.token]) for e in events]
@@ -231,42 +232,14 @@ class Completions:
             "text_offset": offsets,
         }
 
-    def choice(self, index: int, text: str, events: list[Event], finish: str | None) -> dict:
-        return {
-            "index": index,
-            "text": text,
-            "logprobs": self._logprobs(events),
-            "finish_reason": finish,
-        }
-
-    def _prefix(self, index: int) -> str:
-        return self.echo[index // self.s.n] if self.echo is not None else ""
-
-    async def whole(self, events) -> dict:
-        got: dict[int, list[Event]] = {}
-        async for index, event in events:
-            got.setdefault(index, []).append(event)
-        choices = []
-        for index in sorted(got):
-            evs = got[index]
-            text = self._prefix(index) + "".join(e.text for e in evs)
-            choices.append(self.choice(index, text, evs, evs[-1].finish_reason))
-        generated = sum(len(v) for v in got.values())
-        self.metrics.generated_tokens.inc(generated)
-        prompt_tokens = self.prompt_tokens
-        return self.body(
-            choices,
-            {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": generated,
-                "total_tokens": prompt_tokens + generated,
-            },
-        )
+    def choice(self, index: int, text: str, events: list[Event], offset: int) -> dict:
+        logprobs, finish = self._logprobs(events, offset), events[-1].finish_reason
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def body(self, choices: list[dict], usage: dict | None = None) -> dict:
         out = {
             "id": self.id,
-            "object": self.object,
+            "object": self.chunk_object if self.streaming else self.object,
             "created": self.created,
             "model": self.model,
             "choices": choices,
@@ -275,65 +248,67 @@ class Completions:
             out["usage"] = usage
         return out
 
+    async def whole(self, events) -> dict:
+        got: dict[int, list[Event]] = {}
+        async for index, event in events:
+            got.setdefault(index, []).append(event)
+        choices = []
+        for index in sorted(got):
+            text, _ = self.opening(index, "".join(e.text for e in got[index]))
+            start = len(text) - sum(len(e.text) for e in got[index])  # the echoed prompt
+            choices.append(self.choice(index, text, got[index], start))
+        generated = sum(len(v) for v in got.values())
+        self.metrics.generated_tokens.inc(generated)
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": generated}
+        return self.body(choices, usage | {"total_tokens": self.prompt_tokens + generated})
+
     async def stream(self, events):
+        self.streaming = True
         started: set[int] = set()
+        offsets: dict[int, int] = {}  # text sent so far per choice
         async for index, event in events:
             self.metrics.generated_tokens.inc()
             text = event.text
             if index not in started:
-                started.add(index)
-                text = self._prefix(index) + text
-            chunk = self.body([self.choice(index, text, [event], event.finish_reason)])
+                text, begun = self.opening(index, text)
+                if begun:
+                    started.add(index)
+            chunk = self.body([self.choice(index, text, [event], offsets.get(index, 0))])
+            offsets[index] = offsets.get(index, 0) + len(text)
             yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 
 
 class Chat(Completions):
-    object = "chat.completion"
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
 
     def __init__(self, model, tokenizer, s: Sampling, metrics: Metrics):
         super().__init__(model, tokenizer, None, s, metrics)
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
 
-    def _logprobs(self, events: list[Event], offset: int = 0) -> dict | None:
+    def opening(self, index: int, text: str) -> tuple[str, bool]:
+        text = text.lstrip(" ")  # the template leaves a space after "Assistant:"
+        return text, bool(text)
+
+    def _logprobs(self, events: list[Event], offset: int) -> dict | None:
         if not self.s.logprobs:
             return None
+        decode = self.tokenizer.decode
         return {
             "content": [
                 {
-                    "token": self.tokenizer.decode([e.token]),
+                    "token": decode([e.token]),
                     "logprob": e.logprob,
-                    "top_logprobs": [
-                        {"token": self.tokenizer.decode([t]), "logprob": lp} for t, lp in e.top
-                    ],
+                    "top_logprobs": [{"token": decode([t]), "logprob": lp} for t, lp in e.top],
                 }
                 for e in events
             ]
         }
 
-    def choice(self, index: int, text: str, events: list[Event], finish: str | None) -> dict:
-        message = {
-            "role": "assistant",
-            "content": text.lstrip(" ") if self.object == "chat.completion" else text,
-        }
-        key = "message" if self.object == "chat.completion" else "delta"
+    def choice(self, index: int, text: str, events: list[Event], offset: int) -> dict:
         return {
             "index": index,
-            key: message,
-            "logprobs": self._logprobs(events),
-            "finish_reason": finish,
+            "delta" if self.streaming else "message": {"role": "assistant", "content": text},
+            "logprobs": self._logprobs(events, offset),
+            "finish_reason": events[-1].finish_reason,
         }
-
-    async def stream(self, events):
-        self.object = "chat.completion.chunk"
-        first: set[int] = set()
-        async for index, event in events:
-            self.metrics.generated_tokens.inc()
-            text = event.text
-            if index not in first:  # the template leaves a space after "Assistant:"
-                text = text.lstrip(" ")
-                if text:
-                    first.add(index)
-            chunk = self.body([self.choice(index, text, [event], event.finish_reason)])
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
