@@ -6,7 +6,7 @@ import torch
 from conftest import NORMS, POSITIONS, written_out
 from tlm.generate import GenerationConfig, generate
 from tlm.generate.slots import Slots
-from tlm.model.slot_cache import SlotCache
+from tlm.model.slot_cache import Run, SlotCache, Steps
 
 
 @pytest.mark.parametrize("impl", ["fused", "reference"])
@@ -16,30 +16,47 @@ def test_rows_at_their_own_lengths_equal_each_row_alone(make_model, position, no
     model = make_model(position=position, norm=norm)
     if impl == "reference":
         written_out(model)
-    texts = [torch.randint(0, 97, (12,)).tolist() for _ in range(4)]
+    texts = [torch.randint(0, 97, (14,)).tolist() for _ in range(4)]
     cache = SlotCache(model.config, slots=4)
-    lengths = [7, 3, 5, 4]
-    for slot, n in enumerate(lengths):  # prefill each row alone
-        model(torch.tensor([texts[slot][:n]]), cache.rows(slot, slot + 1))
+    lengths = [0, 0, 0, 0]
 
-    def step(active, lo=0):
-        slots = range(lo, lo + len(active))
-        ids = torch.tensor(
-            [[texts[s][lengths[s]] if on else 0] for s, on in zip(slots, active, strict=True)]
-        )
-        logits = model(ids, cache.rows(lo, lo + len(active), active), last_only=True)
-        for i, (s, on) in enumerate(zip(slots, active, strict=True)):
-            if on:
-                alone = model(torch.tensor([texts[s][: lengths[s] + 1]]), last_only=True)
-                assert torch.allclose(logits[i], alone[0], atol=1e-5), (s, lengths)
-                lengths[s] += 1
+    def step(feeds):  # {slot: how many of its next tokens}, in one ragged pass
+        slots = sorted(feeds)
+        ids = [t for s in slots for t in texts[s][lengths[s] : lengths[s] + feeds[s]]]
+        logits = model(torch.tensor([ids]), cache.rows(slots, [feeds[s] for s in slots]))
+        at = 0
+        for s in slots:
+            lengths[s] += feeds[s]
+            alone = model(torch.tensor([texts[s][: lengths[s]]]))[0, -feeds[s] :]
+            assert torch.allclose(logits[0, at : at + feeds[s]], alone, atol=1e-5), (s, lengths)
+            at += feeds[s]
+        assert cache.lengths == lengths
 
-    for _ in range(2):  # slot 2 runs along as a dummy: its own positions must stay intact
-        step([True, True, False, True])
-    assert cache.lengths == lengths == [9, 5, 5, 6]
-    step([True] * 4)
-    step([False, True], lo=1)  # slots 1, 2: one length, the first out: not the shared path
-    assert cache.lengths == [10, 6, 7, 7]
+    step({0: 7, 2: 5})  # two prompts of two lengths in one pass
+    step({0: 1, 1: 3, 2: 1, 3: 4})  # two rows decode while two others join
+    step({0: 1, 1: 1, 3: 2})  # slot 2 sits out (a dummy row): its positions must stay intact
+    step({1: 2, 2: 1, 3: 1})  # slots 2, 3 at one length: one run
+    step({0: 1, 1: 1, 2: 1, 3: 1})  # all decoding, at three lengths
+    assert lengths == [10, 7, 8, 8]
+
+
+def test_rows_are_grouped_for_attention_and_bad_passes_are_refused(make_model):
+    model = make_model()
+    cache = SlotCache(model.config, slots=4, capacity=8)
+    cache.lengths[:] = [3, 3, 5, 3]
+    rows = cache.rows([0, 1], [1, 1])  # neighbours at one length: one run, no mask
+    assert [(type(g), g.lo, g.hi, g.mask) for g in rows.groups] == [(Run, 0, 2, None)]
+    rows = cache.rows([0, 1, 3], [1, 1, 1])  # not neighbours: one masked group, slot 2 a dummy
+    (steps,) = rows.groups
+    assert isinstance(steps, Steps) and (steps.lo, steps.hi) == (0, 4)
+    assert steps.mask[:, 0, 0].tolist() == [[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert rows.positions.tolist() == [[3, 3, 3]] and rows.lasts == [0, 1, 2]
+    rows = cache.rows([0, 1, 2, 3], [1, 4, 1, 2])  # two prompts, two rows decoding
+    assert [type(g) for g in rows.groups] == [Run, Run, Steps]
+    assert rows.positions.tolist() == [[3, 3, 4, 5, 6, 5, 3, 4]] and rows.lasts == [0, 4, 5, 7]
+    for slots, counts in [([0], [6]), ([1, 0], [1, 1]), ([0, 0], [1, 1]), ([0], [0]), ([], [])]:
+        with pytest.raises(ValueError):
+            cache.rows(slots, counts)
 
 
 def reference(model, prompt, **settings):
@@ -104,7 +121,7 @@ def test_one_row_slides_its_window_while_the_others_go_on(make_model):
     assert len(set(tokens[0])) > 3
 
 
-def test_rows_of_one_length_share_a_prefill_and_rows_end_on_their_own(make_model):
+def test_one_pass_per_step_and_rows_end_on_their_own(make_model):
     model = make_model()
     calls = []
     model.register_forward_pre_hook(lambda m, args: calls.append(tuple(args[0].shape)))
@@ -115,9 +132,9 @@ def test_rows_of_one_length_share_a_prefill_and_rows_end_on_their_own(make_model
     sequences = [slots.add(prompt, config, sample=j, seed=0) for j in range(3)]
     slots.add([4, 4], GenerationConfig(max_new_tokens=2))
     slots.step()
-    assert calls == [(3, 4), (1, 2)]  # three rows of four tokens in one pass, then the other
+    assert calls == [(1, 14)]  # every prompt in one pass
     slots.step()
-    assert calls[-1] == (4, 1)  # then one decode pass over every row in use
+    assert calls[-1] == (1, 4)  # then one token of every row in use
     run(slots, [])
     for s in sequences:
         assert s.finish_reason == ("eos" if eos in s.tokens else "length")
@@ -137,3 +154,18 @@ def test_a_cancelled_sequence_frees_its_row_for_the_next_step(make_model):
     emitted = slots.step()
     assert [e.sequence for e in emitted] == [second] and second.slot == 0
     assert second.tokens[:1] == reference(model, [4, 5], max_new_tokens=1)
+
+
+def test_a_new_rows_prompt_runs_in_the_pass_that_decodes_the_others(make_model):
+    model = make_model()
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append(tuple(args[0].shape)))
+    slots = Slots(model, slots=2)
+    config = GenerationConfig(max_new_tokens=5)
+    busy = slots.add([1, 2, 3], config)
+    slots.step()
+    new = slots.add([4, 5], config)
+    emitted = slots.step()
+    assert [e.sequence for e in emitted] == [busy, new] and calls[1:] == [(1, 3)]
+    assert new.tokens == reference(model, [4, 5], max_new_tokens=1)
+    assert busy.tokens == reference(model, [1, 2, 3], max_new_tokens=2)

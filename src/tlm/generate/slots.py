@@ -5,12 +5,15 @@ its own length and positions, sampling settings, random generator and stop rules
 `step()` advances every row by one token:
 
 1. sequences waiting for a row take the free ones (lowest first);
-2. rows new this step run their prompt ("prefill"; rows of one length side by side share
-   one pass), and a row whose text has outgrown its cache runs its last `capacity` tokens
-   again (the window slides for that row only, as the uncached model sees it);
-3. every other row feeds its last token through one batched pass over the rows in use;
-4. each row chooses its token from its own logits with its own settings, and a row that
+2. one forward pass runs, in which each row feeds its own tokens: a row new this step its
+   prompt ("prefill"), a row whose text has outgrown its cache its last `capacity` tokens
+   again (the window slides for that row only, as the uncached model sees it), and every
+   other row its last token;
+3. each row chooses its token from its own logits with its own settings, and a row that
    has ended gives its row back at once.
+
+A new request's prompt thus rides in the pass that decodes the others: the weights are
+read once for both, and its first token comes out with theirs.
 
 A sequence joins at the next step and leaves when done, and nothing it does reaches
 another row: the same seed gives the same tokens alone or in a busy batch. `generate`
@@ -130,11 +133,27 @@ class Slots:
         return not self.waiting and self.busy == 0
 
     def step(self) -> list[Emitted]:
-        """Advance every sequence in a row by one token."""
+        """Advance every sequence in a row by one token, all in one forward pass."""
         self._admit()
+        slots, feeds = [], []
+        for slot, sequence in enumerate(self.rows):
+            if sequence is None:
+                continue
+            if sequence.fresh or self.cache.lengths[slot] + 1 > self.capacity:
+                feed = (sequence.prompt + sequence.tokens)[-self.capacity :]  # prompt or window
+                self.cache.clear(slot)
+                sequence.fresh = False
+            else:
+                feed = sequence.tokens[-1:]
+            slots.append(slot)
+            feeds.append(feed)
+        if not slots:
+            return []
         with torch.no_grad():
-            sequences, logits = self._forward()
-            return [self._choose(s, row) for s, row in zip(sequences, logits, strict=True)]
+            ids = torch.tensor([token for feed in feeds for token in feed], device=self.device)
+            rows = self.cache.rows(slots, [len(feed) for feed in feeds])
+            logits = self.model(ids[None], rows, last_only=True)[0]  # [rows,V]
+            return [self._choose(self.rows[s], row) for s, row in zip(slots, logits, strict=True)]
 
     def _admit(self) -> None:
         for slot, row in enumerate(self.rows):
@@ -145,52 +164,6 @@ class Slots:
                 sequence.slot, sequence.fresh = slot, True
                 self.rows[slot] = sequence
                 self.cache.clear(slot)
-
-    def _forward(self) -> tuple[list[Sequence], list[Tensor]]:
-        """Logits [V] for the next token of every row in use."""
-        prefill, decode = [], []
-        for slot, sequence in enumerate(self.rows):
-            if sequence is None:
-                continue
-            if sequence.fresh or self.cache.lengths[slot] + 1 > self.capacity:
-                prefill.append(slot)
-            else:
-                decode.append(slot)
-        out: dict[int, Tensor] = {}
-        for lo, hi in self._prefill_groups(prefill):
-            windows = [self._window(self.rows[s]) for s in range(lo, hi)]
-            for s in range(lo, hi):
-                self.cache.clear(s)
-                self.rows[s].fresh = False
-            ids = torch.tensor(windows, device=self.device)
-            logits = self.model(ids, self.cache.rows(lo, hi), last_only=True)[:, -1]
-            out.update(zip(range(lo, hi), logits, strict=True))
-        if decode:
-            lo, hi = decode[0], decode[-1] + 1
-            active = [s in decode for s in range(lo, hi)]
-            last = [self.rows[s].tokens[-1] if s in decode else 0 for s in range(lo, hi)]
-            ids = torch.tensor(last, device=self.device)[:, None]  # [B,1]
-            logits = self.model(ids, self.cache.rows(lo, hi, active), last_only=True)[:, -1]
-            out.update((s, logits[s - lo]) for s in decode)
-        slots = sorted(out)
-        return [self.rows[s] for s in slots], [out[s] for s in slots]
-
-    def _window(self, sequence: Sequence) -> list[int]:
-        """The tokens a prefill runs: the prompt, or the last `capacity` of the whole text."""
-        return (sequence.prompt + sequence.tokens)[-self.capacity :]
-
-    def _prefill_groups(self, slots: list[int]) -> list[tuple[int, int]]:
-        """Runs of neighbouring slots whose windows have one length: one pass each."""
-        groups: list[tuple[int, int]] = []
-        for s in slots:
-            if groups and groups[-1][1] == s and self._width(s) == self._width(s - 1):
-                groups[-1] = (groups[-1][0], s + 1)
-            else:
-                groups.append((s, s + 1))
-        return groups
-
-    def _width(self, slot: int) -> int:
-        return len(self._window(self.rows[slot]))
 
     def _choose(self, sequence: Sequence, logits: Tensor) -> Emitted:
         c = sequence.config

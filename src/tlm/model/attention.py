@@ -22,7 +22,7 @@ from tlm.model.functional import linear
 from tlm.model.hooks import HookPoint
 from tlm.model.kv_cache import KVCache
 from tlm.model.positions import Rotary
-from tlm.model.slot_cache import Rows
+from tlm.model.slot_cache import Rows, Run, Steps
 
 
 def causal_mask(T: int, S: int, device: torch.device | None = None) -> Tensor:
@@ -169,12 +169,35 @@ class MultiHeadAttention(nn.Module):
         `positions` [T] or [B,T] are absolute positions (for rope). Attention is causal; with
         a `cache`, x holds the new positions and also attends to every stored one. `mask`
         (from `padding_mask`) replaces the causal mask where batch rows are left-padded.
+        With a `SlotCache.rows(...)` cache, x [1,N,d] holds the new tokens of many rows one
+        after another: the products run over all of them, attention per run of rows.
         """
         B, T, _ = x.shape
-        q, k, v = map(self.split_heads, self.project_qkv(x))  # eq. 9.34  Q = XW^Q, K, V
+        q, k, v = self.project_qkv(x)  # eq. 9.34  Q = XW^Q, K, V
+        if isinstance(cache, Rows):  # each group of rows attends to its own keys
+            z = q.new_empty(T, self.n_heads, self.d_head)  # [N,H,dh]
+            for group in cache.groups:
+                part = [group.take(t) for t in (q, k, v, positions)]
+                group.put(z, self.heads(*part, group.mask, group))
+        else:
+            z = self.heads(q, k, v, positions, mask, cache)
+        return self.out(self.project_out(z.reshape(B, T, -1)))  # concat, then W^O: eq. 9.19
+
+    def heads(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        positions: Tensor | None,
+        mask: Tensor | None,
+        cache: KVCache | Run | Steps | None,
+    ) -> Tensor:
+        """Every head's output, z [B,T,H,d_head], from q, k, v [B,T,H*d_head] (eq. 9.11-9.13)."""
+        T = q.shape[1]
+        q, k, v = map(self.split_heads, (q, k, v))  # [B,H,T,dh]
         if self.rotary is not None:  # relative positions: rotate q and k, never v
             if positions is None:
-                positions = torch.arange(T, device=x.device)
+                positions = torch.arange(T, device=q.device)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         q, k, v = self.q(q), self.k(k), self.v(v)
         if cache is not None:
@@ -182,15 +205,14 @@ class MultiHeadAttention(nn.Module):
         S = k.shape[2]
         whole_window = mask is None and 1 < T == S  # the kernel's own causal mask suffices
         if mask is None and 1 < T < S:  # new queries after cached keys (bottom-right aligned)
-            mask = causal_mask(T, S, x.device)
+            mask = causal_mask(T, S, q.device)
         dropout_p = self.dropout if self.training else 0.0
         if self.scores.listening or self.pattern.listening:  # α is wanted: write it out
             if whole_window:
-                mask = causal_mask(T, S, x.device)
+                mask = causal_mask(T, S, q.device)
             scores = self.scores(attention_scores(q, k, mask))  # eq. 9.11
             pattern = self.pattern(torch.softmax(scores, dim=-1))  # eq. 9.12
             heads = attend(pattern, v, dropout_p)  # eq. 9.13
         else:
             heads = attention_fused(q, k, v, mask, dropout_p, is_causal=whole_window)
-        z = self.z(heads.transpose(1, 2))  # [B,H,T,dh] -> [B,T,H,dh]
-        return self.out(self.project_out(z.reshape(B, T, -1)))  # concat, then W^O: eq. 9.19
+        return self.z(heads.transpose(1, 2))  # [B,H,T,dh] -> [B,T,H,dh]

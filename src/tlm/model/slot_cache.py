@@ -2,18 +2,21 @@
 
 `KVCache` gives the whole batch one length: every row starts together and moves on
 together. A server's rows (slots) do not: a request joins while others are half done, and
-leaves when it ends. `SlotCache` holds K and V [L, slots, H, capacity + 1, d_head] and one
-length per slot. A forward pass over slots lo..hi-1 takes `cache.rows(lo, hi, active)` as
-its cache, and for each active row:
+leaves when it ends. `SlotCache` holds K and V [L, slots, H, capacity, d_head] and one
+length per slot.
 
-- its new keys and values are written after its own filled positions;
-- its queries sit at its own positions (so a row's positions count its own tokens only);
-- it attends to its own filled positions and nothing else (a mask per row).
+One forward pass can serve any set of slots, each feeding its own number of new tokens: a
+new request's whole prompt beside one token of every row that is decoding.
+`cache.rows(slots, counts)` is the pass's cache, and its input is every fed token in one
+sequence, [1, N] with N = sum(counts), slot after slot. The products (Q, K, V, W^O, the
+FFN) run once over all N tokens, so the weights are read once per pass. Attention runs per
+group of rows, each group attending to its own keys:
 
-Rows of the range that are not active this pass (a free slot, or a row prefilled on its
-own this step) run along as dummies: at position 0, writing to the spare position at
-`capacity` once full, and their outputs are ignored. When every row is active at the same
-length the pass needs no mask, and the writes are one slice, as with `KVCache`.
+- a `Run`: neighbouring slots at one length, each feeding one count (a prompt, or the
+  decoding rows of `generate`, which move on together): the usual causal rule, no mask;
+- `Steps`: the rows feeding one token each otherwise, as a server's decoding rows are,
+  each at its own length: one batched attention over their slot range with a mask per
+  row. Slots of the range not in the group run along as dummies, whose output is dropped.
 """
 
 from __future__ import annotations
@@ -36,78 +39,148 @@ class SlotCache:
         device: torch.device | str = "cpu",
     ) -> None:
         self.capacity = capacity or config.context_length
-        shape = (config.n_layers, slots, config.n_heads, self.capacity + 1, config.d_head)
-        # zeros, not empty: a row's mask hides the positions past its length, but a weight
-        # of 0 times a NaN left in never-written memory would still be NaN
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [.., capacity]: the spare
+        shape = (config.n_layers, slots, config.n_heads, self.capacity, config.d_head)
+        # zeros, not empty: a `Steps` row's mask hides the positions past its length, but a
+        # weight of 0 times a NaN left in never-written memory would still be NaN
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = [0] * slots
 
-    def rows(self, lo: int, hi: int, active: list[bool] | None = None) -> Rows:
-        """The cache of slots lo..hi-1 for one forward pass (all active unless told)."""
-        return Rows(self, lo, hi, active or [True] * (hi - lo))
+    def rows(self, slots: list[int], counts: list[int]) -> Rows:
+        """The cache of one pass in which slot slots[i] feeds counts[i] new tokens."""
+        return Rows(self, slots, counts)
 
     def clear(self, slot: int) -> None:
         self.lengths[slot] = 0
 
 
-class Rows:
-    """What a forward pass over slots lo..hi-1 uses as its cache (KVCache's interface, plus
-    the positions and mask of each row)."""
+class Run:
+    """Slots lo..hi-1, all at length `start`, each feeding `count` tokens, which are tokens
+    offset.. of the pass's input: `KVCache`'s interface for their attention."""
 
-    def __init__(self, cache: SlotCache, lo: int, hi: int, active: list[bool]) -> None:
-        self.cache, self.lo, self.hi, self.active = cache, lo, hi, active
-        lengths = cache.lengths[lo:hi]
-        self.starts = [n if on else 0 for n, on in zip(lengths, active, strict=True)]
-        self.writes = [  # an inactive row writes after its own positions, or to the spare
-            n if on else min(n, cache.capacity) for n, on in zip(lengths, active, strict=True)
-        ]
-        self.uniform = all(active) and len(set(lengths)) == 1  # one slice, no mask
-        self.length = max(n for n, on in zip(lengths, active, strict=True) if on)
+    mask = None
 
-    def positions(self, T: int) -> Tensor:
-        """Absolute positions of the new tokens: [T] when uniform, else [B,T]."""
-        device = self.cache.k.device
-        steps = torch.arange(T, device=device)
-        if self.uniform:
-            return steps + self.starts[0]
-        return torch.tensor(self.starts, device=device)[:, None] + steps  # [B,T]
+    def __init__(self, cache: SlotCache, lo: int, start: int, count: int, offset: int) -> None:
+        self.cache, self.lo, self.hi, self.length = cache, lo, lo + 1, start
+        self.count, self.offset = count, offset
 
-    def mask(self, T: int) -> Tensor | None:
-        """Bool [B,1,T,S], True where a new query may attend: its row's positions up to its
-        own. None when uniform (the attention's own causal rule is the same thing)."""
-        if self.uniform:
-            return None
-        S = self.length + T
-        queries = self.positions(T)  # [B,T]
-        keys = torch.arange(S, device=queries.device)
-        return (keys[None, None, :] <= queries[:, :, None])[:, None]  # [B,1,T,S]
+    def take(self, x: Tensor) -> Tensor:
+        """This group's part of x [1,N,...]: [hi-lo, count, ...] (a view)."""
+        n = (self.hi - self.lo) * self.count
+        return x[0, self.offset : self.offset + n].view(self.hi - self.lo, self.count, *x.shape[2:])
+
+    def put(self, out: Tensor, z: Tensor) -> None:
+        """Write z [hi-lo, count, ...] into its place in out [N,...]."""
+        out[self.offset : self.offset + z.shape[0] * z.shape[1]] = z.flatten(0, 1)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write the new k, v [B,H,T,d_head] of `layer` at each row's own place; return the
-        keys and values [B,H,S,d_head] the queries may look at (views, no copy)."""
-        B, H, T, d_head = k.shape
-        end = self.length + T
-        if end > self.cache.capacity:
+        """Store k, v [hi-lo,H,count,d_head] after the filled positions; return every key and
+        value the new queries may see, [hi-lo,H,start+count,d_head] (views, no copy)."""
+        end = self.length + self.count
+        k_all, v_all = (
+            self.cache.k[layer, self.lo : self.hi],
+            self.cache.v[layer, self.lo : self.hi],
+        )
+        k_all[:, :, self.length : end] = k
+        v_all[:, :, self.length : end] = v
+        return k_all[:, :, :end], v_all[:, :, :end]
+
+
+class Steps:
+    """Slots feeding one token each, at their own lengths: one attention over the slot range
+    lo..hi-1 with a mask per row (each row sees its own filled positions and its new one).
+    A slot of the range outside the group is a dummy row: it repeats the group's first
+    token, sees position 0 only, writes nothing, and its output is dropped."""
+
+    def __init__(self, cache: SlotCache, slots: list[int], offsets: list[int]) -> None:
+        device = cache.k.device
+        self.cache, self.lo, self.hi = cache, slots[0], slots[-1] + 1
+        at = [cache.lengths[s] for s in slots]
+        self.full = len(slots) == self.hi - self.lo  # no dummies: the tokens are neighbours
+        self.offset = offsets[0]
+        source = [offsets[0]] * (self.hi - self.lo)  # each row's token in the input
+        for slot, offset in zip(slots, offsets, strict=True):
+            source[slot - self.lo] = offset
+        self.source = torch.tensor(source, device=device)
+        self.rows = torch.tensor([s - self.lo for s in slots], device=device)
+        self.offsets = torch.tensor(offsets, device=device)
+        # where each new key goes in cache.k[layer] viewed as [slots*H*capacity, d_head]
+        H, capacity = cache.k.shape[2], cache.capacity
+        heads = torch.arange(H, device=device)
+        base = torch.tensor([s * H * capacity + n for s, n in zip(slots, at, strict=True)])
+        self.writes = (base.to(device)[:, None] + heads * capacity).flatten()  # [rows*H]
+        S = max(at) + 1
+        mask = torch.zeros(self.hi - self.lo, 1, 1, S, dtype=torch.bool, device=device)
+        mask[:, :, :, 0] = True
+        mask[self.rows] = (
+            torch.arange(S, device=device) <= torch.tensor(at, device=device)[:, None, None, None]
+        )
+        self.mask = mask  # [hi-lo,1,1,S]
+
+    def take(self, x: Tensor) -> Tensor:
+        """This group's part of x [1,N,...]: [hi-lo, 1, ...]."""
+        if self.full:
+            return x[0, self.offset : self.offset + self.hi - self.lo].unsqueeze(1)
+        return x[0].index_select(0, self.source).unsqueeze(1)
+
+    def put(self, out: Tensor, z: Tensor) -> None:
+        """Write the group's rows of z [hi-lo, 1, ...] into their places in out [N,...]."""
+        out.index_copy_(0, self.offsets, z[:, 0] if self.full else z[self.rows, 0])
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store each slot's k, v (rows of [hi-lo,H,1,d_head]) at its own length; return the
+        keys and values of the range, [hi-lo,H,S,d_head] (views, no copy)."""
+        S, d_head = self.mask.shape[-1], k.shape[-1]
+        for new, store in ((k, self.cache.k[layer]), (v, self.cache.v[layer])):
+            new = new[:, :, 0] if self.full else new[self.rows, :, 0]  # [rows,H,d_head]
+            store.view(-1, d_head).index_copy_(0, self.writes, new.reshape(-1, d_head))
+        return self.cache.k[layer, self.lo : self.hi, :, :S], self.cache.v[
+            layer, self.lo : self.hi, :, :S
+        ]
+
+
+class Rows:
+    """The cache of one ragged pass: the attention `groups` of its rows."""
+
+    def __init__(self, cache: SlotCache, slots: list[int], counts: list[int]) -> None:
+        if len(slots) != len(counts) or not slots or min(counts) < 1:
+            raise ValueError("a pass feeds one or more tokens to each of one or more slots")
+        if sorted(set(slots)) != list(slots):
+            raise ValueError(f"slots must rise and not repeat: {slots}")
+        self.cache, self.slots, self.counts = cache, list(slots), list(counts)
+        offsets = [sum(counts[:i]) for i in range(len(counts))]
+        self.lasts = [o + c - 1 for o, c in zip(offsets, counts, strict=True)]  # each slot's last
+        starts = [cache.lengths[s] for s in slots]
+        self.end = max(s + c for s, c in zip(starts, counts, strict=True))
+        if self.end > cache.capacity:
             raise ValueError(
-                f"KV cache holds {self.cache.capacity} positions; {end} were asked for"
+                f"KV cache holds {cache.capacity} positions; {self.end} were asked for"
             )
-        keys = self.cache.k[layer, self.lo : self.hi]  # [B,H,capacity+1,d_head], a view
-        values = self.cache.v[layer, self.lo : self.hi]
-        if self.uniform:
-            start = self.starts[0]
-            keys[:, :, start:end] = k
-            values[:, :, start:end] = v
-        else:
-            at = torch.tensor(self.writes, device=k.device)[:, None] + torch.arange(
-                T, device=k.device
-            )
-            index = at.clamp(max=self.cache.capacity).view(B, 1, T, 1).expand(B, H, T, d_head)
-            keys.scatter_(2, index, k)
-            values.scatter_(2, index, v)
-        return keys[:, :, :end], values[:, :, :end]
+        runs: list[Run] = []
+        for slot, start, count, offset in zip(slots, starts, counts, offsets, strict=True):
+            run = runs[-1] if runs else None
+            if run and run.hi == slot and (run.length, run.count) == (start, count):
+                run.hi += 1
+            else:
+                runs.append(Run(cache, slot, start, count, offset))
+        steps = [r for r in runs if r.count == 1]
+        self.groups: list[Run | Steps] = [r for r in runs if r.count > 1]
+        if len(steps) == 1:  # neighbours at one length (or a single row): no mask needed
+            self.groups += steps
+        elif steps:
+            one = [(s, o) for s, c, o in zip(slots, counts, offsets, strict=True) if c == 1]
+            self.groups.append(Steps(cache, *map(list, zip(*one, strict=True))))
+        self.positions = torch.tensor(  # [1,N]: each fed token's position in its own row
+            [
+                [
+                    start + i
+                    for start, count in zip(starts, counts, strict=True)
+                    for i in range(count)
+                ]
+            ],
+            device=cache.k.device,
+        )
 
     def advance(self, T: int) -> None:
-        for i, on in enumerate(self.active):
-            if on:
-                self.cache.lengths[self.lo + i] += T
+        for slot, count in zip(self.slots, self.counts, strict=True):
+            self.cache.lengths[slot] += count

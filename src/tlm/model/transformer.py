@@ -89,22 +89,26 @@ class TransformerLM(nn.Module):
         """input_ids [B,T] -> logits [B,T,V] ([B,1,V] with `last_only`).
 
         With a `cache`, input_ids are the positions after the ones it holds, and their keys
-        and values are added to it; a `SlotCache.rows(...)` cache gives each row its own
-        length, positions and mask (`model/slot_cache.py`). `attention_mask` [B, cached + T]
+        and values are added to it. With a `SlotCache.rows(slots, counts)` cache, input_ids
+        [1,N] are the new tokens of several rows, one row after another, each at its own
+        length (`model/slot_cache.py`); `last_only` then gives [1,rows,V], each row's last.
+        `attention_mask` [B, cached + T]
         is 1 for tokens and 0 for left padding: padding is never attended to, and positions
         count tokens only.
         """
         B, T = input_ids.shape
-        start = 0 if cache is None else cache.length
-        if start + T > self.config.context_length:
+        rows = isinstance(cache, Rows)  # many rows' tokens in one sequence, each at its length
+        start = 0 if cache is None or rows else cache.length
+        end = cache.end if rows else start + T
+        if end > self.config.context_length:
             raise ValueError(
-                f"input has {start + T} tokens; context_length is {self.config.context_length}"
+                f"input has {end} tokens; context_length is {self.config.context_length}"
             )
         mask = None
-        if isinstance(cache, Rows):  # a length per row (continuous batching)
+        if rows:
             if attention_mask is not None:
                 raise ValueError("rows of a SlotCache have no padding: give no attention_mask")
-            positions, mask = cache.positions(T), cache.mask(T)
+            positions = cache.positions  # [1,N]
         elif attention_mask is None:
             positions = torch.arange(start, start + T, device=input_ids.device)  # [T]
         else:
@@ -115,8 +119,8 @@ class TransformerLM(nn.Module):
             x = block(x, positions, mask, cache)  # H^l [B,T,d], the residual stream
         if cache is not None:
             cache.advance(T)
-        if last_only:
-            x = x[:, -1:]  # only the last position predicts the next token
+        if last_only:  # only the last position (of each row) predicts the next token
+            x = x[:, cache.lasts] if rows else x[:, -1:]
         return self.logits(self.unembed(self.final(self.ln_f(x))))
 
     def unembed(self, h: Tensor) -> Tensor:
