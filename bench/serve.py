@@ -23,7 +23,7 @@ from the main thread were seen 4-16x slower under load from other processes.
    gain at most, if a step costs the same with any number of rows. (With only 16
    requests, two batches, the last long request dominates both: the bound was 1.1-1.5x.)
 3. join: TTFT of a request that arrives while 7 long ones decode, against one 7-row decode
-   step plus the request's prefill alone.
+   step plus the request's prefill alone (and the time of a step the request joins).
 """
 
 from __future__ import annotations
@@ -182,30 +182,35 @@ def static_batches(model, prompts: list[list[int]], lengths: list[int], slots: i
     return time.perf_counter() - started
 
 
-def alone(model, vocab: int, rng: random.Random, busy: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of one `busy`-row decode step, and of one prompt's prefill on its own."""
-    steps, prefills = [], []
+def alone(model, vocab: int, rng: random.Random, busy: int, repeats: int) -> tuple[float, ...]:
+    """Median seconds of one `busy`-row decode step, of one such step with a prompt joining,
+    and of one prompt's prefill on its own."""
+    steps, joined, prefills = [], [], []
     batch = Slots(model, busy + 1)
     for _ in range(busy):
-        batch.add(prompt(rng, vocab), GenerationConfig(max_new_tokens=repeats + 3))
+        batch.add(prompt(rng, vocab), GenerationConfig(max_new_tokens=2 * repeats + 3))
     batch.step()  # the prefill of the `busy` rows
     for _ in range(repeats + 2):
         started = time.perf_counter()
         batch.step()
         steps.append(time.perf_counter() - started)
+        batch.add(prompt(rng, vocab), GenerationConfig(max_new_tokens=1))  # in and out
+        started = time.perf_counter()
+        batch.step()
+        joined.append(time.perf_counter() - started)
     single = Slots(model, 1)
     for _ in range(repeats):
         single.add(prompt(rng, vocab), GenerationConfig(max_new_tokens=1))
         started = time.perf_counter()
         single.step()
         prefills.append(time.perf_counter() - started)
-    return statistics.median(steps), statistics.median(prefills)
+    return statistics.median(steps), statistics.median(joined), statistics.median(prefills)
 
 
 def part_join(model, vocab: int, repeats: int, long: int) -> None:
     rng = random.Random(1)
     busy = 7
-    step, prefill = off_main(alone, model, vocab, rng, busy, repeats)
+    step, joined, prefill = off_main(alone, model, vocab, rng, busy, repeats)
 
     # busy: 7 long requests decode in the engine while single requests arrive one by one
     engine = Engine(model, StubTokenizer(), slots=busy + 1, max_queue=busy + 1)
@@ -229,7 +234,7 @@ def part_join(model, vocab: int, repeats: int, long: int) -> None:
     print(f"3. join: a new request (prompt {PROMPT}) while {busy} long ones decode")
     expected = (step + prefill) * 1e3
     print(f"   alone: 7-row decode step {step * 1e3:.1f} ms + prefill {prefill * 1e3:.1f} ms")
-    print(f"          = {expected:.1f} ms")
+    print(f"          = {expected:.1f} ms; the step with the prompt joining: {joined * 1e3:.1f} ms")
     print(
         f"   busy engine TTFT: median {statistics.median(ttfts) * 1e3:.1f} ms, max "
         f"{max(ttfts) * 1e3:.1f} ms ({repeats} arrivals, at least {still} rows busy throughout)"
