@@ -21,7 +21,10 @@ from tlm.load import load_model, load_tokenizer
 
 KEY = "test-key"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "out" / "test-artifacts"  # screenshots
-CHAT = "System: Be brief.\nUser: for?\nAssistant: It runs a block.\nUser: while?\nAssistant: Again."
+CHAT = (  # three turns: the model learns to write "\nUser:" after a reply
+    "System: Be brief.\nUser: for?\nAssistant: It runs a block.\nUser: while?\nAssistant: Again."
+    "\nUser: if?\nAssistant: Once."
+)
 TEXT = "The for statement runs a block once for each item. The while statement repeats it.\n\n"
 
 
@@ -136,6 +139,7 @@ def test_chat_renders_the_template_and_stops_at_the_next_turn(client, run):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "for?"}]
     r = client.chat.completions.create(model="run", messages=messages, max_tokens=20, temperature=0)
     prompt = "System: Be brief.\nUser: for?\nAssistant:"
+    assert "\nUser:" in local(run, prompt, 20).text  # the model would write the next turn
     expected = local(run, prompt, 20, stop=("\nUser:",))
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == expected.text.lstrip(" ")

@@ -55,8 +55,8 @@ class SlotCache:
 
 
 class Run:
-    """Slots lo..hi-1, all at length `start`, each feeding `count` tokens, which are tokens
-    offset.. of the pass's input: `KVCache`'s interface for their attention."""
+    """Slots lo..hi-1, all at one `length`, each feeding `count` tokens (tokens `offset`...
+    of the pass's input, slot after slot): `KVCache`'s interface for their attention."""
 
     mask = None
 
