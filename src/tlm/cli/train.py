@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from tlm.tokenizer import load_tokenizer
 from tlm.train import (
     Diverged,
     Interrupted,
+    Runtime,
     Trainer,
     check_new_run,
     new_run_configs,
@@ -24,9 +26,12 @@ EXAMPLE = """example:
   tlm train --data data/shakespeare_char --out runs/shakespeare_char --n-layers 4 \\
       --n-heads 4 --d-model 128 --context-length 64 --batch-size 12 --max-steps 2000
   tlm train --out runs/shakespeare_char --resume      # continue after Ctrl-C or a crash
+  torchrun --standalone --nproc_per_node=2 -m tlm train --data ... --out ...  # DDP
 
 Every field of ModelConfig and TrainConfig is a flag (--d-model, --lr, ...); a TOML file
-given with --config holds the same keys, flat or under [model] and [train].
+given with --config holds the same keys, flat or under [model] and [train]. Under torchrun
+the global batch is still --batch-size x --grad-accum windows, split over the processes
+(docs/distributed.md).
 """
 
 
@@ -44,14 +49,24 @@ def run(args: argparse.Namespace) -> int:
     model_values, train_values = split_fields(load_toml(args.config)) if args.config else ({}, {})
     model_values |= config_overrides(args, ModelConfig)
     train_values |= config_overrides(args, TrainConfig)
+    runtime = Runtime.from_env(train_values.get("device", "auto"))  # one process, or torchrun's
+    try:
+        return _train(args, model_values, train_values, runtime)
+    finally:
+        runtime.close()
+
+
+def _train(args, model_values, train_values, runtime: Runtime) -> int:
     if args.resume:
         out = train_values.get("out") or fail("--resume needs --out RUN")
         model_config, train_config, data = resume_run_configs(out, model_values, train_values)
     else:
         model_config, train_config, data = new_run_configs(model_values, train_values)
+    runtime.barrier()  # every rank has checked the run folder before the main rank writes it
     out = Path(train_config.out)
-    with lock_run(out):  # one writer per run: a second one is refused before any work
-        if not args.resume:
+    main = runtime.is_main
+    with lock_run(out) if main else contextlib.nullcontext():  # one writer per run
+        if not args.resume and main:
             check_new_run(out, probe_lock=False)  # nobody wrote into it in the meantime
         trainer = Trainer(
             model_config,
@@ -60,33 +75,39 @@ def run(args: argparse.Namespace) -> int:
             load_tokenizer(data.folder).to_json(),
             resume=args.resume,
             progress_bar=not args.quiet,
+            runtime=runtime,
         )
         params = trainer.model.num_parameters()
-        print(
-            f"training {params:,} parameters on {trainer.device} ({trainer.dtype}) "
-            f"for {train_config.max_steps:,} steps -> {out}",
-            file=sys.stderr,
-        )
+        ranks = f" x {runtime.world_size} processes" if runtime.distributed else ""
+        if main:
+            print(
+                f"training {params:,} parameters on {trainer.device}{ranks} ({trainer.dtype}) "
+                f"for {train_config.max_steps:,} steps -> {out}",
+                file=sys.stderr,
+            )
         try:
             results = trainer.fit()
         except Interrupted as exc:
-            print(
-                f"tlm: interrupted; saved step {exc.step} to {out}. "
-                f"Continue with: tlm train --out {out} --resume",
-                file=sys.stderr,
-            )
+            if main:
+                print(
+                    f"tlm: interrupted; saved step {exc.step} to {out}. "
+                    f"Continue with: tlm train --out {out} --resume",
+                    file=sys.stderr,
+                )
             return 130
         except Diverged as exc:
-            print(
-                f"tlm: error: {exc}; stopped. The last good checkpoint is in "
-                f"{out}/train_state; try a lower --lr or --grad-clip",
-                file=sys.stderr,
-            )
+            if main:
+                print(
+                    f"tlm: error: {exc}; stopped. The last good checkpoint is in "
+                    f"{out}/train_state; try a lower --lr or --grad-clip",
+                    file=sys.stderr,
+                )
             return 1
-    val = results["val_loss"]
-    print(
-        f"done: step {results['step']:,}, train loss {results['train_loss']:.4f}, "
-        f"val loss {'n/a' if val is None else f'{val:.4f}'}, {results['elapsed']:.1f} s; "
-        f"run in {out} (MODEL_CARD.md, plots/loss.png)"
-    )
+    if main:
+        val = results["val_loss"]
+        print(
+            f"done: step {results['step']:,}, train loss {results['train_loss']:.4f}, "
+            f"val loss {'n/a' if val is None else f'{val:.4f}'}, {results['elapsed']:.1f} s; "
+            f"run in {out} (MODEL_CARD.md, plots/loss.png)"
+        )
     return 0

@@ -5,7 +5,9 @@ from tlm.data.batches import (
     count_eval_chunks,
     eval_windows,
     random_windows,
+    step_starts,
     strided_windows,
+    windows_at,
 )
 from tlm.data.corpus import CorpusError, Source, documents, resolve_sources
 from tlm.data.prepare import TokenData, prepare
@@ -21,5 +23,7 @@ __all__ = [
     "prepare",
     "random_windows",
     "resolve_sources",
+    "step_starts",
     "strided_windows",
+    "windows_at",
 ]

@@ -27,9 +27,27 @@ def random_windows(
     tokens: np.ndarray, batch_size: int, T: int, generator: torch.Generator
 ) -> tuple[Tensor, Tensor]:
     """Inputs x [B,T] and targets y [B,T] = x shifted left by one (teacher forcing), int64."""
-    if len(tokens) < T + 1:
-        raise CorpusError(f"{len(tokens)} tokens are fewer than one window of {T} + 1")
-    starts = torch.randint(0, len(tokens) - T, (batch_size,), generator=generator).numpy()
+    return windows_at(tokens, window_starts(len(tokens), batch_size, T, generator), T)
+
+
+def window_starts(n_tokens: int, count: int, T: int, generator: torch.Generator) -> np.ndarray:
+    """`count` random offsets of windows of T + 1 tokens in a stream of `n_tokens`."""
+    if n_tokens < T + 1:
+        raise CorpusError(f"{n_tokens} tokens are fewer than one window of {T} + 1")
+    return torch.randint(0, n_tokens - T, (count,), generator=generator).numpy()
+
+
+def step_starts(n_tokens: int, T: int, seed: int, step: int, batch_size: int, micro: int):
+    """The window offsets of one optimizer step's global batch: `micro` draws of
+    `batch_size`, each from the generator of (seed, step, draw). However many processes
+    share the batch, it is this one (each takes a slice)."""
+    return np.concatenate(
+        [window_starts(n_tokens, batch_size, T, batch_generator(seed, step, m)) for m in range(micro)]
+    )
+
+
+def windows_at(tokens: np.ndarray, starts: np.ndarray, T: int) -> tuple[Tensor, Tensor]:
+    """The windows of T + 1 tokens at `starts`, as inputs x [B,T] and targets y [B,T]."""
     window = torch.from_numpy(tokens[starts[:, None] + np.arange(T + 1)].astype(np.int64))
     return window[:, :-1], window[:, 1:]  # [B,T+1] -> x [B,T], y [B,T]
 

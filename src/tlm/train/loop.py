@@ -30,14 +30,15 @@ from tlm.checkpoint import (
     write_config,
 )
 from tlm.config import ModelConfig, TrainConfig
-from tlm.data import TokenData, batch_generator, eval_windows, random_windows
+from tlm.data import TokenData, eval_windows, step_starts, windows_at
 from tlm.io import write_text_atomic
 from tlm.load import load_model
 from tlm.model import TransformerLM
 from tlm.model.loss import cross_entropy, window_nll
+from tlm.train.distributed import Runtime
 from tlm.train.optim import build_optimizer, learning_rate
 from tlm.train.report import Metrics, plot_losses, write_model_card
-from tlm.train.run import pick_device, pick_dtype
+from tlm.train.run import RunError, pick_dtype
 
 
 class Diverged(RuntimeError):
@@ -90,33 +91,46 @@ class Trainer:
         tokenizer_json: str,
         resume: bool = False,
         progress_bar: bool = True,
+        runtime: Runtime | None = None,
     ) -> None:
         self.config, self.model_config, self.data = config, model_config, data
+        self.runtime = rt = runtime or Runtime.from_env(config.device)
         self.run = Path(config.out)
-        self.device = pick_device(config.device)
+        self.device = rt.device
         self.dtype = pick_dtype(config.dtype, self.device)
+        self.global_batch = config.batch_size * config.grad_accum  # windows per step, all ranks
+        if self.global_batch % rt.world_size:
+            raise RunError(
+                f"the global batch of {self.global_batch} windows (--batch-size x --grad-accum) "
+                f"does not split evenly over {rt.world_size} processes"
+            )
         torch.manual_seed(config.seed)
         self.model = TransformerLM(model_config, init=False)
         self.model.reset_parameters(seed=config.seed)  # resume / init_from overwrite it below
         self.model.to(self.device)
-        self.optimizer = build_optimizer(self.model, config)
-        self.forward = torch.compile(self.model) if config.compile else self.model
-        self.progress_bar = progress_bar
+        self.progress_bar = progress_bar and rt.is_main
         self.state = Progress()
-        self.tokens_per_step = config.batch_size * config.grad_accum * model_config.context_length
+        self.tokens_per_step = self.global_batch * model_config.context_length  # every rank's
         self.train_tokens = data.split("train")  # memory-mapped once
         self.val_windows = self._val_windows()
+        self.optimizer = build_optimizer(self.model, config)
         if resume:
             saved = load_checkpoint(latest_checkpoint(self.run), self.model, self.optimizer)
             fields = Progress.__dataclass_fields__  # runs saved before a field existed lack it
             self.state = Progress(**{k: saved[k] for k in fields if k in saved})
-        else:
-            if config.init_from:  # fine-tuning: start from a trained model's weights
-                self.model.load_state_dict(_initial_weights(config.init_from, model_config))
+        elif config.init_from:  # fine-tuning: start from a trained model's weights
+            self.model.load_state_dict(_initial_weights(config.init_from, model_config))
+        if not resume and rt.is_main:
             self.run.mkdir(parents=True, exist_ok=True)
             write_config(self.run, model_config, config.to_dict(), data.fingerprint())
             write_text_atomic(self.run / "tokenizer.json", tokenizer_json)
-        self.metrics = Metrics(self.run / "metrics.jsonl", self.state.step if resume else None)
+        if rt.rank:  # rank 0 keeps the seeded (or resumed) stream; the others differ from it
+            torch.manual_seed(config.seed + rt.rank)  # (dropout masks)
+        self.wrapped = rt.wrap(self.model)  # DDP (or FSDP2) on several processes
+        self.forward = torch.compile(self.wrapped) if config.compile else self.wrapped
+        self.metrics = None  # written by the main rank only
+        if rt.is_main:
+            self.metrics = Metrics(self.run / "metrics.jsonl", self.state.step if resume else None)
 
     def _val_windows(self) -> list[torch.Tensor]:
         val = self.data.split("val")
@@ -131,18 +145,30 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[float, float]:
         """One optimizer step; returns the mean training loss of its windows and the
-        gradient norm (before clipping). A non-finite norm makes no update."""
-        c, T = self.config, self.model_config.context_length
+        gradient norm (before clipping). A non-finite norm makes no update.
+
+        The step's global batch (`step_starts`) is the same on any number of processes;
+        each rank takes its slice and runs it in micro-batches of at most --batch-size
+        windows. Each micro-batch's mean loss is weighted by its share of the rank's slice,
+        and DDP averages the ranks' gradients: the gradient of the global batch's mean loss.
+        """
+        c, T, rt = self.config, self.model_config.context_length, self.runtime
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(step, c)
         tokens = self.train_tokens
+        starts = step_starts(len(tokens), T, c.seed, step, c.batch_size, c.grad_accum)
+        share = self.global_batch // rt.world_size
+        mine = starts[rt.rank * share : (rt.rank + 1) * share]
+        micros = [mine[i : i + c.batch_size] for i in range(0, share, c.batch_size)]
         total = 0.0
-        for micro in range(c.grad_accum):
-            x, y = random_windows(tokens, c.batch_size, T, batch_generator(c.seed, step, micro))
-            with self.autocast():
-                loss = cross_entropy(self.forward(x.to(self.device)), y.to(self.device))
-            (loss / c.grad_accum).backward()
-            total += loss.item() / c.grad_accum
+        for i, micro in enumerate(micros):
+            x, y = windows_at(tokens, micro, T)
+            with rt.sync(self.wrapped, last=i == len(micros) - 1):
+                with self.autocast():
+                    loss = cross_entropy(self.forward(x.to(self.device)), y.to(self.device))
+                (loss / (share / len(micro))).backward()
+            total += loss.item() / (share / len(micro))
+        total = rt.all_reduce_mean(total)  # every rank judges the same loss
         if not math.isfinite(total):
             raise Diverged(f"loss became {total} at step {step + 1}")
         limit = c.grad_clip if c.grad_clip > 0 else math.inf  # inf: measure, never scale
@@ -191,9 +217,10 @@ class Trainer:
                 if s.step % c.eval_interval == 0 or last:
                     self._evaluate()
                     started, base = time.perf_counter(), s.elapsed  # eval time is not training
-                if s.step % c.checkpoint_interval == 0 or last or interrupt.requested:
+                stop = self.runtime.any(interrupt.requested)  # Ctrl-C on any rank stops all
+                if s.step % c.checkpoint_interval == 0 or last or stop:
                     self.save()
-                if interrupt.requested:
+                if stop:
                     bar.close()
                     raise Interrupted(s.step)
         bar.close()
@@ -208,12 +235,13 @@ class Trainer:
         row |= {"lr": learning_rate(s.step - 1, self.config), "train_loss": mean}
         row |= {"grad_norm": norm, "skipped_steps": s.skipped}
         row["tokens_per_s"] = round(s.tokens / max(s.elapsed, 1e-9))
-        self.metrics.log(row)
+        if self.metrics is not None:
+            self.metrics.log(row)
         bar.set_postfix(loss=f"{mean:.4f}", tok_s=f"{row['tokens_per_s']:,}")
 
     def _evaluate(self) -> None:
-        val = self.validation_loss()
-        if val is None:
+        val = self.validation_loss()  # every rank takes part (FSDP gathers its shards)
+        if val is None or self.metrics is None:
             return
         s = self.state
         self.metrics.log(
@@ -222,13 +250,19 @@ class Trainer:
         plot_losses(self.metrics.rows, self.run / "plots" / "loss.png")
 
     def save(self) -> None:
-        try:
-            save_checkpoint(self.run, self.model, self.optimizer, asdict(self.state))
-        except NonFiniteWeights as exc:
-            raise Diverged(f"at step {self.state.step}: {exc}") from None
+        """The main rank writes the checkpoint; if it refuses (non-finite weights), every
+        rank stops."""
+        refused = None
+        if self.runtime.is_main:
+            try:
+                save_checkpoint(self.run, self.model, self.optimizer, asdict(self.state))
+            except NonFiniteWeights as exc:
+                refused = exc
+        if self.runtime.any(refused is not None):
+            raise Diverged(f"at step {self.state.step}: {refused or 'weights not finite'}")
 
     def finish(self) -> dict[str, Any]:
-        rows = self.metrics.rows
+        rows = self.metrics.rows if self.metrics is not None else []
         train = [r["train_loss"] for r in rows if "train_loss" in r]
         val = [r["val_loss"] for r in rows if "val_loss" in r]
         results = {
@@ -238,8 +272,10 @@ class Trainer:
             "train_loss": train[-1] if train else float("nan"),
             "val_loss": val[-1] if val else None,
         }
-        plot_losses(rows, self.run / "plots" / "loss.png")
-        write_model_card(self.run, self.model_config, self.config, self.data.meta, results)
+        if self.runtime.is_main:
+            plot_losses(rows, self.run / "plots" / "loss.png")
+            write_model_card(self.run, self.model_config, self.config, self.data.meta, results)
+        self.runtime.barrier()  # the files exist when any rank returns
         return results
 
 

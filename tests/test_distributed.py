@@ -1,0 +1,141 @@
+"""Training on two processes (torchrun, DDP over gloo on CPU) equals one process that used
+the same global batch, writes its run once, and resumes across a change of world size."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tlm.cli import main
+
+STEPS = 120
+ARGS = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--context-length", "32"]
+ARGS += ["--batch-size", "2", "--grad-accum", "4"]  # a global batch of 8: 2 x 2 a rank
+ARGS += ["--warmup-steps", "10", "--lr", "3e-3"]
+ARGS += ["--checkpoint-interval", "10", "--eval-interval", "60", "--log-interval", "10"]
+ARGS += ["--max-steps", str(STEPS), "--dropout", "0", "--quiet"]
+
+
+def torchrun(*args, nproc=2):
+    """`torchrun --standalone --nproc_per_node=nproc -m tlm ...`."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc_per_node={nproc}", "-m", "tlm", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def finish(proc, timeout=240):
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    return out.decode(), err.decode()
+
+
+@pytest.fixture(scope="module")
+def single(docs_chars, tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "single"
+    assert main(["train", "--data", str(docs_chars), "--out", str(run), *ARGS]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def double(docs_chars, tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "double"
+    out, _ = finish(torchrun("train", "--data", str(docs_chars), "--out", str(run), *ARGS))
+    assert out.count("done: step") == 1  # one rank reports
+    return run
+
+
+def rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_close_weights(run, reference, atol=1e-5):
+    """Every weight within atol, except the key bias b_K: its gradient is 0 in exact
+    arithmetic (q·b_K is added to every score of a query, and softmax ignores a constant),
+    so Adam turns rounding noise into steps of ~lr, different for any order of summation."""
+    weights, expected = (load_file(str(r / "model.safetensors")) for r in (run, reference))
+    assert weights.keys() == expected.keys()
+    for name in weights:
+        if not name.endswith("b_K"):
+            assert torch.allclose(weights[name], expected[name], atol=atol), name
+
+
+def test_two_processes_equal_one_with_the_same_global_batch(single, double):
+    assert_close_weights(double, single)
+    train = [r for r in rows(double) if "train_loss" in r]
+    assert [r["step"] for r in train] == list(range(10, STEPS + 1, 10))  # written once
+    expected = [r["train_loss"] for r in rows(single) if "train_loss" in r]
+    assert [r["train_loss"] for r in train] == pytest.approx(expected, abs=1e-4)  # all ranks'
+    assert train[-1]["train_loss"] < train[0]["train_loss"] - 0.5
+    assert train[0]["tokens"] == 10 * 8 * 32  # the tokens of every rank
+    assert [p.name for p in (double / "train_state").glob("step-*")] == [f"step-{STEPS:06d}"]
+    assert (double / "MODEL_CARD.md").is_file() and (double / "plots" / "loss.png").is_file()
+
+
+def kill_at_a_checkpoint(proc, run, at_least=20, timeout=120):
+    """SIGKILL the run (torchrun and its ranks) once a checkpoint at or after `at_least`
+    exists: nothing gets a chance to save more."""
+    pointer = run / "train_state" / "latest"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        if pointer.is_file() and int(pointer.read_text().split("-")[1]) >= at_least:
+            for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun's ranks have sessions
+                with contextlib.suppress(ProcessLookupError):  # of their own
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
+            step = int(pointer.read_text().split("-")[1])
+            assert step < STEPS
+            return step
+        time.sleep(0.005)
+    raise AssertionError("no checkpoint appeared in time")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from the parent ids in /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def assert_continues(run, reference, killed_at):
+    """The resumed run's curve goes on from the checkpoint to the reference's end."""
+    train = [r for r in rows(run) if "train_loss" in r]
+    assert [r["step"] for r in train] == list(range(10, STEPS + 1, 10))
+    expected = [r["train_loss"] for r in rows(reference) if "train_loss" in r]
+    assert [r["train_loss"] for r in train] == pytest.approx(expected, abs=1e-4)
+    assert_close_weights(run, reference)
+    assert killed_at < STEPS
+
+
+def test_a_two_process_run_resumes_in_one_process(docs_chars, single, tmp_path):
+    run = tmp_path / "two-then-one"
+    proc = torchrun("train", "--data", str(docs_chars), "--out", str(run), *ARGS)
+    killed_at = kill_at_a_checkpoint(proc, run)
+    assert main(["train", "--out", str(run), "--resume", "--quiet"]) == 0
+    assert_continues(run, single, killed_at)
+
+
+def test_a_one_process_run_resumes_on_two(docs_chars, single, tmp_path):
+    run = tmp_path / "one-then-two"
+    command = [sys.executable, "-m", "tlm", "train", "--data", str(docs_chars), "--out", str(run)]
+    proc = subprocess.Popen([*command, *ARGS])
+    killed_at = kill_at_a_checkpoint(proc, run)
+    finish(torchrun("train", "--out", str(run), "--resume", "--quiet"))
+    assert_continues(run, single, killed_at)
