@@ -14,7 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tlm.checkpoint import CheckpointError, check_unlocked
 from tlm.cli import main
+from tlm.data import TokenData, eval_windows
+from tlm.load import load_model
+from tlm.model.loss import window_nll
 
 STEPS = 120
 ARGS = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--context-length", "32"]
@@ -45,10 +49,14 @@ def single(docs_chars, tmp_path_factory):
     return run
 
 
-@pytest.fixture(scope="module")
-def double(docs_chars, tmp_path_factory):
-    run = tmp_path_factory.mktemp("runs") / "double"
-    out, _ = finish(torchrun("train", "--data", str(docs_chars), "--out", str(run), *ARGS))
+MODES = {"ddp": [], "fsdp": ["--fsdp"]}  # FSDP2 also shards weights and optimizer state
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def double(request, docs_chars, tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / request.param
+    args = ["train", "--data", str(docs_chars), "--out", str(run), *ARGS, *MODES[request.param]]
+    out, _ = finish(torchrun(*args))
     assert out.count("done: step") == 1  # one rank reports
     return run
 
@@ -80,6 +88,17 @@ def test_two_processes_equal_one_with_the_same_global_batch(single, double):
     assert (double / "MODEL_CARD.md").is_file() and (double / "plots" / "loss.png").is_file()
 
 
+def test_a_sharded_runs_checkpoint_loads_in_one_process(docs_chars, double):
+    """The last validation loss, computed by the (sharded) model of the run, equals the
+    loss of the saved weights loaded in one process."""
+    model = load_model(double).eval()
+    windows = eval_windows(TokenData(docs_chars).split("val"), 32, 1 << 15)  # --eval-tokens
+    with torch.no_grad():
+        loss = torch.cat([window_nll(model, w).flatten() for w in windows]).mean().item()
+    logged = [r["val_loss"] for r in rows(double) if "val_loss" in r][-1]
+    assert loss == pytest.approx(logged, abs=1e-6)
+
+
 def kill_at_a_checkpoint(proc, run, at_least=20, timeout=120):
     """SIGKILL the run (torchrun and its ranks) once a checkpoint at or after `at_least`
     exists: nothing gets a chance to save more."""
@@ -88,10 +107,14 @@ def kill_at_a_checkpoint(proc, run, at_least=20, timeout=120):
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the run ended before it could be killed"
         if pointer.is_file() and int(pointer.read_text().split("-")[1]) >= at_least:
-            for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun's ranks have sessions
-                with contextlib.suppress(ProcessLookupError):  # of their own
+            pids = [proc.pid, *descendants(proc.pid)]  # torchrun's ranks have sessions
+            for pid in pids:  # of their own
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             proc.wait()
+            while locked(run):  # until the last thread of each rank has closed its files
+                assert time.monotonic() < deadline, "the killed run still holds its lock"
+                time.sleep(0.01)
             step = int(pointer.read_text().split("-")[1])
             assert step < STEPS
             return step
@@ -114,6 +137,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def locked(run) -> bool:
+    try:
+        check_unlocked(run)
+        return False
+    except CheckpointError:
+        return True
+
+
 def assert_continues(run, reference, killed_at):
     """The resumed run's curve goes on from the checkpoint to the reference's end."""
     train = [r for r in rows(run) if "train_loss" in r]
@@ -124,18 +155,32 @@ def assert_continues(run, reference, killed_at):
     assert killed_at < STEPS
 
 
-def test_a_two_process_run_resumes_in_one_process(docs_chars, single, tmp_path):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_two_process_run_resumes_in_one_process(docs_chars, single, tmp_path, mode):
     run = tmp_path / "two-then-one"
-    proc = torchrun("train", "--data", str(docs_chars), "--out", str(run), *ARGS)
+    proc = torchrun("train", "--data", str(docs_chars), "--out", str(run), *ARGS, *MODES[mode])
     killed_at = kill_at_a_checkpoint(proc, run)
     assert main(["train", "--out", str(run), "--resume", "--quiet"]) == 0
     assert_continues(run, single, killed_at)
 
 
-def test_a_one_process_run_resumes_on_two(docs_chars, single, tmp_path):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_one_process_run_resumes_on_two(docs_chars, single, tmp_path, mode):
     run = tmp_path / "one-then-two"
     command = [sys.executable, "-m", "tlm", "train", "--data", str(docs_chars), "--out", str(run)]
     proc = subprocess.Popen([*command, *ARGS])
     killed_at = kill_at_a_checkpoint(proc, run)
-    finish(torchrun("train", "--out", str(run), "--resume", "--quiet"))
+    finish(torchrun("train", "--out", str(run), "--resume", "--quiet", *MODES[mode]))
     assert_continues(run, single, killed_at)
+
+
+def test_bad_distributed_runs_are_refused_with_one_line(docs_chars, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(docs_chars), "--out", str(run), *ARGS, "--fsdp"]) == 2
+    assert "--fsdp shards a model over several processes" in capsys.readouterr().err
+    assert not run.exists()
+    odd = [*ARGS, "--batch-size", "3", "--grad-accum", "1"]  # 3 windows do not split in two
+    proc = torchrun("train", "--data", str(docs_chars), "--out", str(run), *odd)
+    _, err = proc.communicate()
+    assert proc.returncode != 0 and "does not split evenly over 2 processes" in err.decode()
+    assert not (run / "train_state").exists()

@@ -64,8 +64,10 @@ class NonFiniteWeights(CheckpointError):
     """Weights holding NaN or inf, which are never saved."""
 
 
-def save_weights(path: str | Path, model: nn.Module) -> None:
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+def save_weights(path: str | Path, model: nn.Module | dict[str, torch.Tensor]) -> None:
+    """Write a model's weights (or a state dict of them) to safetensors, atomically."""
+    weights = model.state_dict() if isinstance(model, nn.Module) else model
+    tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
     bad = next((k for k, v in tensors.items() if not torch.isfinite(v).all()), None)
     if bad is not None:
         raise NonFiniteWeights(f"{bad} holds NaN or inf; not saved over the last good weights")
@@ -134,9 +136,13 @@ def latest_checkpoint(run: str | Path) -> Path | None:
 
 
 def save_checkpoint(
-    run: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    run: Path,
+    model: nn.Module | dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | dict[str, Any],
+    state: dict[str, Any],
 ) -> Path:
-    """Write train_state/step-N atomically, point `latest` at it, refresh model.safetensors."""
+    """Write train_state/step-N atomically, point `latest` at it, refresh model.safetensors.
+    The model and optimizer may be given as their (full) state dicts, as FSDP gathers them."""
     root = run / STATE_DIR
     root.mkdir(parents=True, exist_ok=True)
     folder = _unused_name(root, f"step-{state['step']:06d}")
@@ -168,9 +174,11 @@ def _unused_name(root: Path, name: str) -> Path:
 
 
 def load_checkpoint(
-    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any]:
-    """Restore weights, optimizer and RNG from a checkpoint folder; returns its state.json."""
+    """Restore weights, optimizer and RNG from a checkpoint folder; returns its state.json,
+    with the optimizer's state dict under "optimizer" when no optimizer is given (a sharded
+    model's optimizer is built after its weights are loaded, and loads it then)."""
     load_weights(folder / "model.safetensors", model)
     state = json.loads((folder / "state.json").read_text())
     tensors = load_file(str(folder / "optimizer.safetensors"))
@@ -178,7 +186,11 @@ def load_checkpoint(
     cuda_rng = tensors.pop("rng.cuda", None)
     if cuda_rng is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(cuda_rng)
-    optimizer.load_state_dict(_unflatten_optimizer(tensors, state.pop("param_groups")))
+    optimizer_state = _unflatten_optimizer(tensors, state.pop("param_groups"))
+    if optimizer is None:
+        state["optimizer"] = optimizer_state
+    else:
+        optimizer.load_state_dict(optimizer_state)
     return state
 
 
@@ -225,8 +237,8 @@ def _locked_message(run: Path, f) -> str:
     return f"{run} is being written by process {holder}; wait for it to end or choose another --out"
 
 
-def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
-    sd = optimizer.state_dict()
+def _flatten_optimizer(optimizer: torch.optim.Optimizer | dict[str, Any]) -> tuple[dict, list]:
+    sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     tensors = {
         f"state.{index}.{key}": value.detach().contiguous().cpu()
         for index, slots in sd["state"].items()

@@ -27,6 +27,7 @@ EXAMPLE = """example:
       --n-heads 4 --d-model 128 --context-length 64 --batch-size 12 --max-steps 2000
   tlm train --out runs/shakespeare_char --resume      # continue after Ctrl-C or a crash
   torchrun --standalone --nproc_per_node=2 -m tlm train --data ... --out ...  # DDP
+  torchrun --standalone --nproc_per_node=2 -m tlm train --fsdp ...   # sharded (FSDP2)
 
 Every field of ModelConfig and TrainConfig is a flag (--d-model, --lr, ...); a TOML file
 given with --config holds the same keys, flat or under [model] and [train]. Under torchrun
@@ -40,6 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", help="TOML file of model and train settings")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun: shard parameters, gradients and optimizer state (FSDP2)",
+    )
     add_config_flags(parser, TrainConfig, "training")
     add_config_flags(parser, ModelConfig, "model")
     parser.set_defaults(handler=run)
@@ -49,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     model_values, train_values = split_fields(load_toml(args.config)) if args.config else ({}, {})
     model_values |= config_overrides(args, ModelConfig)
     train_values |= config_overrides(args, TrainConfig)
-    runtime = Runtime.from_env(train_values.get("device", "auto"))  # one process, or torchrun's
+    runtime = Runtime.from_env(train_values.get("device", "auto"), fsdp=args.fsdp)
     try:
         return _train(args, model_values, train_values, runtime)
     finally:

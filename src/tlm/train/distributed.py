@@ -111,6 +111,58 @@ class Runtime:
             return contextlib.nullcontext()
         return wrapped.no_sync()
 
+    def grad_norm(self, norm: torch.Tensor) -> float:
+        """The whole gradient's norm as a number (under FSDP a DTensor to gather)."""
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """The model's and the optimizer's whole state dicts, in one process's form (the
+        optimizer's keyed by parameter index), for the main rank to save. Under FSDP every
+        rank must call this: the shards are gathered; the other ranks get empty dicts."""
+        if not self.fsdp:
+            return model.state_dict(), optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=full)
+        by_name = get_optimizer_state_dict(model, optimizer, options=full)
+        if not self.is_main:
+            return {}, {}
+        index = {name: i for i, name in enumerate(_names(model, optimizer))}
+        return weights, {
+            "state": {index[name]: value for name, value in by_name["state"].items()},
+            "param_groups": [
+                {**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]
+            ],
+        }
+
+    def load_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        """Load a saved optimizer state dict (one process's form) into this optimizer, whose
+        state each rank shards under FSDP."""
+        if not self.fsdp:
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        names = _names(model, optimizer)
+        by_name = {
+            "state": {names[i]: value for i, value in state["state"].items()},
+            "param_groups": [
+                {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
+            ],
+        }
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=by_name, options=options)
+
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -118,3 +170,9 @@ class Runtime:
     @property
     def _comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+
+def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each parameter, in the optimizer's order (its index in a state dict)."""
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    return [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]

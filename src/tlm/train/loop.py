@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils import clip_grad_norm_
 from tqdm import tqdm
 
 from tlm.checkpoint import (
@@ -113,9 +114,9 @@ class Trainer:
         self.tokens_per_step = self.global_batch * model_config.context_length  # every rank's
         self.train_tokens = data.split("train")  # memory-mapped once
         self.val_windows = self._val_windows()
-        self.optimizer = build_optimizer(self.model, config)
-        if resume:
-            saved = load_checkpoint(latest_checkpoint(self.run), self.model, self.optimizer)
+        saved = None
+        if resume:  # the weights now, whole; the optimizer once it is built (maybe sharded)
+            saved = load_checkpoint(latest_checkpoint(self.run), self.model, None)
             fields = Progress.__dataclass_fields__  # runs saved before a field existed lack it
             self.state = Progress(**{k: saved[k] for k in fields if k in saved})
         elif config.init_from:  # fine-tuning: start from a trained model's weights
@@ -126,7 +127,10 @@ class Trainer:
             write_text_atomic(self.run / "tokenizer.json", tokenizer_json)
         if rt.rank:  # rank 0 keeps the seeded (or resumed) stream; the others differ from it
             torch.manual_seed(config.seed + rt.rank)  # (dropout masks)
-        self.wrapped = rt.wrap(self.model)  # DDP (or FSDP2) on several processes
+        self.wrapped = rt.wrap(self.model)  # DDP, or FSDP2 sharding in place
+        self.optimizer = build_optimizer(self.model, config)
+        if saved is not None:
+            rt.load_optimizer(self.model, self.optimizer, saved["optimizer"])
         self.forward = torch.compile(self.wrapped) if config.compile else self.wrapped
         self.metrics = None  # written by the main rank only
         if rt.is_main:
@@ -172,7 +176,7 @@ class Trainer:
         if not math.isfinite(total):
             raise Diverged(f"loss became {total} at step {step + 1}")
         limit = c.grad_clip if c.grad_clip > 0 else math.inf  # inf: measure, never scale
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit, foreach=True).item()
+        norm = rt.grad_norm(clip_grad_norm_(self.model.parameters(), limit, foreach=True))
         if math.isfinite(norm):
             self.optimizer.step()
         elif c.nonfinite_grad == "stop":
@@ -253,9 +257,10 @@ class Trainer:
         """The main rank writes the checkpoint; if it refuses (non-finite weights), every
         rank stops."""
         refused = None
+        weights, optimizer = self.runtime.full_state(self.model, self.optimizer)
         if self.runtime.is_main:
             try:
-                save_checkpoint(self.run, self.model, self.optimizer, asdict(self.state))
+                save_checkpoint(self.run, weights, optimizer, asdict(self.state))
             except NonFiniteWeights as exc:
                 refused = exc
         if self.runtime.any(refused is not None):
