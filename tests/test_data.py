@@ -1,4 +1,5 @@
 import hashlib
+import importlib
 import json
 
 import numpy as np
@@ -19,6 +20,10 @@ from tlm.data import (
 from tlm.data import corpus as corpus_module
 from tlm.data.prepare import token_dtype
 from tlm.tokenizer import load_tokenizer
+
+prepare_module = importlib.import_module(
+    "tlm.data.prepare"
+)  # the package's `prepare` is the function
 
 
 @pytest.fixture
@@ -88,6 +93,21 @@ def test_streaming_in_small_chunks_gives_the_same_tokens(tmp_path, monkeypatch, 
     assert meta["documents"] == 1
     whole, chunks = TokenData(tmp_path / "whole"), TokenData(tmp_path / "chunks")
     assert np.array_equal(whole.split("train"), chunks.split("train"))
+
+
+def test_segments_train_the_same_tokenizer_and_give_the_same_tokens(tmp_path, monkeypatch):
+    text = tmp_path / "text.txt"
+    ends = ["\n", "\n\n", " \n", "\r\n", "\n  ", "\n\t"]  # runs a cut must not split
+    text.write_text("".join(f"line {i} of été{ends[i % 6]}" for i in range(3000)))
+    outs = {}
+    for name, chars in [("whole", 1 << 30), ("segments", 50)]:
+        monkeypatch.setattr(prepare_module, "SEGMENT_CHARS", chars)
+        outs[name] = tmp_path / name
+        prepare([str(text)], outs[name], vocab_size=400, progress=False)
+    for file in ("tokenizer.json", "train.bin", "val.bin"):
+        assert (outs["whole"] / file).read_bytes() == (outs["segments"] / file).read_bytes()
+    cut = prepare_module.segments(text.read_text())
+    assert len(cut) > 100 and "".join(cut) == text.read_text()
 
 
 def test_builtin_python_docs_with_bpe(tmp_path):
