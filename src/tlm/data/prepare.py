@@ -191,29 +191,30 @@ def _write_tokens(
 
 
 def _encoded(pieces: Iterator[Piece], tok: Tokenizer) -> Iterator[tuple[list[int], int]]:
-    """Encode pieces in batches; yields (ids with <|endoftext|> after each document, #docs)."""
-    batch: list[Piece] = []
+    """Encode the pieces' segments about ENCODE_BATCH_CHARS at a time (the tokenizer runs a
+    batch in parallel, and memory holds one batch); yields (ids with <|endoftext|> after
+    each document, documents ended)."""
+    batch: list[tuple[str, bool]] = []  # (segment, whether a document ends after it)
     size = 0
     for piece in pieces:
-        batch.append(piece)
-        size += len(piece.text)
-        if size >= ENCODE_BATCH_CHARS:
-            yield _encode_batch(batch, tok)
-            batch, size = [], 0
+        parts = segments(piece.text) or [""]
+        for i, part in enumerate(parts):
+            batch.append((part, piece.ends_document and i == len(parts) - 1))
+            size += len(part)
+            if size >= ENCODE_BATCH_CHARS:
+                yield _encode_batch(batch, tok)
+                batch, size = [], 0
     if batch:
         yield _encode_batch(batch, tok)
 
 
-def _encode_batch(batch: list[Piece], tok: Tokenizer) -> tuple[list[int], int]:
-    parts = [segments(p.text) for p in batch]
-    encoded = iter(tok.encode_batch([segment for part in parts for segment in part]))
+def _encode_batch(batch: list[tuple[str, bool]], tok: Tokenizer) -> tuple[list[int], int]:
     ids: list[int] = []
-    for piece, part in zip(batch, parts, strict=True):
-        for _ in part:
-            ids.extend(next(encoded))
-        if piece.ends_document:
+    for (_, ends), encoded in zip(batch, tok.encode_batch([t for t, _ in batch]), strict=True):
+        ids.extend(encoded)
+        if ends:
             ids.append(tok.eot_id)
-    return ids, sum(p.ends_document for p in batch)
+    return ids, sum(ends for _, ends in batch)
 
 
 def _cut(stream: Path, n_train: int, train: Path, val: Path, dtype: type) -> None:
