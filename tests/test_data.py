@@ -20,6 +20,7 @@ from tlm.data import (
 from tlm.data import corpus as corpus_module
 from tlm.data.prepare import token_dtype
 from tlm.tokenizer import load_tokenizer
+from tlm.train.report import _cleaning
 
 prepare_module = importlib.import_module(
     "tlm.data.prepare"
@@ -208,3 +209,54 @@ def test_safe_split_never_cuts_a_gpt2_pre_token(text):
 
     head, tail = corpus_module._safe_split(text.encode())
     assert pieces(head.decode()) + pieces(tail.decode()) == pieces(text)
+
+
+def test_prepare_cleans_documents_and_counts_what_it_removed(tmp_path, capsys):
+    words = np.array(list("abcdefghijklmnopqrst"))  # one-letter words
+    rng = np.random.default_rng(0)
+    kept = [" ".join(rng.choice(words, 200)) + f" doc{i}" for i in range(30)]
+    near = kept[3].split()
+    near[10] = "changed"
+    docs = [*kept[:10], kept[2].upper(), " ".join(near), "tiny", kept[10] + " forbidden"]
+    docs += kept[11:]  # an exact (case) and a near duplicate, a short and a blocked document
+    corpus, blocked = tmp_path / "corpus.jsonl", tmp_path / "blocked.txt"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    blocked.write_text("# words no document may hold\nforbidden\n")
+    args = ["prepare", str(corpus), "--tokenizer", "char", "--val-fraction", "0", "--quiet"]
+    clean = ["--dedup", "--min-chars", "10", "--blocklist", str(blocked)]
+    assert main([*args, "--out", str(tmp_path / "clean"), *clean]) == 0
+    assert "cleaning: 29 of 33 documents kept" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "clean" / "meta.json").read_text())
+    counts = meta["cleaning"]["counts"]
+    assert counts == {
+        "documents": 33,
+        "kept": 29,
+        "too_short": 1,
+        "non_text": 0,
+        "blocklisted": 1,
+        "exact_duplicates": 1,
+        "near_duplicates": 1,
+    }
+    expected = tmp_path / "expected.jsonl"  # the documents a person would keep, by hand
+    expected.write_text("".join(json.dumps({"text": d}) + "\n" for d in kept[:10] + kept[11:]))
+    tokenizer = ["--tokenizer", str(tmp_path / "clean")]
+    assert (
+        main(
+            [
+                "prepare",
+                str(expected),
+                "--out",
+                str(tmp_path / "hand"),
+                *tokenizer,
+                "--quiet",
+                "--val-fraction",
+                "0",
+            ]
+        )
+        == 0
+    )
+    clean_tokens, hand = TokenData(tmp_path / "clean"), TokenData(tmp_path / "hand")
+    assert np.array_equal(clean_tokens.split("train"), hand.split("train"))
+    assert meta["documents"] == 29
+    card = _cleaning(meta["cleaning"])  # the model card's line
+    assert "29 of 33 documents kept; removed: too short 1, non text 0, blocklisted 1," in card

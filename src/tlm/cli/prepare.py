@@ -6,12 +6,14 @@ import argparse
 
 from tlm.cli.args import add_command
 from tlm.data import prepare
+from tlm.data.clean import REASONS, CleanConfig
 
 EXAMPLE = """examples:
   tlm prepare python-docs --tokenizer bpe --vocab-size 2048 --out data/python-docs
   tlm prepare tinyshakespeare --tokenizer char --val-fraction 0.1 --out data/shakespeare_char
   tlm prepare names --line-docs --tokenizer char --out data/names   # one document per name
   tlm prepare more.txt --tokenizer runs/my_model --out data/finetune   # reuse a tokenizer
+  tlm prepare web/ --dedup --min-chars 200 --max-non-text 0.2 --blocklist bad.txt --out data/web
 """
 
 
@@ -39,7 +41,38 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="replace --out if tlm prepare wrote it (and nothing else is in it)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    clean = parser.add_argument_group("cleaning (J&M §10.9.2; any of these turns it on)")
+    clean.add_argument(
+        "--dedup", action="store_true", help="drop exact and near duplicate documents"
+    )
+    clean.add_argument("--near-threshold", type=float, help="Jaccard of a near duplicate (0.8)")
+    clean.add_argument("--num-perm", type=int, help="MinHash permutations (128)")
+    clean.add_argument("--shingle", type=int, help="words per shingle (5)")
+    clean.add_argument("--minhash-seed", type=int, help="seed of the MinHash permutations (1)")
+    clean.add_argument("--min-chars", type=int, help="drop shorter documents")
+    clean.add_argument("--max-non-text", type=float, help="drop documents with more non-text")
+    clean.add_argument("--blocklist", help="drop documents with a word or phrase of this file")
     parser.set_defaults(handler=run)
+
+
+CLEANING = {  # flag attribute -> CleanConfig field
+    "near_threshold": "threshold",
+    "num_perm": "num_perm",
+    "shingle": "shingle",
+    "minhash_seed": "seed",
+    "min_chars": "min_chars",
+    "max_non_text": "max_non_text",
+    "blocklist": "blocklist",
+}
+
+
+def clean_config(args: argparse.Namespace) -> CleanConfig | None:
+    """The cleaning asked for: None without any cleaning flag; dedup only with --dedup."""
+    given = {field: getattr(args, flag) for flag, field in CLEANING.items()}
+    given = {field: value for field, value in given.items() if value is not None}
+    if not args.dedup and not given:
+        return None
+    return CleanConfig(exact=args.dedup, near=args.dedup, **given)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         line_docs=args.line_docs,
         force=args.force,
         progress=not args.quiet,
+        clean=clean_config(args),
     )
     splits = meta["splits"]
     print(
@@ -59,4 +93,9 @@ def run(args: argparse.Namespace) -> int:
         f"{meta['documents']:,} documents, {splits['train']['tokens']:,} train + "
         f"{splits['val']['tokens']:,} val tokens ({meta['dtype']})"
     )
+    if "cleaning" in meta:
+        counts = meta["cleaning"]["counts"]
+        removed = [f"{n:,} {k.replace('_', ' ')}" for k, n in counts.items() if k in REASONS and n]
+        kept = f"{counts['kept']:,} of {counts['documents']:,} documents kept"
+        print(f"cleaning: {kept}; removed: {', '.join(removed) or 'none'}")
     return 0

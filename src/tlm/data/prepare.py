@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tlm._version import __version__
+from tlm.data.clean import Cleaner, CleanConfig
 from tlm.data.corpus import CorpusError, Piece, Source, resolve_sources
 from tlm.io import atomic_path, check_replaceable, write_text_atomic
 from tlm.tokenizer import KINDS, Tokenizer, TokenizerError, load_tokenizer, train_tokenizer
@@ -52,8 +54,14 @@ def prepare(
     line_docs: bool = False,
     force: bool = False,
     progress: bool = True,
+    clean: CleanConfig | None = None,
 ) -> dict[str, Any]:
-    """Tokenize `inputs` into folder `out`; returns (and writes) its meta.json."""
+    """Tokenize `inputs` into folder `out`; returns (and writes) its meta.json.
+
+    With `clean`, each document passes a `Cleaner` first (§10.9.2: quality filters, exact
+    and near deduplication). It decides on the first pass over the sources, and the second
+    pass replays its decisions; what it removed is counted in meta.json's "cleaning". A
+    document is held whole in memory while it is judged."""
     out = Path(out)
     if not 0 <= val_fraction < 1:
         raise CorpusError(f"--val-fraction must be in [0, 1), got {val_fraction}")
@@ -62,8 +70,9 @@ def prepare(
     check_replaceable(out, FILES, "meta.json", "a folder written by tlm prepare")
     sources = resolve_sources(inputs, line_docs)
     total_bytes = sum(s.path.stat().st_size for s in sources if s.path is not None)
+    documents = _Documents(sources, Cleaner(clean) if clean else None)
     if tokenizer in KINDS:
-        tok = _train_tokenizer(tokenizer, sources, vocab_size, progress, total_bytes)
+        tok = _train_tokenizer(tokenizer, documents, vocab_size, progress, total_bytes)
     elif vocab_size is not None:
         raise CorpusError("--vocab-size applies when training a tokenizer (bpe)")
     else:  # an existing tokenizer, e.g. the one of the model to fine-tune
@@ -71,19 +80,21 @@ def prepare(
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         tmp.mkdir()
-        meta = _write_tokens(tmp, sources, tok, val_fraction, progress, total_bytes)
+        meta = _write_tokens(tmp, documents, tok, val_fraction, progress, total_bytes)
         if meta["documents"] == 0:
-            raise CorpusError(EMPTY)
+            raise CorpusError(EMPTY if clean is None else f"{EMPTY} after cleaning")
+        if clean is not None:
+            meta["cleaning"] = {"config": asdict(clean), "counts": documents.cleaner.counts}
         write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
         tok.save(tmp / "tokenizer.json")
     return meta
 
 
 def _train_tokenizer(
-    kind: str, sources: list[Source], vocab_size: int | None, progress: bool, total_bytes: int
+    kind: str, documents: _Documents, vocab_size: int | None, progress: bool, total_bytes: int
 ) -> Tokenizer:
     bar = _bar(progress, total_bytes, "training tokenizer")
-    texts = _texts(sources, bar)
+    texts = _texts(documents, bar)
     try:
         tok = train_tokenizer(kind, texts, vocab_size)
     except TokenizerError:
@@ -110,11 +121,11 @@ def _existing_tokenizer(name: str) -> Path:
 class _texts:
     """Iterate the pieces' texts (for tokenizer training), counting documents."""
 
-    def __init__(self, sources: list[Source], bar: tqdm) -> None:
-        self.sources, self.bar, self.documents = sources, bar, 0
+    def __init__(self, documents: _Documents, bar: tqdm) -> None:
+        self.source, self.bar, self.documents = documents, bar, 0
 
     def __iter__(self) -> Iterator[str]:
-        for piece in _pieces(self.sources, self.bar):
+        for piece in self.source.pieces(self.bar):
             self.documents += piece.ends_document
             if piece.text:
                 yield from segments(piece.text)
@@ -141,6 +152,35 @@ def segments(text: str) -> list[str]:
     return [text[a:b] for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
 
+class _Documents:
+    """The sources' pieces, each pass over them, less the documents a cleaner removes. The
+    cleaner judges each whole document on the first pass; later passes replay its verdicts
+    (it remembers what it has seen, so judging again would call everything a duplicate)."""
+
+    def __init__(self, sources: list[Source], cleaner: Cleaner | None) -> None:
+        self.sources, self.cleaner, self.verdicts = sources, cleaner, bytearray()
+        self.passes = 0
+
+    def pieces(self, bar: tqdm) -> Iterator[Piece]:
+        pieces = _pieces(self.sources, bar)
+        self.passes += 1
+        if self.cleaner is None:
+            yield from pieces
+            return
+        judge = self.passes == 1
+        verdicts = iter(self.verdicts)
+        document: list[Piece] = []
+        for piece in pieces:
+            document.append(piece)
+            if piece.ends_document:
+                if judge:
+                    self.verdicts.append(self.cleaner.keep("".join(p.text for p in document)))
+                if self.verdicts[-1] if judge else next(verdicts):
+                    yield from document
+                document = []
+        yield from document  # text after the last document's end (none from a corpus)
+
+
 def _pieces(sources: list[Source], bar: tqdm) -> Iterator[Piece]:
     for source in sources:
         before = 0
@@ -152,7 +192,7 @@ def _pieces(sources: list[Source], bar: tqdm) -> Iterator[Piece]:
 
 def _write_tokens(
     folder: Path,
-    sources: list[Source],
+    source: _Documents,
     tok: Tokenizer,
     val_fraction: float,
     progress: bool,
@@ -163,7 +203,7 @@ def _write_tokens(
     bar = _bar(progress, total_bytes, "encoding")
     documents = 0
     with open(stream, "wb") as f:
-        for ids, ended in _encoded(_pieces(sources, bar), tok):
+        for ids, ended in _encoded(source.pieces(bar), tok):
             np.asarray(ids, dtype=dtype).tofile(f)
             documents += ended
     bar.close()
@@ -185,7 +225,7 @@ def _write_tokens(
         "documents": documents,
         "val_fraction": val_fraction,
         "splits": splits,
-        "sources": [s.describe() for s in sources],
+        "sources": [s.describe() for s in source.sources],
         "tlm": __version__,
     }
 

@@ -94,7 +94,7 @@ prediction on the data below.
 Tokenizer: {data_meta["tokenizer"]}, vocabulary {data_meta["vocab_size"]}. Documents:
 {data_meta["documents"]:,}. Tokens: {splits["train"]["tokens"]:,} train,
 {splits["val"]["tokens"]:,} validation (the last {data_meta["val_fraction"]:.0%} of the stream).
-
+{_cleaning(data_meta.get("cleaning"))}
 ## Model
 
 {counts["total"]:,} parameters ({counts["non_embedding"]:,} non-embedding;
@@ -139,3 +139,14 @@ tlm eval {run} --data {train_config.data} --split val
   validation loss says how well it predicts held-out text from the same sources only.
 """
     write_text_atomic(run / "MODEL_CARD.md", card)
+
+
+def _cleaning(cleaning: dict[str, Any] | None) -> str:
+    """What `tlm prepare`'s cleaning removed (J&M §10.9.2), for the card; "" without it."""
+    if cleaning is None:
+        return ""
+    c = cleaning["counts"]
+    removed = ", ".join(
+        f"{k.replace('_', ' ')} {n:,}" for k, n in c.items() if k not in ("documents", "kept")
+    )
+    return f"\nCleaning: {c['kept']:,} of {c['documents']:,} documents kept; removed: {removed}.\n"
