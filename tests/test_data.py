@@ -260,3 +260,30 @@ def test_prepare_cleans_documents_and_counts_what_it_removed(tmp_path, capsys):
     assert meta["documents"] == 29
     card = _cleaning(meta["cleaning"])  # the model card's line
     assert "29 of 33 documents kept; removed: too short 1, non text 0, blocklisted 1," in card
+
+
+def test_shards_read_as_the_single_stream(tmp_path, capsys):
+    args = ["prepare", "tinyshakespeare", "--tokenizer", "char", "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    assert main([*args, "--out", str(tmp_path / "sharded"), "--shard-tokens", "100000"]) == 0
+    one, sharded = TokenData(tmp_path / "one"), TokenData(tmp_path / "sharded")
+    shards = sharded.meta["splits"]["train"]["shards"]
+    assert len(shards) == 11 and shards[0] == {"file": "train-00000.bin", "tokens": 100000}
+    for name in ("train", "val"):
+        whole, parts = one.split(name), sharded.split(name)
+        assert len(parts) == len(whole) and np.array_equal(parts[:], whole[:])
+    whole, parts = one.split("train"), sharded.split("train")
+    starts = np.array([0, 99990, 199_999, len(whole) - 65])  # two windows straddle a cut
+    index = starts[:, None] + np.arange(65)
+    assert np.array_equal(parts[index], whole[index])
+    generator = batch_generator(1, 2)
+    x, y = random_windows(parts, 16, 64, generator)
+    assert torch.equal(x, random_windows(whole, 16, 64, batch_generator(1, 2))[0])
+    (tmp_path / "sharded" / "train-00003.bin").unlink()
+    with pytest.raises(CorpusError, match="train-00003.bin is missing"):
+        TokenData(tmp_path / "sharded").split("train")
+    capsys.readouterr()
+    run = ["train", "--data", str(tmp_path / "sharded"), "--out", str(tmp_path / "run")]
+    assert main([*run, "--max-steps", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "train-00003.bin is missing" in err

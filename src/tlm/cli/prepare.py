@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="replace --out if tlm prepare wrote it (and nothing else is in it)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--shard-tokens", type=int, help="write each split as files of at most this many tokens"
+    )
     clean = parser.add_argument_group("cleaning (J&M §10.9.2; any of these turns it on)")
     clean.add_argument(
         "--dedup", action="store_true", help="drop exact and near duplicate documents"
@@ -86,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.quiet,
         clean=clean_config(args),
+        shard_tokens=args.shard_tokens,
     )
     splits = meta["splits"]
     print(

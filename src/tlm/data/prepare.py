@@ -30,11 +30,12 @@ from tqdm import tqdm
 from tlm._version import __version__
 from tlm.data.clean import Cleaner, CleanConfig
 from tlm.data.corpus import CorpusError, Piece, Source, resolve_sources
+from tlm.data.shards import ShardedTokens, write_shards
 from tlm.io import atomic_path, check_replaceable, write_text_atomic
 from tlm.tokenizer import KINDS, Tokenizer, TokenizerError, load_tokenizer, train_tokenizer
 
 SPLITS = ("train", "val")
-FILES = ("meta.json", "tokenizer.json", "train.bin", "val.bin", ".tlm-demo")  # all prepare writes
+FILES = ("meta.json", "tokenizer.json", "train.bin", "val.bin", "train-*.bin", "val-*.bin", ".tlm-demo")  # fmt: skip
 EMPTY = "corpus is empty: no document has any text"
 ENCODE_BATCH_CHARS = 1 << 20  # text handed to the tokenizer at once (BPE encodes in parallel)
 SEGMENT_CHARS = 1 << 14  # the tokenizer sees text in segments of about this many characters
@@ -55,6 +56,7 @@ def prepare(
     force: bool = False,
     progress: bool = True,
     clean: CleanConfig | None = None,
+    shard_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Tokenize `inputs` into folder `out`; returns (and writes) its meta.json.
 
@@ -65,6 +67,8 @@ def prepare(
     out = Path(out)
     if not 0 <= val_fraction < 1:
         raise CorpusError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if shard_tokens is not None and shard_tokens < 1:
+        raise CorpusError(f"--shard-tokens must be at least 1, got {shard_tokens}")
     if out.exists() and not force:
         raise CorpusError(f"{out} already exists; pass --force to replace it")
     check_replaceable(out, FILES, "meta.json", "a folder written by tlm prepare")
@@ -81,6 +85,8 @@ def prepare(
     with atomic_path(out) as tmp:
         tmp.mkdir()
         meta = _write_tokens(tmp, documents, tok, val_fraction, progress, total_bytes)
+        if shard_tokens is not None:
+            _shard(tmp, meta, shard_tokens)
         if meta["documents"] == 0:
             raise CorpusError(EMPTY if clean is None else f"{EMPTY} after cleaning")
         if clean is not None:
@@ -257,6 +263,19 @@ def _encode_batch(batch: list[tuple[str, bool]], tok: Tokenizer) -> tuple[list[i
     return ids, sum(ends for _, ends in batch)
 
 
+def _shard(folder: Path, meta: dict[str, Any], shard_tokens: int) -> None:
+    """Replace train.bin and val.bin by shards of at most `shard_tokens` tokens, indexed in
+    meta["splits"][name]["shards"] (the concatenation is the same stream)."""
+    for name in SPLITS:
+        info = meta["splits"][name]
+        path = folder / info.pop("file")
+        with open(path, "rb") as stream:
+            info["shards"] = write_shards(
+                stream, info["tokens"], np.dtype(meta["dtype"]), shard_tokens, name, folder
+            )
+        path.unlink()
+
+
 def _cut(stream: Path, n_train: int, train: Path, val: Path, dtype: type) -> None:
     """Move the stream's tail (from token `n_train`) into `val`, the head becomes `train`."""
     offset = n_train * np.dtype(dtype).itemsize
@@ -312,10 +331,20 @@ class TokenData:
         if name not in SPLITS:
             raise CorpusError(f"unknown split {name!r}; choose train or val")
         info = self.meta["splits"][name]
-        path = self.folder / info["file"]
-        if info["tokens"] and not path.is_file():
+        if "shards" in info:
+            return ShardedTokens([self._file(s["file"], s["tokens"]) for s in info["shards"]])
+        return self._file(info["file"], info["tokens"])
+
+    def _file(self, name: str, tokens: int) -> np.ndarray:
+        path = self.folder / name
+        if tokens and not path.is_file():
             raise CorpusError(f"{path} is missing; prepare the data again")
-        return read_tokens(path, self.dtype, info["tokens"])
+        if tokens and path.stat().st_size != tokens * self.dtype.itemsize:
+            raise CorpusError(
+                f"{path} holds {path.stat().st_size:,} bytes, not the {tokens:,} tokens "
+                "meta.json lists; prepare the data again"
+            )
+        return read_tokens(path, self.dtype, tokens)
 
 
 def fingerprint_differences(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
