@@ -9,7 +9,8 @@ on disk, each in a process of its own, timed from start to exit; peak memory is 
 process's maximum resident set (`os.wait4`).
 
 - tlm: `python -m tlm prepare FILE --out DIR --vocab-size 8192` (which also checks the
-  input, hashes the sources, writes train/val splits and counts bytes per split);
+  input, hashes the sources, writes train/val splits and counts bytes per split), and the
+  same with `--workers 2` (encoding in two processes instead of this one's threads);
 - tokenizers alone: the same tokenizer setup trained from the file (read by the Rust
   side, `Tokenizer.train`) and `encode_batch` over texts of 64 lines, 1,024 texts a call,
   ids written with numpy: about the fastest a Python tool on `tokenizers` can be.
@@ -83,16 +84,23 @@ def main() -> None:
             path = corpus(folder, mb)
             size = path.stat().st_size / 1e6
             out = folder / f"tlm-{mb}"
-            tlm = [sys.executable, "-m", "tlm", "prepare", str(path), "--out", str(out)]
-            tlm += ["--vocab-size", "8192", "--quiet"]
+            tlm = [sys.executable, "-m", "tlm", "prepare", str(path), "--vocab-size", "8192"]
+            tlm += ["--quiet", "--out"]
             alone = [sys.executable, "-c", ALONE, str(path), str(folder / f"alone-{mb}.bin")]
-            results = {"tlm prepare": measure(tlm), "tokenizers alone": measure(alone)}
+            two = [*tlm, f"{out}-w2", "--workers", "2"]
+            tlm = [*tlm, str(out)]
+            results = {
+                "tlm prepare": measure(tlm),
+                "tlm --workers 2": measure(two),
+                "tokenizers alone": measure(alone),
+            }
             for side, (seconds, peak) in results.items():
                 print(
                     f"  {size:5.1f}   {side:18s} {seconds:8.1f} {size / seconds:7.2f} {peak:9.0f}"
                 )
-            ratio = results["tokenizers alone"][0] / results["tlm prepare"][0]
-            print(f"          tlm throughput / tokenizers alone: {ratio:.2f}x")
+            for side in ("tlm prepare", "tlm --workers 2"):
+                ratio = results["tokenizers alone"][0] / results[side][0]
+                print(f"          {side} throughput / tokenizers alone: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

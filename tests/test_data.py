@@ -1,5 +1,4 @@
 import hashlib
-import importlib
 import json
 
 import numpy as np
@@ -18,13 +17,10 @@ from tlm.data import (
     resolve_sources,
 )
 from tlm.data import corpus as corpus_module
+from tlm.data import encode as encode_module
 from tlm.data.prepare import token_dtype
 from tlm.tokenizer import load_tokenizer
 from tlm.train.report import _cleaning
-
-prepare_module = importlib.import_module(
-    "tlm.data.prepare"
-)  # the package's `prepare` is the function
 
 
 @pytest.fixture
@@ -102,12 +98,12 @@ def test_segments_train_the_same_tokenizer_and_give_the_same_tokens(tmp_path, mo
     text.write_text("".join(f"line {i} of été{ends[i % 6]}" for i in range(3000)))
     outs = {}
     for name, chars in [("whole", 1 << 30), ("segments", 50)]:
-        monkeypatch.setattr(prepare_module, "SEGMENT_CHARS", chars)
+        monkeypatch.setattr(encode_module, "SEGMENT_CHARS", chars)
         outs[name] = tmp_path / name
         prepare([str(text)], outs[name], vocab_size=400, progress=False)
     for file in ("tokenizer.json", "train.bin", "val.bin"):
         assert (outs["whole"] / file).read_bytes() == (outs["segments"] / file).read_bytes()
-    cut = prepare_module.segments(text.read_text())
+    cut = encode_module.segments(text.read_text())
     assert len(cut) > 100 and "".join(cut) == text.read_text()
 
 
@@ -287,3 +283,14 @@ def test_shards_read_as_the_single_stream(tmp_path, capsys):
     assert main([*run, "--max-steps", "1", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "train-00003.bin is missing" in err
+
+
+def test_workers_give_the_same_tokens(tmp_path, monkeypatch):
+    monkeypatch.setattr(encode_module, "ENCODE_BATCH_CHARS", 50_000)  # 23 batches to share out
+    common = {"tokenizer": "char", "progress": False, "line_docs": True}
+    prepare(["tinyshakespeare"], tmp_path / "one", **common)
+    prepare(["tinyshakespeare"], tmp_path / "two", workers=2, **common)
+    for file in ("tokenizer.json", "train.bin", "val.bin", "meta.json"):
+        assert (tmp_path / "one" / file).read_bytes() == (tmp_path / "two" / file).read_bytes()
+    with pytest.raises(CorpusError, match="--workers must be at least 1"):
+        prepare(["tinyshakespeare"], tmp_path / "none", workers=0, **common)

@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument(
+        "--workers", type=int, default=1, help="processes that encode the text (1: this one)"
+    )
+    parser.add_argument(
         "--shard-tokens", type=int, help="write each split as files of at most this many tokens"
     )
     clean = parser.add_argument_group("cleaning (J&M §10.9.2; any of these turns it on)")
@@ -90,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         clean=clean_config(args),
         shard_tokens=args.shard_tokens,
+        workers=args.workers,
     )
     splits = meta["splits"]
     print(
