@@ -40,8 +40,6 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from datasketch import LeanMinHash, MinHash, MinHashLSH
-
 from tlm.data.corpus import CorpusError
 
 # text characters besides letters, digits and whitespace: ASCII punctuation and the typographic
@@ -138,10 +136,14 @@ class Cleaner:
     """
 
     def __init__(self, config: CleanConfig) -> None:
+        # imported here: datasketch takes ~0.5 s to import (scipy), which no other command needs
+        from datasketch import LeanMinHash, MinHash, MinHashLSH
+
         self.config = config
+        self._lean = LeanMinHash
         self._blocklist = read_blocklist(config.blocklist) if config.blocklist else None
         self._digests: set[bytes] = set()
-        self._signatures: list[LeanMinHash] = []  # of kept documents; position = LSH key
+        self._signatures: list = []  # LeanMinHash of kept documents; position = LSH key
         self._lsh = None
         if config.near:
             try:
@@ -194,5 +196,5 @@ class Cleaner:
             if minhash.jaccard(self._signatures[key]) >= self.config.threshold:
                 return True
         self._lsh.insert(len(self._signatures), minhash)
-        self._signatures.append(LeanMinHash(minhash))
+        self._signatures.append(self._lean(minhash))
         return False
