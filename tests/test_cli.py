@@ -46,3 +46,55 @@ def test_info_reads_a_hugging_face_directory(gpt2_dir, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed["config"]["activation"] == "gelu_tanh" and printed["config"]["n_layers"] == 2
     assert printed["parameters"]["total"] == load_model(gpt2_dir).num_parameters()
+
+
+def test_help_lists_every_command_and_a_typo_names_them(capsys):
+    from tlm.cli import COMMANDS
+
+    result = subprocess.run([sys.executable, "-m", "tlm", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    listed = {line.split()[0] for line in result.stdout.splitlines() if line.startswith("    ")}
+    assert listed >= set(COMMANDS)
+    result = subprocess.run([sys.executable, "-m", "tlm", "prepar"], capture_output=True, text=True)
+    assert result.returncode == 2 and "invalid choice: 'prepar'" in result.stderr
+    assert "'prepare'" in result.stderr and "'export-hf'" in result.stderr
+
+
+def test_prepare_runs_without_loading_pytorch(tmp_path):
+    """Only the command being run is imported: `tlm prepare` (and its workers) never pay
+    PyTorch's 1.4 s import, a quarter of preparing 10 MB."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question\n" * 200)
+    script = (
+        "import sys\nfrom tlm.cli import main\n"
+        f"code = main(['prepare', {str(corpus)!r}, '--vocab-size', '270', '--quiet',"
+        f" '--out', {str(tmp_path / 'data')!r}])\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.stdout.split()[-2:] == ["0", "False"], result.stderr
+
+
+def test_every_error_the_cli_prints_in_one_line_is_a_user_error():
+    """The command line catches `UserError` alone; each module's error must derive from it
+    (or its messages would become tracebacks)."""
+    from tlm.checkpoint import CheckpointError, NonFiniteWeights
+    from tlm.cli.args import UsageError
+    from tlm.config import ConfigError
+    from tlm.data import CorpusError
+    from tlm.errors import UserError
+    from tlm.generate import GenerationError
+    from tlm.interop import HFFormatError
+    from tlm.interpret import HookError
+    from tlm.io import FolderError
+    from tlm.scaling import FitError, SweepError
+    from tlm.tasks import TaskError
+    from tlm.tokenizer import TokenizerError
+    from tlm.train import RunError
+
+    errors = [CheckpointError, NonFiniteWeights, UsageError, ConfigError, CorpusError]
+    errors += [GenerationError, HFFormatError, HookError, FolderError, FitError, SweepError]
+    errors += [TaskError, TokenizerError, RunError]
+    for error in errors:
+        assert issubclass(error, UserError), error
+        assert issubclass(error, ValueError), error  # what callers caught before

@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from tlm.cli import main
 from tlm.data import TokenData, eval_windows
 from tlm.load import load_model
 from tlm.model.loss import window_nll
+from tlm.train import RunError, Runtime
 
 STEPS = 120
 ARGS = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--context-length", "32"]
@@ -26,6 +28,8 @@ ARGS += ["--batch-size", "2", "--grad-accum", "4"]  # a global batch of 8: 2 x 2
 ARGS += ["--warmup-steps", "10", "--lr", "3e-3"]
 ARGS += ["--checkpoint-interval", "10", "--eval-interval", "60", "--log-interval", "10"]
 ARGS += ["--max-steps", str(STEPS), "--dropout", "0", "--quiet"]
+EVAL_TOKENS = 2 * 32 * 32 + 5  # validation: 3 batches (32, 32, 1 windows), uneven over 2 ranks
+ARGS += ["--eval-tokens", str(EVAL_TOKENS)]
 
 
 def torchrun(*args, nproc=2):
@@ -89,10 +93,11 @@ def test_two_processes_equal_one_with_the_same_global_batch(single, double):
 
 
 def test_a_sharded_runs_checkpoint_loads_in_one_process(docs_chars, double):
-    """The last validation loss, computed by the (sharded) model of the run, equals the
-    loss of the saved weights loaded in one process."""
+    """The last validation loss, computed by the (sharded) model of the run with its
+    batches split over the ranks, equals the loss of the saved weights loaded in one
+    process."""
     model = load_model(double).eval()
-    windows = eval_windows(TokenData(docs_chars).split("val"), 32, 1 << 15)  # --eval-tokens
+    windows = eval_windows(TokenData(docs_chars).split("val"), 32, EVAL_TOKENS)
     with torch.no_grad():
         loss = torch.cat([window_nll(model, w).flatten() for w in windows]).mean().item()
     logged = [r["val_loss"] for r in rows(double) if "val_loss" in r][-1]
@@ -184,3 +189,29 @@ def test_bad_distributed_runs_are_refused_with_one_line(docs_chars, tmp_path, ca
     _, err = proc.communicate()
     assert proc.returncode != 0 and "does not split evenly over 2 processes" in err.decode()
     assert not (run / "train_state").exists()
+
+
+def test_a_rank_that_cannot_join_says_so_in_one_line(docs_chars, tmp_path, monkeypatch, capsys):
+    """Processes started without torchrun's agent: a missing or out-of-range rank, and a
+    rank whose master never answers, are one-line errors, not tracebacks."""
+    run = tmp_path / "run"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", "--data", str(docs_chars), "--out", str(run), *ARGS]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "tlm: error: WORLD_SIZE=2 but RANK=(unset): start the processes with "
+        "torchrun --nproc_per_node=K -m tlm train ..."
+    )
+    monkeypatch.setenv("RANK", "2")
+    assert main(["train", "--data", str(docs_chars), "--out", str(run), *ARGS]) == 2
+    assert "WORLD_SIZE=2 but RANK=2" in capsys.readouterr().err
+    assert not run.exists()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with pytest.raises(RunError, match=rf"^rank 1 of 2 could not join at 127.0.0.1:{port}: "):
+        Runtime.from_env(timeout_s=1)

@@ -2,12 +2,14 @@
 
 from tlm._version import __version__
 from tlm.config import ModelConfig, TrainConfig
+from tlm.errors import UserError
 from tlm.tokenizer import load_tokenizer
 
 __all__ = [
     "ModelConfig",
     "TrainConfig",
     "TransformerLM",
+    "UserError",
     "__version__",
     "load_model",
     "load_tokenizer",

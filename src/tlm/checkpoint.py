@@ -36,6 +36,7 @@ from torch import nn
 
 from tlm._version import __version__
 from tlm.config import ModelConfig
+from tlm.errors import UserError
 from tlm.io import atomic_path, write_text_atomic
 from tlm.model import TransformerLM
 
@@ -56,7 +57,7 @@ FILES = (
 )
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A run directory or checkpoint that cannot be read or written."""
 
 

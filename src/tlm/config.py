@@ -10,13 +10,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
+from tlm.errors import UserError
+
 NORMS = ("pre", "post")
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 RETIRED = {"attention_impl"}  # read from old config files and ignored
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration value that cannot be used; the message names the field."""
 
 

@@ -17,10 +17,12 @@ from collections.abc import Iterable, Iterator
 from fnmatch import fnmatch
 from pathlib import Path
 
+from tlm.errors import UserError
+
 TEMPORARY = ("*.tmp-*", "*.old-*")  # what `atomic_path` leaves if a process dies mid-write
 
 
-class FolderError(ValueError):
+class FolderError(UserError):
     """A folder that tlm will not replace; the message says why."""
 
 

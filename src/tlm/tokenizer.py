@@ -15,13 +15,14 @@ import numpy as np
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from tlm.errors import UserError
 from tlm.io import write_text_atomic
 
 EOT = "<|endoftext|>"
 KINDS = ("bpe", "char")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError):
     """A tokenizer that cannot be built or loaded, or text it cannot encode."""
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any, NoReturn, get_type_hints
 
 from tlm.config import coerce
+from tlm.errors import UserError
 
 
-class UsageError(Exception):
+class UsageError(UserError):
     """Bad input from the user: printed as one line, exit code 2."""
 
 

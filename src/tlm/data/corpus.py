@@ -23,6 +23,8 @@ from importlib import resources
 from pathlib import Path
 from typing import BinaryIO
 
+from tlm.errors import UserError
+
 # built-in text corpora: name -> gzip file in tlm/data/corpora/ (origins in its README.md)
 BUILTIN_TEXT = {"tinyshakespeare": "tinyshakespeare.txt.gz", "names": "names.txt.gz"}
 BUILTIN = ("python-docs", *BUILTIN_TEXT)
@@ -30,7 +32,7 @@ SUFFIXES = (".txt", ".jsonl")
 CHUNK_BYTES = 1 << 22  # 4 MiB per read
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError):
     """Input text that cannot be used; the message names the file (and line)."""
 
 

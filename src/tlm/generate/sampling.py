@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tlm.errors import UserError
 
-class GenerationError(ValueError):
+
+class GenerationError(UserError):
     """A decoding setting that cannot be used; the message names the value."""
 
 

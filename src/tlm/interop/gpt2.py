@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from tlm.config import ConfigError, ModelConfig
+from tlm.errors import UserError
 from tlm.model import TransformerLM
 from tlm.model.positions import sinusoidal_table
 
@@ -45,7 +46,7 @@ ACTIVATIONS_OUT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
-class HFFormatError(ValueError):
+class HFFormatError(UserError):
     """A Hugging Face directory tlm cannot read, or a tlm model GPT-2 cannot express."""
 
 

@@ -14,13 +14,14 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
+from tlm.errors import UserError
 from tlm.model.hooks import hook_points
 
 HookFn = Callable[[Tensor], Tensor | None]
 Names = Iterable[str] | Callable[[str], bool] | None
 
 
-class HookError(ValueError):
+class HookError(UserError):
     """A hook name, layer or head the model does not have; the message says what exists."""
 
 

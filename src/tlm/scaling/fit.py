@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tlm.errors import UserError
 
-class FitError(ValueError):
+
+class FitError(UserError):
     """Data a scaling law cannot be fitted to; the message says why."""
 
 

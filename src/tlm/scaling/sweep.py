@@ -28,6 +28,7 @@ from pathlib import Path
 from tlm.checkpoint import latest_checkpoint
 from tlm.config import ModelConfig
 from tlm.data import TokenData
+from tlm.errors import UserError
 from tlm.evaluate import evaluate_tokens
 from tlm.io import write_text_atomic
 from tlm.model.counts import parameter_counts
@@ -65,7 +66,7 @@ COLUMNS = [
 RECIPE = {"position": "rope", "dropout": 0.0}
 
 
-class SweepError(ValueError):
+class SweepError(UserError):
     """A sweep that cannot run as asked; the message says why."""
 
 

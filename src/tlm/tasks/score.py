@@ -20,12 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tlm.errors import UserError
 from tlm.model import TransformerLM
 from tlm.model.kv_cache import KVCache
 from tlm.tokenizer import Tokenizer
 
 
-class TaskError(ValueError):
+class TaskError(UserError):
     """Input a task cannot use; the message says which and why."""
 
 

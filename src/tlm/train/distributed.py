@@ -49,12 +49,19 @@ class Runtime:
                     "torchrun --nproc_per_node=K -m tlm train ..."
                 )
             return cls(device=chosen)
-        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        rank, local_rank = _env_rank("RANK", world_size), _env_rank("LOCAL_RANK", world_size)
         if chosen.type == "cuda":
             chosen = torch.device("cuda", local_rank)
             torch.cuda.set_device(chosen)
         backend = "nccl" if chosen.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        except dist.DistError as exc:  # torchrun's agent met the others; this rank did not
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            first = str(exc).strip().splitlines()[0]
+            raise RunError(
+                f"rank {rank} of {world_size} could not join at {where}: {first}"
+            ) from None
         return cls(rank, world_size, local_rank, chosen, fsdp)
 
     @property
@@ -176,3 +183,14 @@ def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The name of each parameter, in the optimizer's order (its index in a state dict)."""
     name_of = {id(param): name for name, param in model.named_parameters()}
     return [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
+
+
+def _env_rank(name: str, world_size: int) -> int:
+    """A rank torchrun put in the environment, checked against WORLD_SIZE."""
+    value = os.environ.get(name, "")
+    if not value.isdigit() or int(value) >= world_size:
+        raise RunError(
+            f"WORLD_SIZE={world_size} but {name}={value or '(unset)'}: start the processes "
+            "with torchrun --nproc_per_node=K -m tlm train ..."
+        )
+    return int(value)

@@ -41,6 +41,8 @@ from tlm.train.optim import build_optimizer, learning_rate
 from tlm.train.report import Metrics, plot_losses, write_model_card
 from tlm.train.run import RunError, pick_dtype
 
+VAL_BATCH = 32  # validation windows per forward pass (and per rank's share of the split)
+
 
 class Diverged(RuntimeError):
     """The loss became NaN or infinite."""
@@ -113,7 +115,7 @@ class Trainer:
         self.state = Progress()
         self.tokens_per_step = self.global_batch * model_config.context_length  # every rank's
         self.train_tokens = data.split("train")  # memory-mapped once
-        self.val_windows = self._val_windows()
+        self.val_batches = self._val_batches()
         saved = None
         if resume:  # the weights now, whole; the optimizer once it is built (maybe sharded)
             saved = load_checkpoint(latest_checkpoint(self.run), self.model, None)
@@ -136,11 +138,13 @@ class Trainer:
         if rt.is_main:
             self.metrics = Metrics(self.run / "metrics.jsonl", self.state.step if resume else None)
 
-    def _val_windows(self) -> list[torch.Tensor]:
+    def _val_batches(self) -> list[torch.Tensor]:
+        """The validation windows in batches of VAL_BATCH, the unit a rank scores."""
         val = self.data.split("val")
         if len(val) < 2:
             return []
-        return list(eval_windows(val, self.model_config.context_length, self.config.eval_tokens))
+        chunks = eval_windows(val, self.model_config.context_length, self.config.eval_tokens)
+        return [w[i : i + VAL_BATCH] for w in chunks for i in range(0, len(w), VAL_BATCH)]
 
     def autocast(self):
         if self.dtype == torch.float32:
@@ -186,13 +190,24 @@ class Trainer:
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:
-        if not self.val_windows:
+        """The mean loss of every validation target. Under torchrun rank r scores batches
+        r, r + K, ... and the sums are all-reduced; a rank whose batches ran out scores the
+        first again and drops it, so every rank runs as many forward passes (FSDP gathers
+        each block's shards in step across the ranks)."""
+        batches, rt = self.val_batches, self.runtime
+        if not batches:
             return None
+        rounds = -(-len(batches) // rt.world_size)  # forward passes on every rank
+        total = count = 0.0
         self.model.eval()
         with self.autocast():
-            nll = torch.cat([window_nll(self.forward, w).flatten() for w in self.val_windows])
+            for i in range(rt.rank, rounds * rt.world_size, rt.world_size):
+                mine = i < len(batches)
+                nll = window_nll(self.forward, batches[i if mine else 0], VAL_BATCH)
+                if mine:
+                    total, count = total + nll.double().sum().item(), count + nll.numel()
         self.model.train()
-        return nll.mean().item()
+        return rt.all_reduce_mean(total) / rt.all_reduce_mean(count)
 
     def fit(self) -> dict[str, Any]:
         """Train to `max_steps`; returns the final results (also in MODEL_CARD.md).

@@ -12,10 +12,11 @@ from tlm.checkpoint import LOCK, check_unlocked, latest_checkpoint, read_config
 from tlm.config import ConfigError, ModelConfig, TrainConfig, from_dict
 from tlm.data import TokenData
 from tlm.data.prepare import fingerprint_differences
+from tlm.errors import UserError
 from tlm.load import load_tokenizer, model_config
 
 
-class RunError(ValueError):
+class RunError(UserError):
     """A run that cannot start as asked; the message says why."""
 
 
