@@ -38,7 +38,7 @@ from tlm._version import __version__
 from tlm.config import ModelConfig
 from tlm.errors import UserError
 from tlm.io import atomic_path, write_text_atomic
-from tlm.model import TransformerLM
+from tlm.model import EncoderDecoder, TransformerLM, build_model
 
 STATE_DIR = "train_state"
 LOCK = ".lock"  # held by the one process writing the run (`lock_run`)
@@ -115,10 +115,10 @@ def run_model_config(run: str | Path) -> ModelConfig:
     return ModelConfig.from_dict(read_config(run)["model"])
 
 
-def load_run(run: str | Path) -> TransformerLM:
-    """A run directory -> TransformerLM with its latest weights, in eval mode."""
+def load_run(run: str | Path) -> TransformerLM | EncoderDecoder:
+    """A run directory -> the model its config.json names, latest weights, eval mode."""
     run = Path(run)
-    model = TransformerLM(run_model_config(run), init=False)  # every weight is read below
+    model = build_model(run_model_config(run), init=False)  # every weight is read below
     weights = run / "model.safetensors"
     if not weights.is_file():
         raise CheckpointError(f"{run} has no model.safetensors yet")

@@ -12,6 +12,7 @@ from typing import Any, get_type_hints
 
 from tlm.errors import UserError
 
+MODEL_TYPES = ("decoder", "encoder-decoder")
 NORMS = ("pre", "post")
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -34,7 +35,8 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape and the choices of a decoder-only transformer LM (J&M ch. 9).
+    """The shape and the choices of a transformer: a decoder-only LM (J&M ch. 9), or the
+    encoder-decoder of Vaswani et al. 2017 (`model_type="encoder-decoder"`).
 
     `d_head` defaults to `d_model // n_heads` (and then `n_heads` must divide `d_model`);
     `d_ff` defaults to `4 * d_model`. Both are resolved in `__post_init__`, so after
@@ -42,6 +44,11 @@ class ModelConfig:
 
     `activation`: "relu" (eq. 9.21), "gelu" (exact, x·Φ(x)) or "gelu_tanh" (the tanh
     approximation GPT-2 was trained with; 5x slower than exact GELU on CPU in torch 2.13).
+
+    An encoder-decoder has `n_encoder_layers` encoder blocks (default `n_layers`) and
+    `n_layers` decoder blocks; `context_length` bounds the source and the target each.
+    Its positions are absolute (sinusoidal, as the paper, or learned): rotary positions
+    have no meaning between a target and a source position.
     """
 
     vocab_size: int = 256
@@ -59,6 +66,8 @@ class ModelConfig:
     dropout: float = 0.0
     layer_norm_eps: float = 1e-5
     rope_base: float = 10000.0
+    model_type: str = "decoder"
+    n_encoder_layers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -74,6 +83,18 @@ class ModelConfig:
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         _check_positive("d_ff", self.d_ff)
+        _check_choice("model_type", self.model_type, MODEL_TYPES)
+        if self.model_type == "decoder" and self.n_encoder_layers is not None:
+            raise ConfigError("n_encoder_layers applies to model_type='encoder-decoder'")
+        if self.model_type == "encoder-decoder":
+            if self.n_encoder_layers is None:
+                object.__setattr__(self, "n_encoder_layers", self.n_layers)
+            _check_positive("n_encoder_layers", self.n_encoder_layers)
+            if self.position == "rope":
+                raise ConfigError(
+                    "an encoder-decoder takes absolute positions (sinusoidal or learned), "
+                    "not rope: a target and a source position have no distance"
+                )
         _check_choice("norm", self.norm, NORMS)
         _check_choice("position", self.position, POSITIONS)
         _check_choice("activation", self.activation, ACTIVATIONS)

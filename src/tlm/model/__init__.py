@@ -1,5 +1,17 @@
-"""The transformer of J&M ch. 9: attention, layers, the LM, hook points."""
+"""The transformers of J&M ch. 9 and Vaswani et al. 2017: attention, layers, the models."""
 
+from torch import nn
+
+from tlm.config import ModelConfig
+from tlm.model.encoder_decoder import EncoderDecoder
 from tlm.model.transformer import TransformerLM
 
-__all__ = ["TransformerLM"]
+MODELS: dict[str, type[nn.Module]] = {"decoder": TransformerLM, "encoder-decoder": EncoderDecoder}
+
+
+def build_model(config: ModelConfig, init: bool = True) -> TransformerLM | EncoderDecoder:
+    """The model `config.model_type` names (config.json's "model" section says which)."""
+    return MODELS[config.model_type](config, init=init)
+
+
+__all__ = ["MODELS", "EncoderDecoder", "TransformerLM", "build_model"]

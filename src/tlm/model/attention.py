@@ -149,6 +149,10 @@ class MultiHeadAttention(nn.Module):
             linear(x, self.W_V, self.b_V),
         )
 
+    def project_kv(self, source: Tensor) -> tuple[Tensor, Tensor]:
+        """K = SW^K + b_K, V = SW^V + b_V from another sequence S (cross-attention)."""
+        return linear(source, self.W_K, self.b_K), linear(source, self.W_V, self.b_V)
+
     def project_out(self, z: Tensor) -> Tensor:
         """(head_1 ⊕ ... ⊕ head_A) W^O + b_O (eq. 9.19): [B,T,H*dh] -> [B,T,d]."""
         return linear(z, self.W_O, self.b_O)
@@ -163,6 +167,8 @@ class MultiHeadAttention(nn.Module):
         positions: Tensor | None = None,
         mask: Tensor | None = None,
         cache: KVCache | Rows | None = None,
+        kv_source: Tensor | None = None,
+        causal: bool = True,
     ) -> Tensor:
         """x: [B,T,d] -> a: [B,T,d].
 
@@ -171,8 +177,21 @@ class MultiHeadAttention(nn.Module):
         (from `padding_mask`) replaces the causal mask where batch rows are left-padded.
         With a `SlotCache.rows(...)` cache, x [1,N,d] holds the new tokens of many rows one
         after another: the products run over all of them, attention per run of rows.
+
+        `causal=False` lets every query see every key (an encoder); `mask` then only hides
+        padding. With `kv_source` [B,S,d] the keys and values come from that sequence, the
+        queries from x (cross-attention, Vaswani et al. §3.2.3: the decoder reads the
+        encoder's output); with a cache they are projected once per source and kept.
         """
         B, T, _ = x.shape
+        if kv_source is not None:
+            q = linear(x, self.W_Q, self.b_Q)  # queries from the decoder
+            if cache is None:
+                k, v = self.project_kv(kv_source)  # keys and values from the encoder
+            else:
+                k, v = cache.cross(self.layer, lambda: self.project_kv(kv_source))
+            z = self.heads(q, k, v, None, mask, None, causal=False)
+            return self.out(self.project_out(z.reshape(B, T, -1)))
         q, k, v = self.project_qkv(x)  # eq. 9.34  Q = XW^Q, K, V
         if isinstance(cache, Rows):  # each group of rows attends to its own keys
             z = q.new_empty(T, self.n_heads, self.d_head)  # [N,H,dh]
@@ -180,7 +199,7 @@ class MultiHeadAttention(nn.Module):
                 part = [group.take(t) for t in (q, k, v, positions)]
                 group.put(z, self.heads(*part, group.mask, group))
         else:
-            z = self.heads(q, k, v, positions, mask, cache)
+            z = self.heads(q, k, v, positions, mask, cache, causal)
         return self.out(self.project_out(z.reshape(B, T, -1)))  # concat, then W^O: eq. 9.19
 
     def heads(
@@ -191,8 +210,10 @@ class MultiHeadAttention(nn.Module):
         positions: Tensor | None,
         mask: Tensor | None,
         cache: KVCache | Run | Steps | None,
+        causal: bool = True,
     ) -> Tensor:
-        """Every head's output, z [B,T,H,d_head], from q, k, v [B,T,H*d_head] (eq. 9.11-9.13)."""
+        """Every head's output, z [B,T,H,d_head], from q, k, v [B,T,H*d_head] and [B,S,H*d_head]
+        (eq. 9.11-9.13); without `causal`, `mask` alone says what a query may see."""
         T = q.shape[1]
         q, k, v = map(self.split_heads, (q, k, v))  # [B,H,T,dh]
         if self.rotary is not None:  # relative positions: rotate q and k, never v
@@ -203,8 +224,8 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # [B,H,S,dh]: the stored positions, then these
         S = k.shape[2]
-        whole_window = mask is None and 1 < T == S  # the kernel's own causal mask suffices
-        if mask is None and 1 < T < S:  # new queries after cached keys (bottom-right aligned)
+        whole_window = causal and mask is None and 1 < T == S  # the kernel's causal mask
+        if causal and mask is None and 1 < T < S:  # new queries after cached keys
             mask = causal_mask(T, S, q.device)
         dropout_p = self.dropout if self.training else 0.0
         if self.scores.listening or self.pattern.listening:  # α is wanted: write it out

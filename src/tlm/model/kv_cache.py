@@ -12,6 +12,8 @@ context length; a generation that cannot grow longer needs no more).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -34,6 +36,19 @@ class KVCache:
         self.k = torch.empty(shape, dtype=dtype, device=device)  # only [0, length) is ever read
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
+        self.cross_kv: dict[int, tuple[Tensor, Tensor]] = {}  # layer -> the source's K, V
+        self.cross_projections = 0  # how many times a source's K, V were computed
+
+    def cross(
+        self, layer: int, project: Callable[[], tuple[Tensor, Tensor]]
+    ) -> tuple[Tensor, Tensor]:
+        """The keys and values cross-attention reads from the encoder's output, [B,S,H*d_head]
+        each: `project()` runs at the first step of a source, never again (they cannot
+        change while the target grows)."""
+        if layer not in self.cross_kv:
+            self.cross_kv[layer] = project()
+            self.cross_projections += 1
+        return self.cross_kv[layer]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new k, v [B,H,T,d_head] of `layer` after the filled positions.
@@ -59,6 +74,10 @@ class KVCache:
             new = old.new_empty((old.shape[0], len(rows), *old.shape[2:]))
             new[:, :, :, :n] = old[:, :, :, :n].index_select(1, rows)
             setattr(self, name, new)
+        for layer, (k, v) in self.cross_kv.items():
+            self.cross_kv[layer] = (k.index_select(0, rows), v.index_select(0, rows))
 
     def reset(self) -> None:
+        """Empty, for a new sequence (and a new source)."""
         self.length = 0
+        self.cross_kv.clear()

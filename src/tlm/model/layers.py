@@ -22,9 +22,10 @@ from tlm.model.slot_cache import Rows
 class Embedding(nn.Module):
     """X = E[w] + P[pos] (Fig. 9.13): token embeddings plus absolute positions if any."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, scale: float = 1.0) -> None:
         super().__init__()
         self.E = nn.Parameter(torch.empty(config.vocab_size, config.d_model))
+        self.scale = scale  # √d_model in the encoder-decoder (Vaswani et al. §3.4)
         self.position = config.position
         if config.position == "learned":
             self.P = nn.Parameter(torch.empty(config.context_length, config.d_model))
@@ -37,6 +38,8 @@ class Embedding(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """input_ids [B,T], positions [T] or [B,T] -> X [B,T,d]."""
         x = F.embedding(input_ids, self.E)  # row selection == one_hot(w) @ E (Fig. 9.11)
+        if self.scale != 1.0:
+            x = x * self.scale
         if self.P is not None:
             x = x + self.P[positions]  # [B,T,d] + [T,d] (or [B,T,d] per row)
         return x
@@ -85,10 +88,15 @@ class FeedForward(nn.Module):
 
 
 class PreNormBlock(nn.Module):
-    """One transformer block in the pre-norm form (eq. 9.37-9.44), the one GPT-2 uses."""
+    """One transformer block in the pre-norm form (eq. 9.37-9.44), the one GPT-2 uses.
 
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    `causal=False` makes it an encoder block: every position attends to every other one
+    (but never to padding, which `mask` hides).
+    """
+
+    def __init__(self, config: ModelConfig, layer: int = 0, causal: bool = True) -> None:
         super().__init__()
+        self.causal = causal
         self.resid_pre = HookPoint()
         self.ln1 = LayerNorm(config.d_model, config.layer_norm_eps, config.bias)
         self.attn = MultiHeadAttention(config, layer)
@@ -106,7 +114,7 @@ class PreNormBlock(nn.Module):
         cache: KVCache | Rows | None = None,
     ) -> Tensor:
         x = self.resid_pre(x)
-        t2 = self.attn(self.ln1(x), positions, mask, cache)  # eq. 9.39-9.40  MHA(LayerNorm(X))
+        t2 = self.attn(self.ln1(x), positions, mask, cache, causal=self.causal)  # eq. 9.39-9.40
         t3 = self.resid_mid(x + self.drop(t2))  # eq. 9.41  residual add
         t5 = self.ffn(self.ln2(t3))  # eq. 9.42-9.43  FFN(LayerNorm(T3))
         return self.resid_post(t3 + self.drop(t5))  # eq. 9.44
@@ -123,7 +131,7 @@ class PostNormBlock(PreNormBlock):
         cache: KVCache | Rows | None = None,
     ) -> Tensor:
         x = self.resid_pre(x)
-        t1 = self.attn(x, positions, mask, cache)  # eq. 10.26  SelfAttention(X)
+        t1 = self.attn(x, positions, mask, cache, causal=self.causal)  # eq. 10.26
         t3 = self.resid_mid(self.ln1(x + self.drop(t1)))  # eq. 10.27-10.28
         t4 = self.ffn(t3)  # eq. 10.29
         return self.resid_post(self.ln2(t3 + self.drop(t4)))  # eq. 10.30-10.31

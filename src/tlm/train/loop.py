@@ -34,7 +34,7 @@ from tlm.config import ModelConfig, TrainConfig
 from tlm.data import TokenData, eval_windows, step_starts, windows_at
 from tlm.io import write_text_atomic
 from tlm.load import load_model
-from tlm.model import TransformerLM
+from tlm.model import build_model
 from tlm.model.loss import cross_entropy, window_nll
 from tlm.train.distributed import Runtime
 from tlm.train.optim import build_optimizer, learning_rate
@@ -108,7 +108,7 @@ class Trainer:
                 f"does not split evenly over {rt.world_size} processes"
             )
         torch.manual_seed(config.seed)
-        self.model = TransformerLM(model_config, init=False)
+        self.model = build_model(model_config, init=False)
         self.model.reset_parameters(seed=config.seed)  # resume / init_from overwrite it below
         self.model.to(self.device)
         self.progress_bar = progress_bar and rt.is_main
