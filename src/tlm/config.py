@@ -187,6 +187,7 @@ def _parse_string(name: str, text: str, kinds: tuple[type, ...]) -> Any:
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16")
 BAD_GRADIENT = ("skip", "stop")
+SCHEDULES = ("cosine", "inverse-sqrt")
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,13 @@ class TrainConfig:
     `nonfinite_grad`: what a step whose gradient norm is NaN or infinite does, although its
     loss was finite: "skip" (no update; counted in metrics.jsonl) or "stop" (end the run,
     keeping the last checkpoint).
+
+    Translation (an encoder-decoder on sentence pairs) batches by token count: each
+    micro-batch holds at most `batch_tokens` tokens a side, padding included, and a step
+    `grad_accum` of them. `schedule="inverse-sqrt"` is the paper's rate,
+    lr · d_model^-0.5 · min(step^-0.5, step · warmup_steps^-1.5) (Vaswani et al. §5.3;
+    `lr` 1 is the paper's exactly). `label_smoothing` ε spreads ε of each target's
+    probability over the vocabulary (§5.4).
     """
 
     data: str = ""
@@ -224,6 +232,9 @@ class TrainConfig:
     dtype: str = "auto"
     compile: bool = False
     init_from: str | None = None
+    schedule: str = "cosine"
+    label_smoothing: float = 0.0
+    batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_tokens"):
@@ -248,6 +259,11 @@ class TrainConfig:
         if self.grad_clip < 0:
             raise ConfigError(f"grad_clip must be >= 0 (0 = off), got {self.grad_clip!r}")
         _check_choice("nonfinite_grad", self.nonfinite_grad, BAD_GRADIENT)
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
+        if self.batch_tokens is not None:
+            _check_positive("batch_tokens", self.batch_tokens)
         _check_choice("device", self.device, DEVICES)
         _check_choice("dtype", self.dtype, DTYPES)
 

@@ -14,10 +14,10 @@ from tlm.checkpoint import CheckpointError, load_run, run_model_config
 from tlm.config import ModelConfig
 from tlm.interop import is_hf_model_dir, load_gpt2
 from tlm.interop.gpt2 import config_from_gpt2, read_hf_config
-from tlm.model import TransformerLM
+from tlm.model import EncoderDecoder, TransformerLM
 from tlm.tokenizer import load_tokenizer
 
-__all__ = ["load_model", "load_tokenizer", "model_config"]
+__all__ = ["load_language_model", "load_model", "load_tokenizer", "model_config"]
 
 
 def model_config(path: str | Path) -> ModelConfig:
@@ -27,12 +27,25 @@ def model_config(path: str | Path) -> ModelConfig:
     return run_model_config(path)
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> TransformerLM:
-    """A run directory of ours, or a Hugging Face GPT-2 directory -> TransformerLM with its
-    latest weights, in eval mode, on `device`."""
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> TransformerLM | EncoderDecoder:
+    """A run directory of ours, or a Hugging Face GPT-2 directory -> the model (TransformerLM,
+    or EncoderDecoder for a translation run) with its latest weights, in eval mode."""
     path = Path(path)
     if is_hf_model_dir(path):
         return load_gpt2(path).to(device)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory (a run, or a Hugging Face GPT-2 model)")
     return load_run(path).to(device)
+
+
+def load_language_model(path: str | Path, device: str | torch.device = "cpu") -> TransformerLM:
+    """`load_model` for the commands that continue text: an encoder-decoder is refused."""
+    model = load_model(path, device)
+    if not isinstance(model, TransformerLM):
+        raise CheckpointError(
+            f"{path} is an encoder-decoder (translation) model: use tlm translate, or "
+            "tlm eval --task translate"
+        )
+    return model

@@ -26,6 +26,7 @@ COMMANDS = {
     "info": "info",
     "inspect": "inspect",
     "demo": "demo",
+    "translate": "translate",
 }
 
 

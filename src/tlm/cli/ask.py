@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tlm.cli.args import add_command, read_text_file
-from tlm.load import load_model, load_tokenizer
+from tlm.load import load_language_model, load_tokenizer
 from tlm.tasks import answer, summarize
 
 ASK = """examples:
@@ -38,13 +38,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_ask(args: argparse.Namespace) -> int:
     context = read_text_file(args.context_file) if args.context_file else None
-    model, tokenizer = load_model(args.run).for_inference(), load_tokenizer(args.run)
+    model, tokenizer = load_language_model(args.run).for_inference(), load_tokenizer(args.run)
     print(answer(model, tokenizer, args.question, context, args.max_new_tokens))
     return 0
 
 
 def run_summarize(args: argparse.Namespace) -> int:
     text = read_text_file(args.file)
-    model, tokenizer = load_model(args.run).for_inference(), load_tokenizer(args.run)
+    model, tokenizer = load_language_model(args.run).for_inference(), load_tokenizer(args.run)
     print(summarize(model, tokenizer, text, args.max_new_tokens))
     return 0

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from tlm.cli.args import add_command
-from tlm.load import load_model, load_tokenizer
+from tlm.load import load_language_model, load_tokenizer
 from tlm.tasks import accuracy, classify, confusion_matrix
 from tlm.tasks.inputs import read_examples
 
@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     labels = [label.strip() for label in args.labels.split(",")]
     examples = read_examples(args.input, args.text_field, args.gold_field)
-    model, tokenizer = load_model(args.run), load_tokenizer(args.run)
+    model, tokenizer = load_language_model(args.run), load_tokenizer(args.run)
     results = classify(model, tokenizer, [text for text, _ in examples], labels, args.template)
     rows = [
         {

@@ -8,12 +8,15 @@ import json
 from tlm.cli.args import add_command, fail
 from tlm.data import TokenData, documents, resolve_sources
 from tlm.evaluate import evaluate_text, evaluate_tokens
-from tlm.load import load_model, load_tokenizer
+from tlm.load import load_language_model, load_model, load_tokenizer
+from tlm.model import EncoderDecoder
+from tlm.tasks.translation import evaluate_translation
 
 EXAMPLE = """examples:
   tlm eval runs/shakespeare_char --data data/shakespeare_char --split val --json
   tlm eval runs/shakespeare_char --text some.txt other.txt
   tlm eval runs/shakespeare_char --data data/shakespeare_char --stride 16   # more context
+  tlm eval runs/multi30k --task translate --src test.en.gz --ref test.de.gz   # BLEU, chrF
 
 --text reads files as `tlm prepare` does (a .txt file is one document, --line-docs one per
 line, .jsonl a "text" field per line; folders, globs and built-in corpora too), and puts
@@ -35,13 +38,50 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    pairs = parser.add_argument_group("translation (--task translate): BLEU and chrF")
+    pairs.add_argument("--task", choices=("lm", "translate"), default="lm", help="lm (default)")
+    pairs.add_argument("--src", help="source sentences, one a line (.txt or .gz)")
+    pairs.add_argument("--ref", help="their reference translations, line for line")
+    pairs.add_argument("--beams", type=int, default=4, help="beam size (4; 1 is greedy)")
+    pairs.add_argument("--alpha", type=float, default=0.6, help="length penalty α (0.6)")
+    pairs.add_argument("--examples", type=int, default=0, help="print the first N translations")
     parser.set_defaults(handler=run)
 
 
+def run_translation(args: argparse.Namespace) -> int:
+    if not (args.src and args.ref):
+        fail("--task translate needs --src FILE and --ref FILE (the test set)")
+    if args.data or args.text:
+        fail("--task translate reads --src and --ref, not --data or --text")
+    model, tokenizer = load_model(args.run), load_tokenizer(args.run)
+    if not isinstance(model, EncoderDecoder):
+        fail(f"{args.run} is a language model; --task translate needs an encoder-decoder run")
+    results = evaluate_translation(
+        model, tokenizer, args.src, args.ref, args.beams, args.alpha, args.batch_size, args.examples
+    )
+    if args.json:
+        print(json.dumps(results, ensure_ascii=False))
+        return 0
+    print(
+        f"BLEU {results['bleu']:.2f}, chrF {results['chrf']:.2f} on {results['pairs']:,} pairs "
+        f"(beam {args.beams}, α {args.alpha}; {results['seconds']:.1f} s); "
+        f"{results['bleu_signature']}"
+    )
+    for example in results["examples"]:
+        print(f"  source:      {example['source']}")
+        print(f"  translation: {example['translation']}")
+        print(f"  reference:   {example['reference']}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.task == "translate":
+        return run_translation(args)
+    if args.src or args.ref:
+        fail("--src and --ref go with --task translate")
     if bool(args.data) == bool(args.text):
         fail("give either --data DIR (with --split) or --text FILE...")
-    model = load_model(args.run)
+    model = load_language_model(args.run)
     tokenizer = load_tokenizer(args.run)
     if args.data:
         data = TokenData(args.data)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tlm.cli.args import add_command
 from tlm.interop.export import export_hf
-from tlm.load import load_model, load_tokenizer
+from tlm.load import load_language_model, load_tokenizer
 
 EXAMPLE = """example:
   tlm export-hf runs/shakespeare_char out/shakespeare_hf
@@ -30,6 +30,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     card = Path(args.run) / "MODEL_CARD.md"
-    out = export_hf(load_model(args.run), load_tokenizer(args.run), args.out, card)
+    out = export_hf(load_language_model(args.run), load_tokenizer(args.run), args.out, card)
     print(f"wrote {out}: load it with GPT2LMHeadModel.from_pretrained({str(out)!r})")
     return 0

@@ -8,7 +8,7 @@ import sys
 
 from tlm.cli.args import add_command, fail, read_text_file
 from tlm.generate import GenerationConfig, complete, stream_completion
-from tlm.load import load_model, load_tokenizer
+from tlm.load import load_language_model, load_tokenizer
 from tlm.model.packed import FORMATS
 
 EXAMPLE = """examples:
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         fail("--prompt-logprobs adds to the --json output: add --json")
     if args.stream and (len(prompts) > 1 or args.num_return_sequences > 1 or args.num_beams > 1):
         fail("--stream shows one completion: one prompt, -n 1 and --num-beams 1")
-    model = load_model(args.run).for_inference(args.dtype)
+    model = load_language_model(args.run).for_inference(args.dtype)
     tokenizer = load_tokenizer(args.run)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,

@@ -8,7 +8,7 @@ from pathlib import Path
 from tlm.cli.args import add_command
 from tlm.interpret.hooks import check_head
 from tlm.interpret.report import inspect_prompt, write_report
-from tlm.load import load_model, load_tokenizer
+from tlm.load import load_language_model, load_tokenizer
 
 EXAMPLE = """examples:
   tlm inspect runs/demo --prompt "for item in items:" --out out/inspect
@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(args.run)
+    model = load_language_model(args.run)
     tokenizer = load_tokenizer(args.run)
     check_head(model, args.layer, args.head)
     data = inspect_prompt(

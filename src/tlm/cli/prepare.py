@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from tlm.cli.args import add_command
-from tlm.data import prepare
+from tlm.cli.args import add_command, fail
+from tlm.data import prepare, prepare_pairs
 from tlm.data.clean import REASONS, CleanConfig
 
 EXAMPLE = """examples:
@@ -14,6 +14,8 @@ EXAMPLE = """examples:
   tlm prepare names --line-docs --tokenizer char --out data/names   # one document per name
   tlm prepare more.txt --tokenizer runs/my_model --out data/finetune   # reuse a tokenizer
   tlm prepare web/ --dedup --min-chars 200 --max-non-text 0.2 --blocklist bad.txt --out data/web
+  tlm prepare --task translate --src train.en.gz --tgt train.de.gz --val-src val.en.gz \\
+      --val-tgt val.de.gz --vocab-size 8000 --out data/multi30k   # one BPE, both languages
 """
 
 
@@ -23,9 +25,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "inputs",
-        nargs="+",
+        nargs="*",
         help="files, folders, globs, or a built-in corpus: python-docs, tinyshakespeare, names",
     )
+    pairs = parser.add_argument_group("translation (--task translate): two aligned files")
+    pairs.add_argument("--task", choices=("lm", "translate"), default="lm", help="lm (default)")
+    pairs.add_argument("--src", help="source sentences, one a line (.txt or .gz)")
+    pairs.add_argument("--tgt", help="their translations, line for line")
+    pairs.add_argument("--val-src", help="validation sources (else the last --val-fraction)")
+    pairs.add_argument("--val-tgt", help="validation targets")
     parser.add_argument("--out", required=True, help="folder to create")
     parser.add_argument(
         "--tokenizer",
@@ -33,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="bpe (default), char, or an existing tokenizer.json / run / data folder to reuse",
     )
     parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (4096)")
-    parser.add_argument("--val-fraction", type=float, default=0.1, help="held-out share (0.1)")
+    parser.add_argument("--val-fraction", type=float, help="held-out share (0.1; translation 0.05)")
     parser.add_argument("--line-docs", action="store_true", help="one document per line")
     parser.add_argument(
         "--force",
@@ -82,12 +90,18 @@ def clean_config(args: argparse.Namespace) -> CleanConfig | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.task == "translate":
+        return run_pairs(args)
+    if args.src or args.tgt:
+        fail("--src and --tgt go with --task translate")
+    if not args.inputs:
+        fail("give the corpus to prepare: files, folders, globs or a built-in name")
     meta = prepare(
         args.inputs,
         args.out,
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
-        val_fraction=args.val_fraction,
+        val_fraction=0.1 if args.val_fraction is None else args.val_fraction,
         line_docs=args.line_docs,
         force=args.force,
         progress=not args.quiet,
@@ -106,4 +120,32 @@ def run(args: argparse.Namespace) -> int:
         removed = [f"{n:,} {k.replace('_', ' ')}" for k, n in counts.items() if k in REASONS and n]
         kept = f"{counts['kept']:,} of {counts['documents']:,} documents kept"
         print(f"cleaning: {kept}; removed: {', '.join(removed) or 'none'}")
+    return 0
+
+
+def run_pairs(args: argparse.Namespace) -> int:
+    if args.inputs:
+        fail("--task translate reads --src and --tgt, not positional inputs")
+    if not (args.src and args.tgt):
+        fail("--task translate needs --src FILE and --tgt FILE")
+    fraction = 0.05 if args.val_fraction is None else args.val_fraction
+    meta = prepare_pairs(
+        args.src,
+        args.tgt,
+        args.out,
+        val_src=args.val_src,
+        val_tgt=args.val_tgt,
+        val_fraction=fraction,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        force=args.force,
+    )
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
+    skipped = train["skipped_empty"] + val["skipped_empty"]
+    print(
+        f"{args.out}: {meta['tokenizer']} tokenizer shared by both languages, vocabulary "
+        f"{meta['vocab_size']}, {train['pairs']:,} train + {val['pairs']:,} val pairs "
+        f"({train['src_tokens']:,} + {train['tgt_tokens']:,} train tokens); "
+        f"{skipped:,} pairs skipped for an empty side"
+    )
     return 0

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from tlm.cli.args import add_command, fail
-from tlm.load import load_model, load_tokenizer
+from tlm.load import load_language_model, load_tokenizer
 from tlm.tasks import multiple_choice, score
 from tlm.tasks.inputs import read_choices
 
@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if bool(args.choices) == bool(args.continuation):
         fail("give --continuation (with --context) or --choices FILE.jsonl")
-    model, tokenizer = load_model(args.run), load_tokenizer(args.run)
+    model, tokenizer = load_language_model(args.run), load_tokenizer(args.run)
     if args.choices:
         results = multiple_choice(model, tokenizer, read_choices(args.choices))
         if args.json:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from tlm.cli.args import add_command, fail
-from tlm.load import load_model, load_tokenizer
+from tlm.load import load_language_model, load_tokenizer
 from tlm.model.packed import FORMATS
 
 EXAMPLE = """examples:
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         fail("--slots and --max-queue must be at least 1")
     if not 0 <= args.port <= 65535:
         fail(f"--port {args.port} is not a port")
-    model = load_model(args.run).for_inference(args.dtype)
+    model = load_language_model(args.run).for_inference(args.dtype)
     tokenizer = load_tokenizer(args.run)
     metrics = Metrics()
     engine = Engine(model, tokenizer, args.slots, args.max_queue, metrics.on_token)

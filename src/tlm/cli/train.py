@@ -10,6 +10,7 @@ from pathlib import Path
 from tlm.checkpoint import lock_run
 from tlm.cli.args import add_command, add_config_flags, config_overrides, fail
 from tlm.config import ModelConfig, TrainConfig, load_toml, split_fields
+from tlm.data import PairData
 from tlm.tokenizer import load_tokenizer
 from tlm.train import (
     Diverged,
@@ -20,6 +21,7 @@ from tlm.train import (
     new_run_configs,
     resume_run_configs,
 )
+from tlm.train.translate import TranslationTrainer
 
 EXAMPLE = """example:
   tlm prepare tinyshakespeare --tokenizer char --out data/shakespeare_char
@@ -74,7 +76,8 @@ def _train(args, model_values, train_values, runtime: Runtime) -> int:
     with lock_run(out) if main else contextlib.nullcontext():  # one writer per run
         if not args.resume and main:
             check_new_run(out, probe_lock=False)  # nobody wrote into it in the meantime
-        trainer = Trainer(
+        kind = TranslationTrainer if isinstance(data, PairData) else Trainer
+        trainer = kind(
             model_config,
             train_config,
             data,

@@ -1,23 +1,36 @@
 """Data: corpora read as streams of documents, tokenized, packed into memmapped token files."""
 
+from pathlib import Path
+
 from tlm.data.corpus import CorpusError, Source, documents, resolve_sources
-from tlm.data.prepare import TokenData, prepare
+from tlm.data.pairs import PairData, prepare_pairs
+from tlm.data.prepare import TokenData, prepare, read_meta
 
 __all__ = [
     "CorpusError",
+    "PairData",
     "Source",
     "TokenData",
     "batch_generator",
     "count_eval_chunks",
     "documents",
     "eval_windows",
+    "open_data",
     "prepare",
+    "prepare_pairs",
     "random_windows",
     "resolve_sources",
     "step_starts",
     "strided_windows",
     "windows_at",
 ]
+
+
+def open_data(folder: str | Path) -> TokenData | PairData:
+    """A prepared folder: a token stream (`TokenData`) or translation pairs (`PairData`)."""
+    meta = read_meta(Path(folder))
+    return PairData(folder, meta) if meta.get("task") == "translate" else TokenData(folder)
+
 
 BATCHES = (  # tlm.data.batches needs PyTorch: imported when one of these is first asked for
     "batch_generator",

@@ -42,7 +42,10 @@ def step_starts(n_tokens: int, T: int, seed: int, step: int, batch_size: int, mi
     `batch_size`, each from the generator of (seed, step, draw). However many processes
     share the batch, it is this one (each takes a slice)."""
     return np.concatenate(
-        [window_starts(n_tokens, batch_size, T, batch_generator(seed, step, m)) for m in range(micro)]
+        [
+            window_starts(n_tokens, batch_size, T, batch_generator(seed, step, m))
+            for m in range(micro)
+        ]
     )
 
 

@@ -62,8 +62,8 @@ def encoded(
             yield _encode_batch(batch, tok)
         return
     context = get_context("spawn")  # a fresh interpreter: no forked tokenizer threads
-    start = (_start_worker, (str(tokenizer_json),))
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=start[0], initargs=start[1]) as pool:
+    start = {"initializer": _start_worker, "initargs": (str(tokenizer_json),)}
+    with ProcessPoolExecutor(workers, mp_context=context, **start) as pool:
         pending: deque = deque()
         for batch in _batches(pieces):
             pending.append(pool.submit(_encode_in_worker, batch))

@@ -27,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tlm._version import __version__
-from tlm.data.clean import Cleaner, CleanConfig
+from tlm.data.clean import CleanConfig, Cleaner
 from tlm.data.corpus import CorpusError, Piece, Source, resolve_sources
 from tlm.data.encode import encoded, segments
 from tlm.data.shards import ShardedTokens, write_shards
@@ -35,7 +35,8 @@ from tlm.io import atomic_path, check_replaceable, write_text_atomic
 from tlm.tokenizer import KINDS, Tokenizer, TokenizerError, load_tokenizer, train_tokenizer
 
 SPLITS = ("train", "val")
-FILES = ("meta.json", "tokenizer.json", "train.bin", "val.bin", "train-*.bin", "val-*.bin", ".tlm-demo")  # fmt: skip
+FILES = ("meta.json", "tokenizer.json", "train.bin", "val.bin", "train-*.bin", "val-*.bin")
+FILES += (".tlm-demo",)
 EMPTY = "corpus is empty: no document has any text"
 
 
@@ -99,7 +100,7 @@ def _train_tokenizer(
     kind: str, documents: _Documents, vocab_size: int | None, progress: bool, total_bytes: int
 ) -> Tokenizer:
     bar = _bar(progress, total_bytes, "training tokenizer")
-    texts = _texts(documents, bar)
+    texts = _Texts(documents, bar)
     try:
         tok = train_tokenizer(kind, texts, vocab_size)
     except TokenizerError:
@@ -123,7 +124,7 @@ def _existing_tokenizer(name: str) -> Path:
     return path
 
 
-class _texts:
+class _Texts:
     """Iterate the pieces' texts (for tokenizer training), counting documents."""
 
     def __init__(self, documents: _Documents, bar: tqdm) -> None:
@@ -255,33 +256,35 @@ def _bar(progress: bool, total: int, what: str) -> tqdm:
     )
 
 
+def read_meta(folder: Path) -> dict[str, Any]:
+    path = folder / "meta.json"
+    if not path.is_file():
+        raise CorpusError(f"{folder} is not a prepared data folder (no meta.json); run tlm prepare")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CorpusError(f"{path} is not valid JSON: {exc}") from None
+
+
 class TokenData:
     """A folder written by `prepare`: its meta, tokenizer and memory-mapped splits."""
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
-        path = self.folder / "meta.json"
-        if not path.is_file():
-            raise CorpusError(f"{folder} is not a prepared data folder (no meta.json); run tlm prepare")
-        try:
-            self.meta = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CorpusError(f"{path} is not valid JSON: {exc}") from None
+        self.meta = read_meta(self.folder)
+        if self.meta.get("task") == "translate":
+            raise CorpusError(
+                f"{folder} holds sentence pairs (tlm prepare --task translate), not one text "
+                "stream: train an encoder-decoder on it, or translate with it"
+            )
         self.vocab_size: int = self.meta["vocab_size"]
         self.dtype = np.dtype(self.meta["dtype"])
 
     def fingerprint(self) -> dict[str, Any]:
         """What the tokens are made of: each source's size and sha256, the tokenizer (its
         file's sha256) and the token counts. A run records it; a resume compares it."""
-        tokenizer = hashlib.sha256((self.folder / "tokenizer.json").read_bytes()).hexdigest()
-        return {
-            "sources": [{k: s[k] for k in ("name", "bytes", "sha256")} for s in self.meta["sources"]],
-            "tokenizer": self.meta["tokenizer"],
-            "tokenizer_sha256": tokenizer,
-            "vocab_size": self.vocab_size,
-            "documents": self.meta["documents"],
-            "tokens": {name: self.meta["splits"][name]["tokens"] for name in SPLITS},
-        }
+        tokens = {name: self.meta["splits"][name]["tokens"] for name in SPLITS}
+        return fingerprint(self.folder, self.meta, self.meta["documents"], tokens)
 
     def split(self, name: str) -> np.ndarray:
         """The token ids of split `name` ("train" or "val"), memory-mapped read-only."""
@@ -304,6 +307,19 @@ class TokenData:
         return read_tokens(path, self.dtype, tokens)
 
 
+def fingerprint(folder: Path, meta: dict[str, Any], documents: Any, tokens: Any) -> dict[str, Any]:
+    """What a prepared folder's tokens are made of (`TokenData.fingerprint`)."""
+    tokenizer = hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
+    return {
+        "sources": [{k: s[k] for k in ("name", "bytes", "sha256")} for s in meta["sources"]],
+        "tokenizer": meta["tokenizer"],
+        "tokenizer_sha256": tokenizer,
+        "vocab_size": meta["vocab_size"],
+        "documents": documents,
+        "tokens": tokens,
+    }
+
+
 def fingerprint_differences(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """How the data behind two fingerprints differ, one phrase each ("" when they agree)."""
     if len(then["sources"]) != len(now["sources"]):
@@ -312,7 +328,8 @@ def fingerprint_differences(then: dict[str, Any], now: dict[str, Any]) -> list[s
     for i, (a, b) in enumerate(zip(then["sources"], now["sources"], strict=True)):
         for key in ("bytes", "sha256"):
             if a[key] != b[key]:
-                found.append(f"source {i + 1} ({b['name']}) {key} {_short(a[key])} then, {_short(b[key])} now")
+                old, new = _short(a[key]), _short(b[key])
+                found.append(f"source {i + 1} ({b['name']}) {key} {old} then, {new} now")
     for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "documents", "tokens"):
         if then[key] != now[key]:
             found.append(f"{key} {_short(then[key])} then, {_short(now[key])} now")

@@ -18,7 +18,8 @@ class ShardedTokens:
 
     def __init__(self, parts: list[np.ndarray]) -> None:
         self.parts = parts
-        self.starts = np.cumsum([0] + [len(p) for p in parts])  # shard k holds [starts[k], starts[k+1])
+        # shard k holds tokens [starts[k], starts[k+1])
+        self.starts = np.cumsum([0] + [len(p) for p in parts])
         self.dtype = parts[0].dtype
 
     def __len__(self) -> int:

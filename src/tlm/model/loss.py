@@ -26,6 +26,27 @@ def cross_entropy_reference(logits: Tensor, targets: Tensor) -> Tensor:
     return (-torch.log(p_true)).mean()
 
 
+IGNORE = -100  # a label that counts nowhere (padding)
+
+
+def label_smoothed_cross_entropy(logits: Tensor, labels: Tensor, epsilon: float) -> Tensor:
+    """Mean over the labelled positions (labels != IGNORE) of the cross-entropy against the
+    target smoothed with ε (Vaswani et al. §5.4, after Szegedy et al. 2016): the true token
+    gets 1 - ε + ε/V, every token ε/V. Fused kernel; the reference is written out below."""
+    V = logits.shape[-1]
+    flat = logits.reshape(-1, V).float()
+    return F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE, label_smoothing=epsilon)
+
+
+def label_smoothed_reference(logits: Tensor, labels: Tensor, epsilon: float) -> Tensor:
+    """L = (1 - ε)·(-log p[y]) + ε·mean_k(-log p[k]), averaged over the labelled positions."""
+    log_p = torch.log_softmax(logits.double(), dim=-1)  # [B,T,V]
+    keep = labels != IGNORE
+    nll = -log_p.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # -log p[y]
+    uniform = -log_p.mean(-1)  # the cross-entropy against 1/V everywhere
+    return ((1 - epsilon) * nll + epsilon * uniform)[keep].mean()
+
+
 @torch.no_grad()
 def window_nll(model: nn.Module, windows: Tensor, batch_size: int = 32) -> Tensor:
     """Per-token negative log-likelihood (nats) of windows [N, T+1]: returns [N, T].

@@ -113,9 +113,7 @@ class Trainer:
         self.model.to(self.device)
         self.progress_bar = progress_bar and rt.is_main
         self.state = Progress()
-        self.tokens_per_step = self.global_batch * model_config.context_length  # every rank's
-        self.train_tokens = data.split("train")  # memory-mapped once
-        self.val_batches = self._val_batches()
+        self._load_data()
         saved = None
         if resume:  # the weights now, whole; the optimizer once it is built (maybe sharded)
             saved = load_checkpoint(latest_checkpoint(self.run), self.model, None)
@@ -137,6 +135,12 @@ class Trainer:
         self.metrics = None  # written by the main rank only
         if rt.is_main:
             self.metrics = Metrics(self.run / "metrics.jsonl", self.state.step if resume else None)
+
+    def _load_data(self) -> None:
+        """The training split and the validation batches (`TranslationTrainer`: pairs)."""
+        self.tokens_per_step = self.global_batch * self.model_config.context_length  # all ranks'
+        self.train_tokens = self.data.split("train")  # memory-mapped once
+        self.val_batches = self._val_batches()
 
     def _val_batches(self) -> list[torch.Tensor]:
         """The validation windows in batches of VAL_BATCH, the unit a rank scores."""
@@ -162,7 +166,7 @@ class Trainer:
         """
         c, T, rt = self.config, self.model_config.context_length, self.runtime
         for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(step, c)
+            group["lr"] = learning_rate(step, c, self.model_config.d_model)
         tokens = self.train_tokens
         starts = step_starts(len(tokens), T, c.seed, step, c.batch_size, c.grad_accum)
         share = self.global_batch // rt.world_size
@@ -251,7 +255,8 @@ class Trainer:
         norm = sum(s.norms) / len(s.norms) if s.norms else None
         s.window, s.norms = [], []
         row = {"step": s.step, "tokens": s.tokens, "time": round(s.elapsed, 3)}
-        row |= {"lr": learning_rate(s.step - 1, self.config), "train_loss": mean}
+        lr = learning_rate(s.step - 1, self.config, self.model_config.d_model)
+        row |= {"lr": lr, "train_loss": mean}
         row |= {"grad_norm": norm, "skipped_steps": s.skipped}
         row["tokens_per_s"] = round(s.tokens / max(s.elapsed, 1e-9))
         if self.metrics is not None:
@@ -294,9 +299,12 @@ class Trainer:
         }
         if self.runtime.is_main:
             plot_losses(rows, self.run / "plots" / "loss.png")
-            write_model_card(self.run, self.model_config, self.config, self.data.meta, results)
+            self.write_card(results)
         self.runtime.barrier()  # the files exist when any rank returns
         return results
+
+    def write_card(self, results: dict[str, Any]) -> None:
+        write_model_card(self.run, self.model_config, self.config, self.data.meta, results)
 
 
 def _initial_weights(source: str, config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -36,8 +36,15 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=fused)
 
 
-def learning_rate(step: int, config: TrainConfig) -> float:
-    """Linear warmup to `lr` over `warmup_steps`, then a cosine down to `min_lr` at `max_steps`."""
+def learning_rate(step: int, config: TrainConfig, d_model: int | None = None) -> float:
+    """Linear warmup to `lr` over `warmup_steps`, then a cosine down to `min_lr` at `max_steps`;
+    or with `schedule="inverse-sqrt"` the paper's rate (Vaswani et al. eq. 3), step counted
+    from 1: lr · d_model^-0.5 · min(step^-0.5, step · warmup_steps^-1.5)."""
+    if config.schedule == "inverse-sqrt":
+        if d_model is None:
+            raise ValueError("the inverse-sqrt schedule scales with d_model")
+        n, warmup = step + 1, max(1, config.warmup_steps)
+        return config.lr * d_model**-0.5 * min(n**-0.5, n * warmup**-1.5)
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     span = max(1, config.max_steps - config.warmup_steps)

@@ -10,7 +10,7 @@ import torch
 
 from tlm.checkpoint import LOCK, check_unlocked, latest_checkpoint, read_config
 from tlm.config import ConfigError, ModelConfig, TrainConfig, from_dict
-from tlm.data import TokenData
+from tlm.data import PairData, TokenData, open_data
 from tlm.data.prepare import fingerprint_differences
 from tlm.errors import UserError
 from tlm.load import load_tokenizer, model_config
@@ -20,9 +20,16 @@ class RunError(UserError):
     """A run that cannot start as asked; the message says why."""
 
 
+# A translation run's defaults are the paper's (Vaswani et al. 2017 §3, §5): flags override
+TRANSLATION_MODEL = {"model_type": "encoder-decoder", "position": "sinusoidal", "norm": "post"}
+TRANSLATION_MODEL |= {"activation": "relu", "dropout": 0.1}
+TRANSLATION_TRAIN = {"schedule": "inverse-sqrt", "lr": 1.0, "warmup_steps": 4000, "beta2": 0.98}
+TRANSLATION_TRAIN |= {"label_smoothing": 0.1, "weight_decay": 0.0, "batch_tokens": 4096}
+
+
 def new_run_configs(
     model_values: dict[str, Any], train_values: dict[str, Any]
-) -> tuple[ModelConfig, TrainConfig, TokenData]:
+) -> tuple[ModelConfig, TrainConfig, TokenData | PairData]:
     """Configs for a fresh run; the vocabulary size comes from the prepared data."""
     train_config = from_dict(TrainConfig, train_values)
     if not train_config.data:
@@ -30,21 +37,29 @@ def new_run_configs(
     if not train_config.out:
         raise RunError("--out is required: the run directory to create")
     check_new_run(Path(train_config.out))
-    data = TokenData(train_config.data)
+    data = open_data(train_config.data)
     model_values = dict(model_values)
+    if isinstance(data, PairData):
+        if train_config.init_from:
+            raise RunError("--init-from fine-tunes a language model; a translation run starts anew")
+        model_values = {**TRANSLATION_MODEL, **model_values}
+        train_config = from_dict(TrainConfig, {**TRANSLATION_TRAIN, **train_values})
     if train_config.init_from:
         model_values = _init_model_values(train_config.init_from, model_values, data)
     given = model_values.setdefault("vocab_size", data.vocab_size)
     if given != data.vocab_size:
         raise RunError(f"--vocab-size {given} differs from the data's vocabulary {data.vocab_size}")
     model_config = from_dict(ModelConfig, model_values)
-    _check_window(data, model_config)
+    if isinstance(data, TokenData):
+        if model_config.model_type != "decoder":
+            raise RunError(f"{data.folder} is one text stream: it trains a decoder-only model")
+        _check_window(data, model_config)
     return model_config, train_config, data
 
 
 def resume_run_configs(
     out: str, model_values: dict[str, Any], train_values: dict[str, Any]
-) -> tuple[ModelConfig, TrainConfig, TokenData]:
+) -> tuple[ModelConfig, TrainConfig, TokenData | PairData]:
     """The saved configs of run `out`; any value given now must equal the saved one."""
     check_unlocked(Path(out))
     if latest_checkpoint(out) is None:
@@ -55,7 +70,7 @@ def resume_run_configs(
     differ = _differences(model_config, model_values) + _differences(train_config, train_values)
     if differ:
         raise RunError(f"--resume: config differs from the saved run: {'; '.join(differ)}")
-    data = TokenData(train_config.data)
+    data = open_data(train_config.data)
     if data.vocab_size != model_config.vocab_size:
         raise RunError(
             f"{train_config.data} has vocabulary {data.vocab_size}; "
