@@ -5,6 +5,7 @@ import torch
 
 from tlm.config import ConfigError, ModelConfig
 from tlm.interpret.hooks import run_with_cache
+from tlm.model.counts import parameter_counts
 from tlm.model.encoder_decoder import EncoderDecoder
 from tlm.model.kv_cache import KVCache
 
@@ -12,18 +13,9 @@ V, S, T = 50, 9, 7
 
 
 def make(norm="pre", **overrides) -> EncoderDecoder:
-    config = ModelConfig(
-        model_type="encoder-decoder",
-        vocab_size=V,
-        d_model=32,
-        n_heads=4,
-        n_layers=2,
-        n_encoder_layers=3,
-        context_length=16,
-        position="sinusoidal",
-        norm=norm,
-        **overrides,
-    )
+    values = dict(model_type="encoder-decoder", vocab_size=V, d_model=32, n_heads=4, n_layers=2)
+    values |= dict(n_encoder_layers=3, context_length=16, position="sinusoidal", norm=norm)
+    config = ModelConfig(**{**values, **overrides})
     torch.manual_seed(0)
     return EncoderDecoder(config).eval()
 
@@ -144,3 +136,11 @@ def test_config_refuses_what_an_encoder_decoder_cannot_be():
     with pytest.raises(ConfigError, match="model_type must be one of"):
         ModelConfig(model_type="encoder")
     assert ModelConfig(model_type="encoder-decoder", n_layers=3).n_encoder_layers == 3
+
+
+@pytest.mark.parametrize(
+    "overrides", [{}, {"norm": "post", "bias": False}, {"position": "learned"}]
+)
+def test_parameter_counts_match_the_model(overrides):
+    model = make(**{"norm": "pre", **overrides})
+    assert parameter_counts(model.config)["total"] == model.num_parameters()

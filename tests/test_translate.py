@@ -10,6 +10,7 @@ import torch
 from tlm.cli import main
 from tlm.config import ModelConfig, TrainConfig
 from tlm.generate.translate import beam_translate, greedy_translate, length_penalty, translate
+from tlm.interpret.attention import cross_attention_of
 from tlm.load import load_model
 from tlm.model.encoder_decoder import EncoderDecoder
 from tlm.model.loss import IGNORE, label_smoothed_cross_entropy, label_smoothed_reference
@@ -191,6 +192,13 @@ def test_a_small_model_learns_to_translate_a_toy_language(tmp_path, capsys):
     assert main(["eval", str(run), "--task", "translate", *pairs, "--json"]) == 0
     scores = json.loads(capsys.readouterr().out)
     assert scores["pairs"] == 4 and scores["chrf"] > 80
+    assert main(["inspect", str(run), "--prompt", "sun dog", "--out", str(tmp_path / "look")]) == 0
+    assert "sun dog -> god nus" in capsys.readouterr().out
+    assert (tmp_path / "look" / "cross-attention.png").is_file()
+    assert (tmp_path / "look" / "cross-attention-L0.png").is_file()
+    patterns, rows, keys = cross_attention_of(model, tok, "sun dog", "god nus")
+    assert patterns.shape == (2, 4, len(rows), len(keys)) == (2, 4, 8, 8)
+    assert torch.allclose(patterns.sum(-1), torch.ones(2, 4, 8), atol=1e-5)
     check_refusals(run, data, tmp_path, capsys)
     assert "val_loss" in (run / "metrics.jsonl").read_text()
     assert "encoder-decoder" in (run / "config.json").read_text()
@@ -220,3 +228,44 @@ def check_refusals(run, data, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("tlm: error:") and message in err and "\n" not in err, err
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_resumed_translation_run_equals_an_uninterrupted_one(tmp_path):
+    """Token-count batches are found again after a resume, across a pass over the data:
+    6 steps, a resume, 6 more give the weights of 12 steps in one go."""
+    import dataclasses
+
+    from tlm.data import prepare_pairs
+    from tlm.train.run import new_run_configs
+    from tlm.train.translate import TranslationTrainer
+
+    rng = random.Random(1)
+    src = [" ".join(rng.choices(WORDS, k=rng.randint(1, 3))) for _ in range(200)]
+    (tmp_path / "a.src").write_text("\n".join(src) + "\n")
+    (tmp_path / "a.tgt").write_text("\n".join(s[::-1] for s in src) + "\n")
+    data = tmp_path / "data"
+    prepare_pairs(str(tmp_path / "a.src"), str(tmp_path / "a.tgt"), data, tokenizer="char")
+    shape = {"d_model": 32, "n_heads": 2, "n_layers": 1, "d_ff": 64, "context_length": 16}
+    shape["dropout"] = 0.0
+
+    def configs(run):
+        values = {"data": str(data), "out": str(run), "max_steps": 12, "batch_tokens": 128}
+        values |= {"grad_accum": 4, "warmup_steps": 4, "checkpoint_interval": 1}
+        return new_run_configs(shape, values)
+
+    def trainer(made, steps, resume=False):
+        model_config, config, pairs = made
+        config = dataclasses.replace(config, max_steps=steps)
+        tok = (data / "tokenizer.json").read_text()
+        return TranslationTrainer(model_config, config, pairs, tok, resume, progress_bar=False)
+
+    whole = trainer(configs(tmp_path / "whole"), 12)
+    whole.fit()
+    assert whole.epoch >= 1  # the 48 micro-batches went past one pass over the data
+    parts = configs(tmp_path / "parts")
+    trainer(parts, 6).fit()
+    second = trainer(parts, 12, resume=True)
+    assert second.state.step == 6
+    second.fit()
+    for name, value in whole.model.state_dict().items():
+        assert torch.equal(value, second.model.state_dict()[name]), name

@@ -1,4 +1,4 @@
-"""`tlm export-hf`: write a run as a Hugging Face GPT-2 directory."""
+"""`tlm export-hf`: write a run as a Hugging Face GPT-2 (or MarianMTModel) directory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 from tlm.cli.args import add_command
 from tlm.interop.export import export_hf
-from tlm.load import load_language_model, load_tokenizer
+from tlm.load import load_model, load_tokenizer
+from tlm.model import EncoderDecoder
 
 EXAMPLE = """example:
   tlm export-hf runs/shakespeare_char out/shakespeare_hf
@@ -16,12 +17,16 @@ EXAMPLE = """example:
 GPT-2 is pre-norm with learned absolute positions and d_head = d_model / n_heads; a run
 with rope or no positions, post-norm or another d_head is refused, naming the field.
 Sinusoidal positions are written as GPT-2's position table, missing biases as zeros.
+
+A translation run (encoder-decoder) is written as MarianMTModel, the paper's post-norm
+model: pre-norm, learned positions or another d_head are refused. Give the source's
+attention_mask when calling it: <|endoftext|> is also Marian's pad token.
 """
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = add_command(
-        sub, "export-hf", "write a run as a Hugging Face GPT-2 model directory", EXAMPLE
+        sub, "export-hf", "write a run as a Hugging Face model directory (GPT-2, Marian)", EXAMPLE
     )
     parser.add_argument("run", help="run directory (or a Hugging Face GPT-2 directory)")
     parser.add_argument("out", help="the folder to create (must not exist or be empty)")
@@ -30,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     card = Path(args.run) / "MODEL_CARD.md"
-    out = export_hf(load_language_model(args.run), load_tokenizer(args.run), args.out, card)
-    print(f"wrote {out}: load it with GPT2LMHeadModel.from_pretrained({str(out)!r})")
+    model = load_model(args.run)
+    out = export_hf(model, load_tokenizer(args.run), args.out, card)
+    kind = "MarianMTModel" if isinstance(model, EncoderDecoder) else "GPT2LMHeadModel"
+    print(f"wrote {out}: load it with {kind}.from_pretrained({str(out)!r})")
     return 0

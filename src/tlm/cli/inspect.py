@@ -5,15 +5,23 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tlm.cli.args import add_command
+from tlm.cli.args import add_command, fail
+from tlm.generate.translate import translate
+from tlm.interpret.attention import cross_attention_of
 from tlm.interpret.hooks import check_head
+from tlm.interpret.plots import plot_attention, plot_attention_grid
 from tlm.interpret.report import inspect_prompt, write_report
-from tlm.load import load_language_model, load_tokenizer
+from tlm.load import load_model, load_tokenizer
+from tlm.model import EncoderDecoder
 
 EXAMPLE = """examples:
   tlm inspect runs/demo --prompt "for item in items:" --out out/inspect
   tlm inspect path/to/gpt2 --prompt "The Eiffel Tower is in the city of" \\
       --corrupted "The Colosseum is in the city of" --target " Paris" --foil " Rome" --out out/paris
+
+For a translation run, --prompt is the source sentence: it is translated (beam 4) and
+cross-attention.png shows, for every decoder layer and head, which source token each
+target token read; cross-attention-L<l>.png shows layer --layer's heads averaged.
 
 Writes attention.png (every layer and head), attention-L<l>H<h>.png (one head, tokens on
 both axes), logit-lens.png, residual-norms.png, with --corrupted patching-positions.png and
@@ -37,12 +45,31 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_language_model(args.run)
-    tokenizer = load_tokenizer(args.run)
+    model, tokenizer = load_model(args.run), load_tokenizer(args.run)
+    if isinstance(model, EncoderDecoder):
+        return inspect_translation(args, model, tokenizer)
     check_head(model, args.layer, args.head)
     data = inspect_prompt(
         model, tokenizer, args.prompt, args.corrupted, args.target, args.foil, args.top_k
     )
     written = write_report(data, Path(args.out), args.layer, args.head)
     print(f"wrote {len(written)} files to {args.out}; open {Path(args.out) / 'index.html'}")
+    return 0
+
+
+def inspect_translation(args: argparse.Namespace, model: EncoderDecoder, tokenizer) -> int:
+    """Translate the prompt, then draw the decoder's cross-attention over the source."""
+    if args.corrupted or args.target or args.foil:
+        fail("--corrupted, --target and --foil apply to language models")
+    check_head(model, args.layer, args.head)
+    translation = translate(model, tokenizer, [args.prompt])[0]
+    patterns, rows, keys = cross_attention_of(model, tokenizer, args.prompt, translation)
+    out = Path(args.out)
+    title = "cross-attention α: row = target token read, column = source token"
+    plot_attention(patterns, rows, out / "cross-attention.png", title, keys=keys)
+    mean = patterns[args.layer].mean(0)
+    name = f"cross-attention-L{args.layer}.png"
+    plot_attention_grid(mean, rows, out / name, f"layer {args.layer}, heads averaged", keys)
+    print(f"{args.prompt} -> {translation}")
+    print(f"wrote cross-attention.png and {name} to {args.out}")
     return 0

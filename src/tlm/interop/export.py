@@ -1,4 +1,5 @@
-"""`export_hf`: a tlm model -> a directory that Hugging Face `transformers` opens as GPT-2.
+"""`export_hf`: a tlm model -> a directory that Hugging Face `transformers` opens as GPT-2
+(an encoder-decoder: as `MarianMTModel`, `interop/marian.py`).
 
     OUT/config.json              GPT2Config fields (model_type gpt2)
     OUT/generation_config.json   <|endoftext|> as bos/eos
@@ -24,16 +25,20 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from tlm._version import __version__
 from tlm.interop.gpt2 import HFFormatError, gpt2_config, state_to_gpt2
+from tlm.interop.marian import marian_config, state_to_marian
 from tlm.io import atomic_path
-from tlm.model import TransformerLM
+from tlm.model import EncoderDecoder, TransformerLM
 from tlm.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer
 
 
 def export_hf(
-    model: TransformerLM, tokenizer: Tokenizer, out: str | Path, card: Path | None = None
+    model: TransformerLM | EncoderDecoder,
+    tokenizer: Tokenizer,
+    out: str | Path,
+    card: Path | None = None,
 ) -> Path:
-    """Write `model` and `tokenizer` as a Hugging Face GPT-2 directory at `out`, with the
-    model card `card` (a file) as its README.md."""
+    """Write `model` and `tokenizer` as a Hugging Face directory at `out` (GPT-2, or for an
+    encoder-decoder `MarianMTModel`), with the model card `card` (a file) as its README.md."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HFFormatError(f"{out} already exists and is not empty; choose a new folder")
@@ -41,8 +46,12 @@ def export_hf(
         raise HFFormatError(
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.config.vocab_size}"
         )
-    config = gpt2_config(model.config, tokenizer.eot_id)
-    weights = state_to_gpt2(model.state_dict(), model.config)
+    if isinstance(model, EncoderDecoder):  # the paper's model: Marian's layout
+        config = marian_config(model.config, tokenizer.eot_id)
+        weights = state_to_marian(model.state_dict(), model.config)
+    else:
+        config = gpt2_config(model.config, tokenizer.eot_id)
+        weights = state_to_gpt2(model.state_dict(), model.config)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():
         out.rmdir()  # empty (checked above): the rename below needs the name free

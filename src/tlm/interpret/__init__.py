@@ -1,7 +1,7 @@
 """Looking inside a model (§9.5): activations by name, interventions, attention patterns,
 the logit lens, direct logit attribution, activation patching, contextual embeddings."""
 
-from tlm.interpret.attention import attention_patterns
+from tlm.interpret.attention import attention_patterns, cross_attention_patterns
 from tlm.interpret.attribution import Attribution, direct_logit_attribution
 from tlm.interpret.embeddings import cosine_across_contexts, word_vectors
 from tlm.interpret.hooks import HookError, ablate_head, hooks, run_with_cache
@@ -24,6 +24,7 @@ __all__ = [
     "ablate_head",
     "attention_patterns",
     "cosine_across_contexts",
+    "cross_attention_patterns",
     "direct_logit_attribution",
     "hooks",
     "logit_lens",

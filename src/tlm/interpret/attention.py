@@ -1,4 +1,5 @@
-"""Attention patterns α (eq. 9.12) of every layer and head."""
+"""Attention patterns α (eq. 9.12) of every layer and head, and an encoder-decoder's
+cross-attention: which source token each target position reads."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import torch
 from torch import Tensor
 
 from tlm.interpret.hooks import run_with_cache
-from tlm.model import TransformerLM
+from tlm.model import EncoderDecoder, TransformerLM
+from tlm.tokenizer import Tokenizer
 
 
 def attention_patterns(model: TransformerLM, input_ids: Tensor) -> Tensor:
@@ -17,3 +19,30 @@ def attention_patterns(model: TransformerLM, input_ids: Tensor) -> Tensor:
     names = [f"blocks.{layer}.attn.pattern" for layer in range(model.config.n_layers)]
     _, cache = run_with_cache(model, input_ids, names)
     return torch.stack([cache[name][0] for name in names])  # L x [H,T,T] -> [L,H,T,T]
+
+
+def cross_attention_patterns(
+    model: EncoderDecoder, source_ids: Tensor, target_ids: Tensor
+) -> Tensor:
+    """Cross-attention α of the decoder reading target_ids [1, T] (teacher forcing) over
+    source_ids [1, S] -> [L, H, T, S]: row t = how much target position t reads each source
+    token (Vaswani et al. §3.2.3; the alignment Bahdanau et al. drew)."""
+    names = [f"decoder.{layer}.cross.pattern" for layer in range(model.config.n_layers)]
+    _, cache = run_with_cache(model, source_ids, names, target_ids=target_ids)
+    return torch.stack([cache[name][0] for name in names])  # L x [H,T,S] -> [L,H,T,S]
+
+
+@torch.no_grad()
+def cross_attention_of(
+    model: EncoderDecoder, tokenizer: Tokenizer, source: str, translation: str
+) -> tuple[Tensor, list[str], list[str]]:
+    """The cross-attention [L, H, T, S] of the decoder reading <|endoftext|> + `translation`
+    over `source` (as training fed them), with the target tokens (rows: row t read these,
+    predicting token t+1) and the source tokens (columns)."""
+    source_ids = [*tokenizer.encode(source), tokenizer.eot_id]
+    target_ids = [tokenizer.eot_id, *tokenizer.encode(translation)]
+    patterns = cross_attention_patterns(
+        model, torch.tensor([source_ids]), torch.tensor([target_ids])
+    )
+    rows = [tokenizer.decode([i]) for i in target_ids]
+    return patterns, rows, [tokenizer.decode([i]) for i in source_ids]

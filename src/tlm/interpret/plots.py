@@ -37,15 +37,18 @@ def labels_of(tokens: list[str]) -> list[str]:
     return [repr(t)[1:-1] for t in tokens]
 
 
-def plot_attention_grid(pattern: Tensor, tokens: list[str], path: str | Path, title: str) -> None:
-    """One head's α [T, T]: row i = query i, column j = key j (Fig. 9.9), tokens on both axes."""
+def plot_attention_grid(
+    pattern: Tensor, tokens: list[str], path: str | Path, title: str, keys: list[str] | None = None
+) -> None:
+    """One head's α [T, S]: row i = query i, column j = key j (Fig. 9.9), tokens on both axes
+    (`keys` for the columns when they differ from the rows, as in cross-attention)."""
     plt = _pyplot()
-    T = len(tokens)
-    size = min(12, 2 + 0.35 * T)
+    keys = tokens if keys is None else keys
+    size = min(12, 2 + 0.35 * max(len(tokens), len(keys)))
     fig, ax = plt.subplots(figsize=(size + 1, size))
     image = ax.imshow(pattern.cpu().numpy(), cmap="Blues", vmin=0, vmax=1)
-    ax.set_xticks(range(T), labels_of(tokens), rotation=90, fontsize=8)
-    ax.set_yticks(range(T), labels_of(tokens), fontsize=8)
+    ax.set_xticks(range(len(keys)), labels_of(keys), rotation=90, fontsize=8)
+    ax.set_yticks(range(len(tokens)), labels_of(tokens), fontsize=8)
     ax.set_xlabel("key j (attended to)")
     ax.set_ylabel("query i")
     fig.colorbar(image, ax=ax, fraction=0.04, label="α_ij")
@@ -54,18 +57,26 @@ def plot_attention_grid(pattern: Tensor, tokens: list[str], path: str | Path, ti
     _save(fig, path)
 
 
-def plot_attention(patterns: Tensor, tokens: list[str], path: str | Path, title: str = "") -> None:
-    """The overview: one small grid per layer (rows) and head (columns), α [L, H, T, T]."""
+def plot_attention(
+    patterns: Tensor,
+    tokens: list[str],
+    path: str | Path,
+    title: str = "",
+    keys: list[str] | None = None,
+) -> None:
+    """The overview: one small grid per layer (rows) and head (columns), α [L, H, T, S];
+    `keys` labels the columns when they are other tokens than the rows (cross-attention)."""
     plt = _pyplot()
-    L, H, T, _ = patterns.shape
+    L, H, T, S = patterns.shape
+    keys = tokens if keys is None else keys
     fig, axes = plt.subplots(L, H, figsize=(2.4 * H + 1, 2.4 * L + 1), squeeze=False)
-    small = T <= 24
+    small = max(T, S) <= 24
     for layer in range(L):
         for head in range(H):
             ax = axes[layer][head]
             ax.imshow(patterns[layer, head].cpu().numpy(), cmap="Blues", vmin=0, vmax=1)
             ax.set_title(f"layer {layer}, head {head}", fontsize=8)
-            ax.set_xticks(range(T) if small else [], labels_of(tokens) if small else [])
+            ax.set_xticks(range(S) if small else [], labels_of(keys) if small else [])
             ax.set_yticks(range(T) if small else [], labels_of(tokens) if small else [])
             ax.tick_params(axis="x", labelrotation=90, labelsize=6)
             ax.tick_params(axis="y", labelsize=6)

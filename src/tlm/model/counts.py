@@ -15,11 +15,16 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
     bias = int(config.bias)
     embedding = config.vocab_size * d
     positions = config.context_length * d if config.position == "learned" else 0
-    attention = L * (4 * d * d_attn + bias * (3 * d_attn + d))  # W_Q W_K W_V W_O (+ b)
-    ffn = L * (2 * d * d_ff + bias * (d_ff + d))  # W_1 W_2 (+ b_1 b_2)
-    norm_params = d * (1 + bias)  # gamma (+ beta)
-    n_norms = 2 * L + (1 if config.norm == "pre" else 0)  # the final LayerNorm of pre-norm
-    norms = n_norms * norm_params
+    one_attention = 4 * d * d_attn + bias * (3 * d_attn + d)  # W_Q W_K W_V W_O (+ b)
+    one_ffn = 2 * d * d_ff + bias * (d_ff + d)  # W_1 W_2 (+ b_1 b_2)
+    pre = config.norm == "pre"  # a pre-norm stack ends with one more LayerNorm
+    if config.model_type == "encoder-decoder":  # decoder blocks add cross-attention
+        L_enc = config.n_encoder_layers
+        attentions, ffns, n_norms = L_enc + 2 * L, L_enc + L, 2 * L_enc + 3 * L + 2 * pre
+    else:
+        attentions, ffns, n_norms = L, L, 2 * L + pre
+    attention, ffn = attentions * one_attention, ffns * one_ffn
+    norms = n_norms * d * (1 + bias)  # gamma (+ beta)
     head = 0 if config.tie_embeddings else config.vocab_size * d
     total = embedding + positions + attention + ffn + norms + head
     return {
@@ -36,7 +41,8 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
 
 
 def flops_per_token(config: ModelConfig, seq_len: int | None = None, training: bool = False) -> int:
-    """Matmul FLOPs to process one token in a window of `seq_len` (context length by default).
+    """Matmul FLOPs to process one token in a window of `seq_len` (context length by default);
+    for an encoder-decoder, one source token and one target token, both of that length.
 
     Forward: 2 FLOPs per multiply-add for every weight matrix (attention, FFN, LM head) plus
     2·2·seq_len·d_attn per layer for QKᵀ and αV over the whole window (the usual convention,
@@ -46,4 +52,8 @@ def flops_per_token(config: ModelConfig, seq_len: int | None = None, training: b
     d, d_attn, d_ff, L = config.d_model, config.d_attn, config.d_ff, config.n_layers
     weights = L * (4 * d * d_attn + 2 * d * d_ff) + config.vocab_size * d
     forward = 2 * weights + L * 4 * T * d_attn
+    if config.model_type == "encoder-decoder":  # a source token and a target token, S = T:
+        L_enc = config.n_encoder_layers  # + the encoder, + cross-attention (4 products)
+        forward += 2 * L_enc * (4 * d * d_attn + 2 * d * d_ff) + L_enc * 4 * T * d_attn
+        forward += 2 * L * 4 * d * d_attn + L * 4 * T * d_attn
     return 3 * forward if training else forward
