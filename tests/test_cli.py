@@ -98,3 +98,16 @@ def test_every_error_the_cli_prints_in_one_line_is_a_user_error():
     for error in errors:
         assert issubclass(error, UserError), error
         assert issubclass(error, ValueError), error  # what callers caught before
+
+
+def test_info_counts_an_encoder_decoder(capsys):
+    args = ["--model-type", "encoder-decoder", "--n-encoder-layers", "2", "--n-layers", "3"]
+    assert main(["info", *args, "--position", "sinusoidal", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    from tlm import ModelConfig
+    from tlm.model import EncoderDecoder
+
+    model = EncoderDecoder(ModelConfig(**report["config"]))
+    assert report["parameters"]["total"] == model.num_parameters()
+    assert main(["info", *args, "--position", "sinusoidal"]) == 0
+    assert capsys.readouterr().out.startswith("EncoderDecoder: 2 encoder + 3 decoder layers")

@@ -60,13 +60,20 @@ def describe(config: ModelConfig, counts: dict[str, int], flops: dict[str, int])
     ]
     width = max(len(name) for name, _ in rows)
     lines = [
-        f"TransformerLM: {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads x "
+        f"{_layers(c)}, d_model {c.d_model}, {c.n_heads} heads x "
         f"d_head {c.d_head}, d_ff {c.d_ff}, vocab {c.vocab_size}, context {c.context_length}, "
         f"{c.norm}-norm, {c.position} positions, {c.activation}",
         "parameters:",
         *(f"  {name:<{width}}  {value:>14}" for name, value in rows),
-        f"FLOPs per token at context {c.context_length}: "
+        f"FLOPs per {'source and target token' if c.n_encoder_layers else 'token'} at "
+        f"context {c.context_length}: "
         f"forward {flops['forward_flops_per_token']:,}, "
         f"training {flops['training_flops_per_token']:,}",
     ]
     return "\n".join(lines)
+
+
+def _layers(c: ModelConfig) -> str:
+    if c.model_type == "encoder-decoder":  # decoder blocks also hold cross-attention
+        return f"EncoderDecoder: {c.n_encoder_layers} encoder + {c.n_layers} decoder layers"
+    return f"TransformerLM: {c.n_layers} layers"
