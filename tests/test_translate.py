@@ -158,7 +158,7 @@ def test_the_schedule_is_the_papers_formula():
 WORDS = ["cat", "dog", "sun", "red", "big", "run", "sky", "hat", "cup", "pen"]
 
 
-def test_a_small_model_learns_to_translate_a_toy_language(tmp_path, capsys):
+def test_a_small_model_learns_to_translate_a_toy_language(tmp_path, capsys, gpt2_dir):
     """Source: words; target: each word reversed, in reverse order. Trained through
     `tlm prepare --task translate` and `tlm train`, the run translates held-out sentences."""
     rng = random.Random(0)
@@ -199,14 +199,14 @@ def test_a_small_model_learns_to_translate_a_toy_language(tmp_path, capsys):
     patterns, rows, keys = cross_attention_of(model, tok, "sun dog", "god nus")
     assert patterns.shape == (2, 4, len(rows), len(keys)) == (2, 4, 8, 8)
     assert torch.allclose(patterns.sum(-1), torch.ones(2, 4, 8), atol=1e-5)
-    check_refusals(run, data, tmp_path, capsys)
+    check_refusals(run, data, tmp_path, capsys, gpt2_dir)
     assert "val_loss" in (run / "metrics.jsonl").read_text()
     assert "encoder-decoder" in (run / "config.json").read_text()
     assert "target tokens seen" in (run / "MODEL_CARD.md").read_text()
     assert math.isfinite(float((run / "metrics.jsonl").read_text().count("train_loss")))
 
 
-def check_refusals(run, data, tmp_path, capsys):
+def check_refusals(run, data, tmp_path, capsys, language_model):
     """Bad input to the translation commands is one line and exit 2."""
     capsys.readouterr()
     cases = [
@@ -218,6 +218,11 @@ def check_refusals(run, data, tmp_path, capsys):
         (["eval", str(run), "--data", str(data)], "is an encoder-decoder (translation) model"),
         (["translate", str(run)], "give sentences to translate, or --file FILE"),
         (["eval", str(run), "--task", "translate"], "needs --src FILE and --ref FILE"),
+    ]
+    pairs = ["--src", str(tmp_path / "test.src"), "--ref", str(tmp_path / "test.ref")]
+    cases += [
+        (["translate", str(language_model), "cat"], "is a language model: translation needs"),
+        (["eval", str(language_model), "--task", "translate", *pairs], "is a language model"),
     ]
     (tmp_path / "short.tgt").write_text("one\n")
     pairs = ["--src", str(tmp_path / "a.src"), "--tgt", str(tmp_path / "short.tgt")]

@@ -7,6 +7,7 @@ formats), so that neither of them needs the other.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,7 +18,13 @@ from tlm.interop.gpt2 import config_from_gpt2, read_hf_config
 from tlm.model import EncoderDecoder, TransformerLM
 from tlm.tokenizer import load_tokenizer
 
-__all__ = ["load_language_model", "load_model", "load_tokenizer", "model_config"]
+__all__ = [
+    "load_language_model",
+    "load_model",
+    "load_tokenizer",
+    "load_translation_model",
+    "model_config",
+]
 
 
 def model_config(path: str | Path) -> ModelConfig:
@@ -40,12 +47,27 @@ def load_model(
     return load_run(path).to(device)
 
 
+# what a command that needs one kind of model says when given the other
+WRONG_KIND = {
+    TransformerLM: "an encoder-decoder (translation) model: use tlm translate, or tlm eval "
+    "--task translate",
+    EncoderDecoder: "a language model: translation needs an encoder-decoder run (trained on "
+    "tlm prepare --task translate data)",
+}
+
+
+def _load_kind(path: str | Path, device: str | torch.device, kind: type) -> Any:
+    model = load_model(path, device)
+    if not isinstance(model, kind):
+        raise CheckpointError(f"{path} is {WRONG_KIND[kind]}")
+    return model
+
+
 def load_language_model(path: str | Path, device: str | torch.device = "cpu") -> TransformerLM:
     """`load_model` for the commands that continue text: an encoder-decoder is refused."""
-    model = load_model(path, device)
-    if not isinstance(model, TransformerLM):
-        raise CheckpointError(
-            f"{path} is an encoder-decoder (translation) model: use tlm translate, or "
-            "tlm eval --task translate"
-        )
-    return model
+    return _load_kind(path, device, TransformerLM)
+
+
+def load_translation_model(path: str | Path, device: str | torch.device = "cpu") -> EncoderDecoder:
+    """`load_model` for the commands that translate: a language model is refused."""
+    return _load_kind(path, device, EncoderDecoder)

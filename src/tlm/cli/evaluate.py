@@ -8,8 +8,7 @@ import json
 from tlm.cli.args import add_command, fail
 from tlm.data import TokenData, documents, resolve_sources
 from tlm.evaluate import evaluate_text, evaluate_tokens
-from tlm.load import load_language_model, load_model, load_tokenizer
-from tlm.model import EncoderDecoder
+from tlm.load import load_language_model, load_tokenizer, load_translation_model
 from tlm.tasks.translation import evaluate_translation
 
 EXAMPLE = """examples:
@@ -53,9 +52,7 @@ def run_translation(args: argparse.Namespace) -> int:
         fail("--task translate needs --src FILE and --ref FILE (the test set)")
     if args.data or args.text:
         fail("--task translate reads --src and --ref, not --data or --text")
-    model, tokenizer = load_model(args.run), load_tokenizer(args.run)
-    if not isinstance(model, EncoderDecoder):
-        fail(f"{args.run} is a language model; --task translate needs an encoder-decoder run")
+    model, tokenizer = load_translation_model(args.run), load_tokenizer(args.run)
     results = evaluate_translation(
         model, tokenizer, args.src, args.ref, args.beams, args.alpha, args.batch_size, args.examples
     )

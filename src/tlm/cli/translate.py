@@ -8,8 +8,7 @@ import sys
 from tlm.cli.args import add_command, fail
 from tlm.data.pairs import read_lines
 from tlm.generate.translate import translate
-from tlm.load import load_model, load_tokenizer
-from tlm.model import EncoderDecoder
+from tlm.load import load_tokenizer, load_translation_model
 
 EXAMPLE = """examples:
   tlm translate runs/multi30k "A man rides a bike." "Two dogs play in the snow."
@@ -37,9 +36,7 @@ def run(args: argparse.Namespace) -> int:
     empty = [n for n, s in enumerate(sentences, start=1) if not s]
     if empty:
         fail(f"line {empty[0]} of {args.file} is empty ({len(empty)} empty lines in all)")
-    model, tokenizer = load_model(args.run), load_tokenizer(args.run)
-    if not isinstance(model, EncoderDecoder):
-        fail(f"{args.run} is a language model: use tlm generate (translate needs --task translate)")
+    model, tokenizer = load_translation_model(args.run), load_tokenizer(args.run)
     outputs = translate(
         model, tokenizer, sentences, args.beams, args.alpha, args.batch_size, args.max_new_tokens
     )

@@ -21,6 +21,7 @@ import gzip
 import hashlib
 import json
 from collections.abc import Iterator
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +41,8 @@ def read_pairs(src: str | Path, tgt: str | Path) -> tuple[list[str], list[str], 
     """The aligned lines of two files, less pairs with an empty side: (sources, targets,
     skipped). Files of different lengths are an error naming where they diverge."""
     sources, targets, skipped = [], [], 0
-    a, b = _lines(Path(src)), _lines(Path(tgt))
-    for n, (x, y) in enumerate(zip(a, b, strict=False), start=1):
-        if x is None and y is None:
-            break
-        if x is None or y is None:
+    for n, (x, y) in enumerate(zip_longest(read_lines(src), read_lines(tgt)), start=1):
+        if x is None or y is None:  # one file ended before the other
             longer, shorter = (src, tgt) if y is None else (tgt, src)
             raise CorpusError(
                 f"{longer} has more lines than {shorter}: the files diverge at line {n} "
@@ -73,13 +71,6 @@ def read_lines(path: str | Path) -> Iterator[str]:
             yield from f
         except UnicodeDecodeError as exc:
             raise CorpusError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
-
-
-def _lines(path: Path) -> Iterator[str | None]:
-    """The file's lines, then None forever (so that zip finds the shorter file's end)."""
-    yield from read_lines(path)
-    while True:
-        yield None
 
 
 def prepare_pairs(

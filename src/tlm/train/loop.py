@@ -165,8 +165,6 @@ class Trainer:
         and DDP averages the ranks' gradients: the gradient of the global batch's mean loss.
         """
         c, T, rt = self.config, self.model_config.context_length, self.runtime
-        for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(step, c, self.model_config.d_model)
         tokens = self.train_tokens
         starts = step_starts(len(tokens), T, c.seed, step, c.batch_size, c.grad_accum)
         share = self.global_batch // rt.world_size
@@ -180,17 +178,25 @@ class Trainer:
                     loss = cross_entropy(self.forward(x.to(self.device)), y.to(self.device))
                 (loss / (share / len(micro))).backward()
             total += loss.item() / (share / len(micro))
-        total = rt.all_reduce_mean(total)  # every rank judges the same loss
-        if not math.isfinite(total):
-            raise Diverged(f"loss became {total} at step {step + 1}")
+        return self.update(step, rt.all_reduce_mean(total))  # every rank judges one loss
+
+    def update(self, step: int, loss: float) -> tuple[float, float]:
+        """After the step's backward passes: stop on a non-finite loss, clip the gradient,
+        and take the optimizer step (at the step's learning rate) unless its norm is
+        non-finite. Returns (loss, norm)."""
+        c = self.config
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(step, c, self.model_config.d_model)
+        if not math.isfinite(loss):
+            raise Diverged(f"loss became {loss} at step {step + 1}")
         limit = c.grad_clip if c.grad_clip > 0 else math.inf  # inf: measure, never scale
-        norm = rt.grad_norm(clip_grad_norm_(self.model.parameters(), limit, foreach=True))
+        norm = self.runtime.grad_norm(clip_grad_norm_(self.model.parameters(), limit, foreach=True))
         if math.isfinite(norm):
             self.optimizer.step()
         elif c.nonfinite_grad == "stop":
-            raise Diverged(f"gradient norm became {norm} at step {step + 1} (loss {total:.4f})")
+            raise Diverged(f"gradient norm became {norm} at step {step + 1} (loss {loss:.4f})")
         self.optimizer.zero_grad(set_to_none=True)  # a non-finite gradient is dropped here
-        return total, norm
+        return loss, norm
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:

@@ -18,13 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.nn.utils import clip_grad_norm_
 
 from tlm.data.pairs import Pairs, token_batches
 from tlm.io import write_text_atomic
 from tlm.model.loss import IGNORE, label_smoothed_cross_entropy
-from tlm.train.loop import Diverged, Trainer
-from tlm.train.optim import learning_rate
+from tlm.train.loop import Trainer
 from tlm.train.run import RunError
 
 Batch = tuple[Tensor, Tensor, Tensor, Tensor]  # source, source mask, decoder input, labels
@@ -92,9 +90,6 @@ class TranslationTrainer(Trainer):
 
     def train_step(self, step: int) -> tuple[float, float]:
         c = self.config
-        lr = learning_rate(step, c, self.model_config.d_model)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         batches = [
             collate(self.train_pairs, self._micro_batch(step * c.grad_accum + j), self.start_id)
             for j in range(c.grad_accum)
@@ -109,16 +104,7 @@ class TranslationTrainer(Trainer):
             (loss * n / total).backward()  # the step's mean over its target tokens
             loss_sum += loss.item() * n / total
         self.tokens_per_step = total
-        if not np.isfinite(loss_sum):
-            raise Diverged(f"loss became {loss_sum} at step {step + 1}")
-        limit = c.grad_clip if c.grad_clip > 0 else float("inf")
-        norm = float(clip_grad_norm_(self.model.parameters(), limit, foreach=True))
-        if np.isfinite(norm):
-            self.optimizer.step()
-        elif c.nonfinite_grad == "stop":
-            raise Diverged(f"gradient norm became {norm} at step {step + 1}")
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, norm
+        return self.update(step, loss_sum)
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:
