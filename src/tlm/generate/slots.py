@@ -36,6 +36,7 @@ from tlm.generate.sampling import (
     process_logits,
     sample,
 )
+from tlm.model.blas import decoding
 from tlm.model.slot_cache import SlotCache
 
 
@@ -149,8 +150,8 @@ class Slots:
             feeds.append(feed)
         if not slots:
             return []
-        with torch.no_grad():
-            ids = torch.tensor([token for feed in feeds for token in feed], device=self.device)
+        ids = torch.tensor([token for feed in feeds for token in feed], device=self.device)
+        with decoding(self.model, len(ids)):  # no autograd; one row: the CPU's BLAS
             rows = self.cache.rows(slots, [len(feed) for feed in feeds])
             logits = self.model(ids[None], rows, last_only=True)[0]  # [rows,V]
             return [self._choose(self.rows[s], row) for s, row in zip(slots, logits, strict=True)]

@@ -10,9 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tlm.model import blas
+
 
 def linear(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
-    """x @ W + b, with W stored [in, out] as the book writes it, in one BLAS call."""
+    """x @ W + b, with W stored [in, out] as the book writes it, in one BLAS call.
+
+    While a CPU decoding step runs (`blas.decoding`) the call goes to numpy's BLAS, which
+    reads W at the memory bandwidth; otherwise to torch's kernel, with autograd.
+    """
+    if blas.active() and x.dtype == torch.float32:
+        return blas.product(x, W, b)
     return F.linear(x, W.t(), b)
 
 

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from tlm.config import ModelConfig
 from tlm.model.attention import padding_mask
 from tlm.model.counts import flops_per_token, parameter_counts
+from tlm.model.functional import linear
 from tlm.model.hooks import HookPoint, name_hook_points
 from tlm.model.kv_cache import KVCache
 from tlm.model.layers import BLOCKS, Embedding, LayerNorm
@@ -125,9 +126,7 @@ class TransformerLM(nn.Module):
 
     def unembed(self, h: Tensor) -> Tensor:
         """u = h E^T (eq. 9.45), or h W_U untied: [B,T,d] -> [B,T,V]."""
-        if self.W_U is None:
-            return torch.nn.functional.linear(h, self.embedding.E)  # h @ E^T without a copy
-        return h @ self.W_U
+        return linear(h, self.unembedding(), None)  # tied: E^T is a view, never a copy
 
     def for_inference(self, dtype: str = "float32") -> TransformerLM:
         """Prepare the weights for fast generation and scoring (in place; no training after).
