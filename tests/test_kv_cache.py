@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import NORMS, POSITIONS, written_out
+from tlm.model import blas
 from tlm.model.kv_cache import KVCache
 
 
@@ -117,11 +118,11 @@ def test_packed_weights_compute_the_same_log_probabilities(make_model, dtype):
 def test_float16_is_fp32_arithmetic_on_fp16_weights(make_model):
     """An independent reference for one format: round every weight matrix to fp16 and run
     the plain fp32 model; the packed fp16 model computes the same to fp32 precision. (The
-    head is untied, so the input embedding E, which packing leaves alone, stays fp32.)"""
+    head is untied, so that the looked-up rows of E, also held in fp16, are tested apart.)"""
     model = make_model(bias=True, tie_embeddings=False)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    matrices = ("W_Q", "W_K", "W_V", "W_O", "W_1", "W_2", "W_U")
+    matrices = ("W_Q", "W_K", "W_V", "W_O", "W_1", "W_2", "W_U", "E")
     state = model.state_dict()
     rounded = make_model(bias=True, tie_embeddings=False)
     rounded.load_state_dict(
@@ -135,6 +136,31 @@ def test_float16_is_fp32_arithmetic_on_fp16_weights(make_model):
         exact, reference, got = model(ids), rounded(ids), packed(ids)
     assert (got - reference).abs().max() < 1e-6  # the fp16 weights, and nothing else
     assert (got - exact).abs().max() > 2e-5
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8"])
+def test_smaller_formats_release_the_fp32_weights(make_model, dtype):
+    """Memory follows the format: no fp32 matrix is kept beside its packed copy."""
+    model = make_model(bias=True).for_inference(dtype)
+    matrices = [p for name, p in model.named_parameters() if name.rsplit(".", 1)[-1][0] in "WE"]
+    assert len(matrices) == 6 * model.config.n_layers + 1
+    assert all(p.numel() == 0 for p in matrices)
+    assert all(p.numel() > 0 for name, p in model.named_parameters() if "gamma" in name)
+    with pytest.raises(RuntimeError, match=f"in {dtype} only"):
+        model.unembedding()
+
+
+def test_float32_packing_copies_nothing_until_a_batch(make_model):
+    """One row reads the parameters themselves; the oneDNN layout comes with the first
+    step of several rows."""
+    model = make_model().for_inference("float32")
+    qkv = model.blocks[0].attn.project_qkv
+    with blas.decoding(model, 1):
+        one = model(torch.randint(0, 97, (1, 1)))
+    assert qkv.layout is None and one.shape == (1, 1, 97)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (2, 3)))
+    assert qkv.layout is not None
 
 
 def test_unknown_inference_dtype(make_model):

@@ -321,3 +321,17 @@ def test_the_page_streams_text_and_shows_the_explorer(browser, server, run):
     browser.switch_to.default_content()
     browser.save_screenshot(str(ARTIFACTS / "serve-page-explorer.png"))
     assert console_errors(browser) == []
+
+
+def test_an_int8_server_decodes_and_refuses_inspection_in_one_line(run, server):
+    """int8 keeps no fp32 weights (memory follows the format), and inspection reads them."""
+    proc, url = start(run, "--dtype", "int8")
+    try:
+        assert post(url + "/v1/completions", {"prompt": "a", "max_tokens": 3})[0] == 200
+        status, answer, _ = post(url + "/v1/inspect", {"prompt": "a"})
+        assert status == 400 and answer["error"]["code"] == "unsupported_dtype"
+        assert "--dtype float32" in answer["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert post(server + "/v1/inspect", {"prompt": "a"})[0] == 200  # the fp32 server inspects

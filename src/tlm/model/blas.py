@@ -14,10 +14,11 @@ through numpy, torch's ops (LayerNorm, attention over one query, the residual ad
 on one thread; they are small, and the BLAS uses every core for the products.
 
 `decoding(model, rows)` switches this on for one step of one row (one sequence, one new
-token), on the thread that entered it, for a plain fp32 model on the CPU;
+token), on the thread that entered it, for a fp32 model on the CPU;
 `functional.linear` reads `active()`. A step of several rows stays on torch: numpy's BLAS
 repacks the weights for a product of 2 to 32 rows and runs at half the speed of
-oneDNN's prepacked kernel there (`for_inference("float32")`). A model packed by
+oneDNN's prepacked kernel there, which `for_inference("float32")` uses
+(`model/packed.py`). A model packed by
 `for_inference` into float16 or int8 runs fbgemm's kernels on torch's threads instead and
 is left as it is. The result is the same product: tests hold the two paths equal.
 """
@@ -40,10 +41,10 @@ def active() -> bool:
 
 
 def applies(model: nn.Module) -> bool:
-    """A plain fp32 model on the CPU (not packed into another format by `for_inference`)."""
+    """An fp32 model on the CPU, plain or prepared by `for_inference("float32")`."""
     weight = next(model.parameters())
     cpu32 = weight.device.type == "cpu" and weight.dtype == torch.float32
-    return cpu32 and getattr(model, "inference_format", None) is None
+    return cpu32 and getattr(model, "inference_format", None) in (None, "float32")
 
 
 @contextmanager

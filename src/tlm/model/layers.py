@@ -35,9 +35,14 @@ class Embedding(nn.Module):
         else:  # rope (applied inside attention) or none
             self.P = None
 
+    def tokens(self, input_ids: Tensor) -> Tensor:
+        """E[w]: row selection == one_hot(w) @ E (Fig. 9.11); [B,T] -> [B,T,d]. A method,
+        so that `model/packed.py` can look rows up in a smaller format."""
+        return F.embedding(input_ids, self.E)
+
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """input_ids [B,T], positions [T] or [B,T] -> X [B,T,d]."""
-        x = F.embedding(input_ids, self.E)  # row selection == one_hot(w) @ E (Fig. 9.11)
+        x = self.tokens(input_ids)
         if self.scale != 1.0:
             x = x * self.scale
         if self.P is not None:

@@ -7,7 +7,9 @@ the same x W + b through better kernels:
 
 | format   | weights held as                | kernel (CPU)                    | arithmetic      |
 |----------|--------------------------------|---------------------------------|-----------------|
-| float32  | fp32, prepacked for oneDNN     | `mkldnn._linear_pointwise`      | fp32 (exact)    |
+| float32  | the parameters themselves      | one row: numpy's BLAS           | fp32 (exact)    |
+|          | (+ a oneDNN layout, made at    | (`blas.decoding`); more rows:   |                 |
+|          | the first step of many rows)   | `mkldnn._linear_pointwise`      |                 |
 | float16  | fp16, prepacked for fbgemm     | `quantized.linear_dynamic_fp16` | fp32            |
 | bfloat16 | bf16, [out, in]                | `F.linear` in bf16              | bf16 products,  |
 |          |                                |                                 | fp32 elsewhere  |
@@ -16,9 +18,12 @@ the same x W + b through better kernels:
 |          |                                |                                 | quantized/row)  |
 
 Everything between the products (LayerNorm, attention, the residual stream, the KV cache)
-stays fp32. On a GPU, `bfloat16` and `float16` cast the whole model instead
-(`TransformerLM.for_inference`). A test holds each
-format against the plain fp32 model.
+stays fp32. Memory follows the format: float16, bfloat16 and int8 keep the weight
+matrices and the token embeddings only in their own format (the embedding rows a step looks
+up are widened to fp32), and the fp32 parameters they came from are released, so such a
+model can be neither trained nor read as fp32 again; load it anew for that. On a GPU,
+`bfloat16` and `float16` cast the whole model instead (`TransformerLM.for_inference`). A
+test holds each format against the plain fp32 model.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from tlm.model import blas
 
 FORMATS = ("float32", "float16", "bfloat16", "int8")
 
@@ -43,10 +50,7 @@ class PackedLinear:
     ) -> None:
         W_t, self.b = W_t.detach().float(), None if b is None else b.detach().float()
         self.out_features, self.splits = W_t.shape[0], splits
-        if fmt == "float32":
-            self.source, self.layouts = W_t, {}
-            self.kernel = self._onednn
-        elif fmt == "float16":
+        if fmt == "float16":
             self.weight = torch.ops.quantized.linear_prepack_fp16(W_t.contiguous(), self.b)
             self.kernel = self._fbgemm_fp16
         elif fmt == "bfloat16":
@@ -60,8 +64,12 @@ class PackedLinear:
             raise ValueError(f"no packed format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
     @classmethod
-    def side_by_side(cls, maps: list[tuple[Tensor, Tensor | None]], fmt: str) -> PackedLinear:
+    def side_by_side(
+        cls, maps: list[tuple[Tensor, Tensor | None]], fmt: str
+    ) -> PackedLinear | Float32Linear:
         """The maps x W_i + b_i (W_i [in, out_i], as the model stores them) as one product."""
+        if fmt == "float32":
+            return Float32Linear(maps)
         W_t = torch.cat([W.detach().t() for W, _ in maps])  # [sum out_i, in]
         biases = [b for _, b in maps]
         b = None if biases[0] is None else torch.cat([b.detach() for b in biases])
@@ -73,16 +81,6 @@ class PackedLinear:
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.splits is None else y.split(self.splits, dim=-1)
 
-    def _onednn(self, x: Tensor) -> Tensor:
-        # oneDNN lays the weight out for a number of rows: the layout for 1 row is best for
-        # decoding one sequence, the one for 4 rows for batches and prompts. Each is made
-        # the first time it is needed.
-        rows = 1 if x.shape[0] == 1 else 4
-        if rows not in self.layouts:
-            source = self.source.contiguous()
-            self.layouts[rows] = torch.ops.mkldnn._reorder_linear_weight(source, rows)
-        return torch.ops.mkldnn._linear_pointwise(x, self.layouts[rows], self.b, "none", [], "")
-
     def _bf16(self, x: Tensor) -> Tensor:
         return F.linear(x.to(torch.bfloat16), self.weight, self.b).to(x.dtype)
 
@@ -91,6 +89,48 @@ class PackedLinear:
 
     def _fbgemm_int8(self, x: Tensor) -> Tensor:
         return torch.ops.quantized.linear_dynamic(x, self.weight, True)
+
+
+class Float32Linear:
+    """The fp32 maps x W_i + b_i without a copy while decoding one row (`blas.decoding`
+    reads the parameters); a step of several rows runs them as one oneDNN product, laid
+    out for 4 rows the first time one comes (a copy of the weights, kept from then on)."""
+
+    def __init__(self, maps: list[tuple[Tensor, Tensor | None]]) -> None:
+        self.maps, self.layout, self.b = maps, None, None
+        self.splits = [W.shape[1] for W, _ in maps]
+
+    def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        if blas.active():
+            y = tuple(blas.product(x, W, b) for W, b in self.maps)
+        else:
+            y = self._onednn(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], sum(self.splits))
+            y = y.split(self.splits, dim=-1)
+        return y if len(y) > 1 else y[0]
+
+    def _onednn(self, x: Tensor) -> Tensor:
+        if self.layout is None:
+            W_t = torch.cat([W.detach().t() for W, _ in self.maps])  # [sum out_i, in]
+            self.layout = torch.ops.mkldnn._reorder_linear_weight(W_t, 4)
+            if self.maps[0][1] is not None:
+                self.b = torch.cat([b.detach() for _, b in self.maps])
+        return torch.ops.mkldnn._linear_pointwise(x, self.layout, self.b, "none", [], "")
+
+
+class PackedRows:
+    """Token embeddings held in `fmt`, looked up and widened to fp32: E[ids] -> [..., d]."""
+
+    def __init__(self, E: Tensor, fmt: str) -> None:
+        E = E.detach()
+        if fmt == "int8":  # one scale per row, as the products' weights
+            self.scale = (E.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
+            self.rows = torch.round(E / self.scale).to(torch.int8)
+        else:
+            self.scale, self.rows = None, E.to(getattr(torch, fmt))
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        x = F.embedding(ids, self.rows).float()  # [..., d]
+        return x if self.scale is None else x * F.embedding(ids, self.scale)
 
 
 def _int8_rows(W_t: Tensor) -> Tensor:
@@ -120,16 +160,42 @@ def can_prepack_float32(device: torch.device) -> bool:
 def pack_for_inference(model: nn.Module, fmt: str) -> None:
     """Replace every product of `model` (a TransformerLM) by its packed form in `fmt`.
 
-    The model keeps its parameters; each module's product methods (`project_qkv` and
-    `project_out` of attention, `up` and `down` of the FFN, the model's `unembed`) are
-    replaced on that instance by a `PackedLinear` of the same map. Q, K and V become one
-    product. The caller refuses further training (the packed copies would go stale).
+    Each module's product methods (`project_qkv` and `project_out` of attention, `up` and
+    `down` of the FFN, the model's `unembed`) are replaced on that instance by the same map
+    in `fmt`; Q, K and V become one product. Except in float32, the token lookup is packed
+    too, and each fp32 matrix is released as soon as its packed form exists, so the peak
+    stays near the fp32 model. The caller refuses further training.
     """
+    release = fmt != "float32"
     for block in model.blocks:
         attn, ffn = block.attn, block.ffn
         qkv = [(attn.W_Q, attn.b_Q), (attn.W_K, attn.b_K), (attn.W_V, attn.b_V)]
-        attn.project_qkv = PackedLinear.side_by_side(qkv, fmt)
-        attn.project_out = PackedLinear.side_by_side([(attn.W_O, attn.b_O)], fmt)
-        ffn.up = PackedLinear.side_by_side([(ffn.W_1, ffn.b_1)], fmt)
-        ffn.down = PackedLinear.side_by_side([(ffn.W_2, ffn.b_2)], fmt)
-    model.unembed = PackedLinear.side_by_side([(model.unembedding(), None)], fmt)
+        attn.project_qkv = _packed(qkv, fmt, release)
+        attn.project_out = _packed([(attn.W_O, attn.b_O)], fmt, release)
+        ffn.up = _packed([(ffn.W_1, ffn.b_1)], fmt, release)
+        ffn.down = _packed([(ffn.W_2, ffn.b_2)], fmt, release)
+    head = model.unembedding()
+    model.unembed = (
+        PackedLinear.side_by_side([(head, None)], fmt)
+        if release
+        else (Float32Linear([(head, None)]))
+    )
+    if release:
+        model.embedding.tokens = PackedRows(model.embedding.E, fmt)
+        for param in (model.embedding.E, model.W_U):
+            _release(param)
+
+
+def _packed(maps: list[tuple[Tensor, Tensor | None]], fmt: str, release: bool):
+    packed = PackedLinear.side_by_side(maps, fmt)
+    if release:
+        for W, _ in maps:
+            _release(W)
+    return packed
+
+
+def _release(param: Tensor | None) -> None:
+    """Free an fp32 matrix whose packed copy now does its work: it is left empty, so that
+    code reading it fails instead of reading stale or made-up numbers."""
+    if param is not None:
+        param.data = torch.empty(0, dtype=param.dtype)

@@ -78,6 +78,8 @@ class TransformerLM(nn.Module):
 
     def unembedding(self) -> Tensor:
         """The [d, V] matrix of the LM head: E^T when tied (a view of E's storage), else W_U."""
+        if self.inference_format not in (None, "float32"):
+            raise RuntimeError(f"the model keeps its weights in {self.inference_format} only")
         return self.embedding.E.t() if self.W_U is None else self.W_U
 
     def forward(
@@ -131,10 +133,12 @@ class TransformerLM(nn.Module):
     def for_inference(self, dtype: str = "float32") -> TransformerLM:
         """Prepare the weights for fast generation and scoring (in place; no training after).
 
-        On a CPU every weight matrix is prepared for a faster kernel: "float32" prepacked for
-        oneDNN (exact), "float16" and "int8" compressed for fbgemm, "bfloat16" halved; the
-        activations stay fp32. On a GPU "bfloat16" and "float16" cast the model and "float32"
-        changes nothing. See `model/packed.py`.
+        On a CPU every weight matrix is prepared for a faster kernel: "float32" adds a oneDNN
+        layout for steps of several rows (one row already reads the weights at the memory
+        bandwidth, `model/blas.py`); "float16" and "int8" are compressed for fbgemm and
+        "bfloat16" halved, and these release the fp32 matrices, so memory follows the
+        format. The activations stay fp32. On a GPU "bfloat16" and "float16" cast the model
+        and "float32" changes nothing. See `model/packed.py`.
         """
         device = self.embedding.E.device
         check_format(dtype, device)
