@@ -5,6 +5,8 @@
     python bench/generate.py --part cache      # KV cache against recomputation at 1024 tokens
     python bench/generate.py --part dtypes     # float32 / float16 / bfloat16 / int8 weights
     python bench/generate.py --part imported   # a GPT-2 checkpoint directory, read by both
+    python bench/generate.py --part limit      # batch 1 against the read-bandwidth limit
+    python bench/generate.py --part memory     # peak resident memory, tlm beside transformers
 
 Random weights of the GPT-2 124M shape, fp32, greedy decoding of a 32-token prompt with no
 early stop, in one process; the two sides alternate, and medians are reported. The dtype
@@ -168,7 +170,112 @@ def part_imported(rounds: int, work: Path) -> None:
         print(f"  batch {batch}, 128 new: {alternate(ours, theirs, batch, 128, rounds)}")
 
 
-PARTS = ["peer", "cache", "dtypes", "imported"]
+def read_bandwidth(big: torch.Tensor) -> float:
+    """Bytes/s that summing a 256 MB tensor reads: decoding reads weights, it copies nothing."""
+    big.sum()
+    started = time.perf_counter()
+    for _ in range(4):
+        big.sum()
+    return 4 * big.numel() * big.element_size() / (time.perf_counter() - started)
+
+
+def weight_bytes(config: ModelConfig, fmt: str) -> int:
+    """Bytes a decoding step reads: every matrix once (the head's E^T too), biases and
+    LayerNorms in fp32."""
+    d, L, V = config.d_model, config.n_layers, config.vocab_size
+    matrices = L * (4 * d * d + 2 * d * config.d_ff) + V * d
+    size = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[fmt]
+    return matrices * size + 4 * L * (4 * d + config.d_ff + d + 4 * d)
+
+
+def part_limit(rounds: int) -> None:
+    """Batch-1 tok/s as a share of (read bandwidth ÷ weight bytes), the bandwidth measured
+    just before each block of decoding so that both see the machine in the same state."""
+    big = torch.randn(64 * 1024 * 1024)
+    models = {"float32": tlm_gpt2(), "float16": None, "int8": None}  # float32: load_model's
+    for fmt in ("float16", "int8"):
+        models[fmt] = tlm_gpt2().for_inference(fmt)
+    peer = hf_gpt2()
+    print("GPT-2 124M shape, greedy, prompt 32, 64 new tokens; median of rounds")
+    print("format    weights MB  batch 1 tok/s  limit tok/s  share  batch 8  batch 32  step@1024")
+    for fmt, model in models.items():
+        tlm_rate(model, 1, 4)
+        nbytes, rates, shares = weight_bytes(model.config, fmt), [], []
+        for _ in range(rounds):
+            limit = read_bandwidth(big) / nbytes
+            rates.append(tlm_rate(model, 1, 64))
+            shares.append(rates[-1] / limit)
+        eight, many = tlm_rate(model, 8, 32), tlm_rate(model, 32, 32)
+        step = step_at(model, 1024)
+        rate, share = statistics.median(rates), statistics.median(shares)
+        print(
+            f"{fmt:9s} {nbytes / 1e6:10.0f} {rate:14.1f} {rate / share:12.1f} {share:6.0%}"
+            f" {eight:8.1f} {many:9.1f} {step * 1e3:8.1f} ms"
+        )
+    hf = statistics.median(hf_rate(peer, 1, 64) for _ in range(rounds))
+    print(f"transformers fp32 batch 1: {hf:.1f} tok/s")
+
+
+def step_at(model: TransformerLM, position: int) -> float:
+    """Seconds of one cached batch-1 step with `position` tokens of context (median of 5)."""
+    from tlm.model.blas import decoding
+
+    ids = torch.randint(0, GPT2["vocab_size"], (1, position))
+    cache = KVCache(model.config, 1, capacity=position)
+    with torch.no_grad():
+        model(ids[:, : position - 5], cache)
+    times = []
+    for t in range(position - 5, position):
+        with decoding(model, 1):
+            started = time.perf_counter()
+            model(ids[:, t : t + 1], cache, last_only=True)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+MEMORY_SCRIPT = """
+import resource, sys, torch
+side, folder, fmt = sys.argv[1:]
+ids = torch.randint(0, 50257, (1, 32))
+if side == "transformers":
+    from transformers import GPT2LMHeadModel
+    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+else:
+    from tlm import load_model
+    model = load_model(folder)
+    if fmt != "none":
+        model.for_inference(fmt)
+    model.generate(ids, max_new_tokens=32)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def part_memory(work: Path) -> None:
+    """Peak resident memory (MB) of a fresh process that loads the GPT-2 124M shape from a
+    Hugging Face directory and generates 32 tokens; the goal is the weights in the chosen
+    format + the KV cache + 300 MB."""
+    import subprocess
+
+    folder = work / "gpt2-124m-random"
+    if not (folder / "model.safetensors").is_file():
+        hf_gpt2().save_pretrained(folder)
+    config = ModelConfig(**GPT2, activation="gelu_tanh")
+    cache = 2 * config.n_layers * 64 * config.d_model * 4  # K and V of 64 positions, fp32
+    print("side                             peak MB   goal MB")
+    for side, fmt in [("transformers", "none"), ("tlm", "none"), ("tlm", "float32")] + [
+        ("tlm", f) for f in ("float16", "bfloat16", "int8")
+    ]:
+        command = [sys.executable, "-c", MEMORY_SCRIPT, side, str(folder), fmt]
+        peak = float(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+        name = side if fmt == "none" else f"{side} for_inference({fmt!r})"
+        weights = weight_bytes(config, "float32" if fmt == "none" else fmt)
+        goal = (weights + config.context_length * config.d_model * 4 + cache) / 1e6 + 300
+        print(f"{name:32s} {peak:7.0f} {goal:9.0f}")
+
+
+PARTS = ["peer", "cache", "dtypes", "imported", "limit", "memory"]
 
 
 def main() -> None:
@@ -185,6 +292,10 @@ def main() -> None:
             part_cache(args.rounds)
         elif part == "imported":
             part_imported(args.rounds, Path(args.work))
+        elif part == "limit":
+            part_limit(args.rounds)
+        elif part == "memory":
+            part_memory(Path(args.work))
         else:
             part_dtypes(args.rounds, Path(args.work))
 

@@ -184,6 +184,9 @@ def pack_for_inference(model: nn.Module, fmt: str) -> None:
         model.embedding.tokens = PackedRows(model.embedding.E, fmt)
         for param in (model.embedding.E, model.W_U):
             _release(param)
+        for param in model.parameters():  # biases, LayerNorms: their own memory, so that
+            if param.numel():  # they do not keep alive the buffer the weights were read into
+                param.data = param.data.clone()
 
 
 def _packed(maps: list[tuple[Tensor, Tensor | None]], fmt: str, release: bool):
