@@ -126,8 +126,8 @@ def test_hugging_face_configs_carry_the_three_rates():
     same = config_from_gpt2({"model_type": "gpt2"})  # GPT-2's default: 0.1 each
     assert same.dropout == 0.1 and same.attn_dropout is None and same.embd_dropout is None
     values = dict(model_type="encoder-decoder", position="sinusoidal", norm="post")
-    marian = marian_config(ModelConfig(**values, dropout=0.1, attn_dropout=0.0), eot_id=0)
-    assert (marian["dropout"], marian["attention_dropout"]) == (0.1, 0.0)
+    marian = marian_config(ModelConfig(**values, dropout=0.1, attn_dropout=0.05), eot_id=0)
+    assert (marian["dropout"], marian["attention_dropout"]) == (0.1, 0.05)
 
 
 def test_train_flags_set_the_knobs(docs_chars, tmp_path, capsys):
@@ -140,6 +140,6 @@ def test_train_flags_set_the_knobs(docs_chars, tmp_path, capsys):
     assert (saved["dropout"], saved["attn_dropout"], saved["embd_dropout"]) == (0.1, 0.0, 0.3)
     assert saved["resid_dropout"] is None
     capsys.readouterr()
-    assert main([*args[:4], str(tmp_path / "bad"), "--resid-dropout", "1"]) == 2
+    assert main([*args[:4], str(tmp_path / "bad"), *args[5:], "--resid-dropout", "1"]) == 2
     err = capsys.readouterr().err
     assert "resid_dropout must be in [0, 1)" in err and err.count("\n") == 1
