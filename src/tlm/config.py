@@ -230,6 +230,10 @@ class TrainConfig:
     loss was finite: "skip" (no update; counted in metrics.jsonl) or "stop" (end the run,
     keeping the last checkpoint).
 
+    Validation scores the first `eval_tokens` tokens of the validation split, or all of it
+    with `eval_tokens=0`: a large split scored whole makes each evaluation slower, but the
+    loss then measures the whole split, as `tlm eval` does.
+
     Translation (an encoder-decoder on sentence pairs) batches by token count: each
     micro-batch holds at most `batch_tokens` tokens a side, padding included, and a step
     `grad_accum` of them. `schedule="inverse-sqrt"` is the paper's rate,
@@ -252,7 +256,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     nonfinite_grad: str = "skip"
     eval_interval: int = 250
-    eval_tokens: int = 1 << 15
+    eval_tokens: int = 1 << 15  # 0: the whole validation split
     log_interval: int = 10
     checkpoint_interval: int | None = None
     seed: int = 1337
@@ -265,8 +269,13 @@ class TrainConfig:
     batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_tokens"):
+        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval"):
             _check_positive(name, getattr(self, name))
+        if not isinstance(self.eval_tokens, int) or self.eval_tokens < 0:
+            raise ConfigError(
+                f"eval_tokens must be an integer >= 0 (0 = the whole validation split), "
+                f"got {self.eval_tokens!r}"
+            )
         _check_positive("log_interval", self.log_interval)
         if self.checkpoint_interval is None:
             object.__setattr__(self, "checkpoint_interval", self.eval_interval)

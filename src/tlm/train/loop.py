@@ -143,11 +143,13 @@ class Trainer:
         self.val_batches = self._val_batches()
 
     def _val_batches(self) -> list[torch.Tensor]:
-        """The validation windows in batches of VAL_BATCH, the unit a rank scores."""
+        """The validation windows in batches of VAL_BATCH, the unit a rank scores: the first
+        `eval_tokens` targets of the split, or every one with `eval_tokens` 0."""
         val = self.data.split("val")
         if len(val) < 2:
             return []
-        chunks = eval_windows(val, self.model_config.context_length, self.config.eval_tokens)
+        limit = self.config.eval_tokens or None  # None: eval_windows takes the whole split
+        chunks = eval_windows(val, self.model_config.context_length, limit)
         return [w[i : i + VAL_BATCH] for w in chunks for i in range(0, len(w), VAL_BATCH)]
 
     def autocast(self):
