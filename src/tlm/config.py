@@ -234,6 +234,10 @@ class TrainConfig:
     with `eval_tokens=0`: a large split scored whole makes each evaluation slower, but the
     loss then measures the whole split, as `tlm eval` does.
 
+    `keep_best`: each evaluation whose validation loss is lower than every earlier one writes
+    the weights to RUN/best.safetensors (`--weights best` reads them); model.safetensors
+    stays the latest weights, which a resumed run continues from.
+
     Translation (an encoder-decoder on sentence pairs) batches by token count: each
     micro-batch holds at most `batch_tokens` tokens a side, padding included, and a step
     `grad_accum` of them. `schedule="inverse-sqrt"` is the paper's rate,
@@ -267,6 +271,7 @@ class TrainConfig:
     schedule: str = "cosine"
     label_smoothing: float = 0.0
     batch_tokens: int | None = None
+    keep_best: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_interval"):

@@ -53,6 +53,16 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> 
         )
 
 
+def add_weights_flag(parser: argparse.ArgumentParser) -> None:
+    """--weights latest|best: which of a run's weights a command reads."""
+    parser.add_argument(
+        "--weights",
+        choices=("latest", "best"),  # checkpoint.WEIGHTS (not imported: it loads PyTorch)
+        default="latest",
+        help="latest (default), or best: the lowest validation loss (a run trained --keep-best)",
+    )
+
+
 def config_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The fields of `cls` given on the command line, converted to their types."""
     hints = get_type_hints(cls)
