@@ -150,3 +150,37 @@ def test_commands_read_the_best_weights(docs_chars, tmp_path, scripted, capsys):
     assert main(["export-hf", str(run), str(tmp_path / "hf"), "--weights", "best"]) == 0
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert same(exported, state_to_gpt2(best.state_dict(), best.config))
+
+
+def test_a_translation_run_keeps_its_best(tmp_path, scripted, monkeypatch, capsys):
+    """The TranslationTrainer keeps the best too; `tlm translate --weights best` reads it."""
+    from tlm.data import prepare_pairs
+    from tlm.generate.translate import translate
+    from tlm.train.translate import TranslationTrainer
+
+    monkeypatch.setattr(TranslationTrainer, "validation_loss", Trainer.validation_loss)
+    words = ["sun", "dog", "cup", "red", "pen", "hat", "sky", "big"]
+    src = [" ".join(words[i % 8 : i % 8 + 1 + i % 3]) for i in range(120)]
+    (tmp_path / "a.src").write_text("\n".join(src) + "\n")
+    (tmp_path / "a.tgt").write_text("\n".join(s[::-1] for s in src) + "\n")
+    data, run = tmp_path / "data", tmp_path / "run"
+    prepare_pairs(str(tmp_path / "a.src"), str(tmp_path / "a.tgt"), data, tokenizer="char")
+    pairs = open_data(str(data))
+    shape = {"model_type": "encoder-decoder", "position": "sinusoidal", "d_ff": 64}
+    model_config = ModelConfig(vocab_size=pairs.vocab_size, **SHAPE, **shape)
+    values = {"data": str(data), "out": str(run), "max_steps": 4, "eval_interval": 2}
+    config = TrainConfig(**values, batch_tokens=128, keep_best=True, lr=0.3)
+    tokenizer_json = (data / "tokenizer.json").read_text()
+    scripted["losses"] = [1.0, 2.0]
+    TranslationTrainer(model_config, config, pairs, tokenizer_json, progress_bar=False).fit()
+    assert scripted["best_writes"] == [2]
+    best = load_model(run, weights="best")
+    assert same(best.state_dict(), scripted["weights"][2])
+    card = (run / "MODEL_CARD.md").read_text()
+    assert "| best validation loss (nats/target token) | 1.0000 at step 2" in card
+    assert f"tlm translate {run} --weights best" in card
+    capsys.readouterr()
+    assert main(["translate", "--beams", "1", str(run), "sun dog", "--weights", "best"]) == 0
+    assert capsys.readouterr().out.splitlines() == translate(
+        best, load_tokenizer(run), ["sun dog"], beams=1
+    )
