@@ -184,3 +184,9 @@ def test_a_translation_run_keeps_its_best(tmp_path, scripted, monkeypatch, capsy
     assert capsys.readouterr().out.splitlines() == translate(
         best, load_tokenizer(run), ["sun dog"], beams=1
     )
+    (run / BEST).unlink()  # without it, both translation commands refuse --weights best
+    (tmp_path / "t.src").write_text("sun dog\n")
+    pairs = ["--src", str(tmp_path / "t.src"), "--ref", str(tmp_path / "t.src")]
+    for argv in (["translate", str(run), "sun"], ["eval", str(run), "--task", "translate", *pairs]):
+        assert main([*argv, "--weights", "best"]) == 2
+        assert "--keep-best" in capsys.readouterr().err
