@@ -3,6 +3,7 @@ when an evaluation beats every earlier one, kept across a resume, and read by
 `load_model(weights="best")`, `tlm generate`, `tlm eval` and `tlm export-hf` (--weights best)."""
 
 import json
+from math import nan
 
 import pytest
 import torch
@@ -62,19 +63,19 @@ def same(a: dict, b: dict) -> bool:
 
 def test_best_is_written_only_when_the_loss_improves(docs_chars, tmp_path, scripted):
     run = tmp_path / "run"
-    scripted["losses"] = [3.0, 2.0, 2.5, 1.5, 1.8]  # evaluations at steps 2, 4, 6, 8, 10
-    results = trainer(docs_chars, run, 10).fit()
-    assert scripted["best_writes"] == [2, 4, 8]
+    scripted["losses"] = [nan, 3.0, 2.0, 2.5, 1.5, 1.8]  # evaluations at steps 2, 4, ..., 12
+    results = trainer(docs_chars, run, 12).fit()
+    assert scripted["best_writes"] == [4, 6, 10]  # a NaN is no best, nor something to beat
     best = load_model(run, weights="best").state_dict()
-    assert same(best, scripted["weights"][8])
-    assert not same(best, load_model(run).state_dict())  # model.safetensors: step 10
+    assert same(best, scripted["weights"][10])
+    assert not same(best, load_model(run).state_dict())  # model.safetensors: step 12
     with safe_open(str(run / BEST), "pt") as f:
-        assert f.metadata()["step"] == "8" and float(f.metadata()["val_loss"]) == 1.5
-    assert (results["best_step"], results["best_val_loss"]) == (8, 1.5)
+        assert f.metadata()["step"] == "10" and float(f.metadata()["val_loss"]) == 1.5
+    assert (results["best_step"], results["best_val_loss"]) == (10, 1.5)
     state = json.loads((latest_checkpoint(run) / "state.json").read_text())
-    assert (state["best_step"], state["best_loss"]) == (8, 1.5)
+    assert (state["best_step"], state["best_loss"]) == (10, 1.5)
     card = (run / "MODEL_CARD.md").read_text()
-    assert "| best validation loss (nats/token) | 1.5000 at step 8 (best.safetensors) |" in card
+    assert "| best validation loss (nats/token) | 1.5000 at step 10 (best.safetensors) |" in card
     assert f"tlm generate {run} --weights best" in card
 
 
