@@ -29,7 +29,7 @@ ARGS += ["--warmup-steps", "10", "--lr", "3e-3"]
 ARGS += ["--checkpoint-interval", "10", "--eval-interval", "60", "--log-interval", "10"]
 ARGS += ["--max-steps", str(STEPS), "--dropout", "0", "--quiet"]
 EVAL_TOKENS = 2 * 32 * 32 + 5  # validation: 3 batches (32, 32, 1 windows), uneven over 2 ranks
-ARGS += ["--eval-tokens", str(EVAL_TOKENS)]
+ARGS += ["--eval-tokens", str(EVAL_TOKENS), "--keep-best"]
 
 
 def torchrun(*args, nproc=2):
@@ -69,11 +69,11 @@ def rows(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_close_weights(run, reference, atol=1e-5):
+def assert_close_weights(run, reference, atol=1e-5, file="model.safetensors"):
     """Every weight within atol, except the key bias b_K: its gradient is 0 in exact
     arithmetic (q·b_K is added to every score of a query, and softmax ignores a constant),
     so Adam turns rounding noise into steps of ~lr, different for any order of summation."""
-    weights, expected = (load_file(str(r / "model.safetensors")) for r in (run, reference))
+    weights, expected = (load_file(str(r / file)) for r in (run, reference))
     assert weights.keys() == expected.keys()
     for name in weights:
         if not name.endswith("b_K"):
@@ -102,6 +102,15 @@ def test_a_sharded_runs_checkpoint_loads_in_one_process(docs_chars, double):
         loss = torch.cat([window_nll(model, w).flatten() for w in windows]).mean().item()
     logged = [r["val_loss"] for r in rows(double) if "val_loss" in r][-1]
     assert loss == pytest.approx(logged, abs=1e-6)
+
+
+def test_the_best_weights_are_gathered_and_written_once(single, double):
+    """--keep-best on two processes (DDP, or FSDP's shards gathered): the best weights equal
+    one process's, at the step of the lowest logged validation loss."""
+    assert_close_weights(double, single, file="best.safetensors")
+    logged = {r["step"]: r["val_loss"] for r in rows(double) if "val_loss" in r}
+    state = json.loads((double / "train_state" / f"step-{STEPS:06d}" / "state.json").read_text())
+    assert state["best_loss"] == min(logged.values()) == logged[state["best_step"]]
 
 
 def kill_at_a_checkpoint(proc, run, at_least=20, timeout=120):

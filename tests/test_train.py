@@ -9,8 +9,9 @@ from conftest import tiny_config
 from tlm import load_model
 from tlm.checkpoint import latest_checkpoint
 from tlm.cli import main
-from tlm.config import TrainConfig
+from tlm.config import ConfigError, TrainConfig
 from tlm.data import batch_generator, prepare, random_windows
+from tlm.evaluate import evaluate_tokens
 from tlm.generate import GenerationConfig, complete
 from tlm.model import TransformerLM
 from tlm.model.loss import cross_entropy, cross_entropy_reference
@@ -251,3 +252,18 @@ def test_gradient_clipping_scales_the_whole_gradient_to_the_limit(docs_chars, tm
         assert torch.allclose(seen[name], grad * scale, atol=1e-7, rtol=1e-4), name
     clipped = torch.sqrt(sum((g.double() ** 2).sum() for g in seen.values())).item()
     assert clipped == pytest.approx(clip if clip > 0 else total, rel=1e-4)
+
+
+def test_eval_tokens_zero_validates_on_the_whole_split(docs_chars, tmp_path):
+    """--eval-tokens 0 scores every validation target, as `tlm eval` (tlm.evaluate) does."""
+    values = {"data": str(docs_chars), "out": str(tmp_path / "run"), "max_steps": 1}
+    shape = {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}
+    model_config, train_config, token_data = new_run_configs(shape, {**values, "eval_tokens": 0})
+    tokenizer_json = (docs_chars / "tokenizer.json").read_text()
+    trainer = Trainer(model_config, train_config, token_data, tokenizer_json, progress_bar=False)
+    val = token_data.split("val")
+    assert sum(b[:, 1:].numel() for b in trainer.val_batches) == len(val) - 1 > 1 << 15
+    whole = evaluate_tokens(trainer.model.eval(), val, load_tokenizer(docs_chars).token_bytes())
+    assert trainer.validation_loss() == pytest.approx(whole["loss"], rel=1e-6)
+    with pytest.raises(ConfigError, match="eval_tokens must be an integer >= 0"):
+        TrainConfig(eval_tokens=-1)

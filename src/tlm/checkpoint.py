@@ -2,6 +2,7 @@
 
     RUN/config.json          {"model": ModelConfig, "train": TrainConfig, "tlm": version}
     RUN/model.safetensors    the latest weights (a tied E is stored once)
+    RUN/best.safetensors     with --keep-best: the weights of the lowest validation loss
     RUN/tokenizer.json
     RUN/train_state/latest   names the newest complete checkpoint, e.g. "step-000500"
     RUN/train_state/step-000500/{model,optimizer}.safetensors, state.json
@@ -41,11 +42,14 @@ from tlm.io import atomic_path, write_text_atomic
 from tlm.model import EncoderDecoder, TransformerLM, build_model
 
 STATE_DIR = "train_state"
+BEST = "best.safetensors"  # written by a run trained with --keep-best
+WEIGHTS = {"latest": "model.safetensors", "best": BEST}  # what `load_run(weights=...)` reads
 LOCK = ".lock"  # held by the one process writing the run (`lock_run`)
 # everything a run directory holds (and the demo's marker): `io.check_replaceable` reads it
 FILES = (
     "config.json",
     "model.safetensors",
+    BEST,
     "tokenizer.json",
     "metrics.jsonl",
     "MODEL_CARD.md",
@@ -65,15 +69,21 @@ class NonFiniteWeights(CheckpointError):
     """Weights holding NaN or inf, which are never saved."""
 
 
-def save_weights(path: str | Path, model: nn.Module | dict[str, torch.Tensor]) -> None:
-    """Write a model's weights (or a state dict of them) to safetensors, atomically."""
+def save_weights(
+    path: str | Path,
+    model: nn.Module | dict[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write a model's weights (or a state dict of them) to safetensors, atomically, with
+    `metadata` (strings) beside tlm's version in the file's header."""
     weights = model.state_dict() if isinstance(model, nn.Module) else model
     tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
     bad = next((k for k, v in tensors.items() if not torch.isfinite(v).all()), None)
     if bad is not None:
         raise NonFiniteWeights(f"{bad} holds NaN or inf; not saved over the last good weights")
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt", "tlm": __version__})
+        header = {**(metadata or {}), "format": "pt", "tlm": __version__}
+        save_file(tensors, str(tmp), metadata=header)
 
 
 def load_weights(path: str | Path, model: nn.Module) -> None:
@@ -115,14 +125,23 @@ def run_model_config(run: str | Path) -> ModelConfig:
     return ModelConfig.from_dict(read_config(run)["model"])
 
 
-def load_run(run: str | Path) -> TransformerLM | EncoderDecoder:
-    """A run directory -> the model its config.json names, latest weights, eval mode."""
+def load_run(run: str | Path, weights: str = "latest") -> TransformerLM | EncoderDecoder:
+    """A run directory -> the model its config.json names, in eval mode, with its latest
+    weights (model.safetensors) or, `weights="best"`, those of its lowest validation loss
+    (best.safetensors, kept by a run trained with --keep-best)."""
     run = Path(run)
+    if weights not in WEIGHTS:
+        raise CheckpointError(f"weights must be one of {', '.join(WEIGHTS)}; got {weights!r}")
     model = build_model(run_model_config(run), init=False)  # every weight is read below
-    weights = run / "model.safetensors"
-    if not weights.is_file():
-        raise CheckpointError(f"{run} has no model.safetensors yet")
-    load_weights(weights, model)
+    path = run / WEIGHTS[weights]
+    if not path.is_file() and weights == "best":
+        raise CheckpointError(
+            f"{run} has no {BEST}: only a run trained with --keep-best keeps the weights of "
+            "its lowest validation loss (from its first evaluation on)"
+        )
+    if not path.is_file():
+        raise CheckpointError(f"{run} has no {path.name} yet")
+    load_weights(path, model)
     return model.eval()
 
 

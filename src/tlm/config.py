@@ -16,6 +16,7 @@ MODEL_TYPES = ("decoder", "encoder-decoder")
 NORMS = ("pre", "post")
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+DROPOUTS = ("dropout", "attn_dropout", "resid_dropout", "embd_dropout")
 RETIRED = {"attention_impl"}  # read from old config files and ignored
 
 
@@ -49,6 +50,13 @@ class ModelConfig:
     `n_layers` decoder blocks; `context_length` bounds the source and the target each.
     Its positions are absolute (sinusoidal, as the paper, or learned): rotary positions
     have no meaning between a target and a source position.
+
+    `dropout` is the textbook's one rate, applied at three places. GPT-2's config names
+    them apart (attn_pdrop, resid_pdrop, embd_pdrop), and so may we: `attn_dropout` on the
+    attention weights α, `resid_dropout` on each sublayer's output before its residual add,
+    `embd_dropout` on the embedding X. Each left None means "as `dropout`"; it stays None
+    (not resolved here) so that changing `dropout` later, as fine-tuning may, moves it too.
+    With attention dropout 0 the fused kernel runs without dropout even while training.
     """
 
     vocab_size: int = 256
@@ -68,6 +76,9 @@ class ModelConfig:
     rope_base: float = 10000.0
     model_type: str = "decoder"
     n_encoder_layers: int | None = None
+    attn_dropout: float | None = None  # None: `dropout` (kept last: positional order stays)
+    resid_dropout: float | None = None
+    embd_dropout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -100,8 +111,10 @@ class ModelConfig:
         _check_choice("activation", self.activation, ACTIVATIONS)
         if self.position == "rope" and self.d_head % 2 != 0:
             raise ConfigError(f"d_head must be even for position='rope', got {self.d_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        for name in DROPOUTS:
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {value!r}")
         if not self.layer_norm_eps > 0:
             raise ConfigError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
         if not self.rope_base > 1:
@@ -111,6 +124,21 @@ class ModelConfig:
     def d_attn(self) -> int:
         """Width of the concatenated heads, A * d_head (eq. 9.19)."""
         return self.n_heads * self.d_head
+
+    @property
+    def attn_dropout_p(self) -> float:
+        """The dropout rate on the attention weights α: `attn_dropout`, else `dropout`."""
+        return self.dropout if self.attn_dropout is None else self.attn_dropout
+
+    @property
+    def resid_dropout_p(self) -> float:
+        """The dropout rate on a sublayer's output before the residual add."""
+        return self.dropout if self.resid_dropout is None else self.resid_dropout
+
+    @property
+    def embd_dropout_p(self) -> float:
+        """The dropout rate on the embedding X = E[w] + P[pos]."""
+        return self.dropout if self.embd_dropout is None else self.embd_dropout
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -202,6 +230,14 @@ class TrainConfig:
     loss was finite: "skip" (no update; counted in metrics.jsonl) or "stop" (end the run,
     keeping the last checkpoint).
 
+    Validation scores the first `eval_tokens` tokens of the validation split, or all of it
+    with `eval_tokens=0`: a large split scored whole makes each evaluation slower, but the
+    loss then measures the whole split, as `tlm eval` does.
+
+    `keep_best`: each evaluation whose validation loss is lower than every earlier one writes
+    the weights to RUN/best.safetensors (`--weights best` reads them); model.safetensors
+    stays the latest weights, which a resumed run continues from.
+
     Translation (an encoder-decoder on sentence pairs) batches by token count: each
     micro-batch holds at most `batch_tokens` tokens a side, padding included, and a step
     `grad_accum` of them. `schedule="inverse-sqrt"` is the paper's rate,
@@ -224,7 +260,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     nonfinite_grad: str = "skip"
     eval_interval: int = 250
-    eval_tokens: int = 1 << 15
+    eval_tokens: int = 1 << 15  # 0: the whole validation split
     log_interval: int = 10
     checkpoint_interval: int | None = None
     seed: int = 1337
@@ -235,10 +271,16 @@ class TrainConfig:
     schedule: str = "cosine"
     label_smoothing: float = 0.0
     batch_tokens: int | None = None
+    keep_best: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_tokens"):
+        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval"):
             _check_positive(name, getattr(self, name))
+        if not isinstance(self.eval_tokens, int) or self.eval_tokens < 0:
+            raise ConfigError(
+                f"eval_tokens must be an integer >= 0 (0 = the whole validation split), "
+                f"got {self.eval_tokens!r}"
+            )
         _check_positive("log_interval", self.log_interval)
         if self.checkpoint_interval is None:
             object.__setattr__(self, "checkpoint_interval", self.eval_interval)

@@ -35,16 +35,19 @@ def model_config(path: str | Path) -> ModelConfig:
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu"
+    path: str | Path, device: str | torch.device = "cpu", weights: str = "latest"
 ) -> TransformerLM | EncoderDecoder:
     """A run directory of ours, or a Hugging Face GPT-2 directory -> the model (TransformerLM,
-    or EncoderDecoder for a translation run) with its latest weights, in eval mode."""
+    or EncoderDecoder for a translation run) in eval mode, with a run's latest weights or,
+    `weights="best"`, those of its lowest validation loss (a run trained with --keep-best)."""
     path = Path(path)
     if is_hf_model_dir(path):
+        if weights != "latest":
+            raise CheckpointError(f"{path} is a Hugging Face model: it has one set of weights")
         return load_gpt2(path).to(device)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory (a run, or a Hugging Face GPT-2 model)")
-    return load_run(path).to(device)
+    return load_run(path, weights).to(device)
 
 
 # what a command that needs one kind of model says when given the other
@@ -56,18 +59,22 @@ WRONG_KIND = {
 }
 
 
-def _load_kind(path: str | Path, device: str | torch.device, kind: type) -> Any:
-    model = load_model(path, device)
+def _load_kind(path: str | Path, device: str | torch.device, kind: type, weights: str) -> Any:
+    model = load_model(path, device, weights)
     if not isinstance(model, kind):
         raise CheckpointError(f"{path} is {WRONG_KIND[kind]}")
     return model
 
 
-def load_language_model(path: str | Path, device: str | torch.device = "cpu") -> TransformerLM:
+def load_language_model(
+    path: str | Path, device: str | torch.device = "cpu", weights: str = "latest"
+) -> TransformerLM:
     """`load_model` for the commands that continue text: an encoder-decoder is refused."""
-    return _load_kind(path, device, TransformerLM)
+    return _load_kind(path, device, TransformerLM, weights)
 
 
-def load_translation_model(path: str | Path, device: str | torch.device = "cpu") -> EncoderDecoder:
+def load_translation_model(
+    path: str | Path, device: str | torch.device = "cpu", weights: str = "latest"
+) -> EncoderDecoder:
     """`load_model` for the commands that translate: a language model is refused."""
-    return _load_kind(path, device, EncoderDecoder)
+    return _load_kind(path, device, EncoderDecoder, weights)

@@ -34,20 +34,33 @@ def flag(name: str) -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """One `--kebab-case` flag per field of dataclass `cls`; unset flags stay None."""
+    """One `--kebab-case` flag per field of dataclass `cls`; unset flags stay None. A bool
+    field's flag alone means true (`--keep-best`), and still takes a value (`--bias false`)."""
     group = parser.add_argument_group(title)
     hints = get_type_hints(cls)
     for field in dataclasses.fields(cls):
         default = field.default if field.default is not dataclasses.MISSING else None
         kinds = getattr(hints[field.name], "__args__", (hints[field.name],))
         kind = "|".join(k.__name__ for k in kinds if k is not type(None))
+        switch = {"nargs": "?", "const": "true"} if kinds == (bool,) else {}
         group.add_argument(
             flag(field.name),
             dest=field.name,
             default=None,
             metavar=kind.upper(),
             help=f"default: {default}",
+            **switch,
         )
+
+
+def add_weights_flag(parser: argparse.ArgumentParser) -> None:
+    """--weights latest|best: which of a run's weights a command reads."""
+    parser.add_argument(
+        "--weights",
+        choices=("latest", "best"),  # checkpoint.WEIGHTS (not imported: it loads PyTorch)
+        default="latest",
+        help="latest (default), or best: the lowest validation loss (a run trained --keep-best)",
+    )
 
 
 def config_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:

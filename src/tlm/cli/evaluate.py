@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tlm.cli.args import add_command, fail
+from tlm.cli.args import add_command, add_weights_flag, fail
 from tlm.data import TokenData, documents, resolve_sources
 from tlm.evaluate import evaluate_text, evaluate_tokens
 from tlm.load import load_language_model, load_tokenizer, load_translation_model
@@ -15,6 +15,7 @@ EXAMPLE = """examples:
   tlm eval runs/shakespeare_char --data data/shakespeare_char --split val --json
   tlm eval runs/shakespeare_char --text some.txt other.txt
   tlm eval runs/shakespeare_char --data data/shakespeare_char --stride 16   # more context
+  tlm eval runs/shakespeare_char --data data/shakespeare_char --weights best  # --keep-best
   tlm eval runs/multi30k --task translate --src test.en.gz --ref test.de.gz   # BLEU, chrF
 
 --text reads files as `tlm prepare` does (a .txt file is one document, --line-docs one per
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_weights_flag(parser)
     pairs = parser.add_argument_group("translation (--task translate): BLEU and chrF")
     pairs.add_argument("--task", choices=("lm", "translate"), default="lm", help="lm (default)")
     pairs.add_argument("--src", help="source sentences, one a line (.txt or .gz)")
@@ -52,7 +54,8 @@ def run_translation(args: argparse.Namespace) -> int:
         fail("--task translate needs --src FILE and --ref FILE (the test set)")
     if args.data or args.text:
         fail("--task translate reads --src and --ref, not --data or --text")
-    model, tokenizer = load_translation_model(args.run), load_tokenizer(args.run)
+    model = load_translation_model(args.run, weights=args.weights)
+    tokenizer = load_tokenizer(args.run)
     results = evaluate_translation(
         model, tokenizer, args.src, args.ref, args.beams, args.alpha, args.batch_size, args.examples
     )
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         fail("--src and --ref go with --task translate")
     if bool(args.data) == bool(args.text):
         fail("give either --data DIR (with --split) or --text FILE...")
-    model = load_language_model(args.run)
+    model = load_language_model(args.run, weights=args.weights)
     tokenizer = load_tokenizer(args.run)
     if args.data:
         data = TokenData(args.data)

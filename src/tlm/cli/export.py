@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tlm.cli.args import add_command
+from tlm.cli.args import add_command, add_weights_flag
 from tlm.interop.export import export_hf
 from tlm.load import load_model, load_tokenizer
 from tlm.model import EncoderDecoder
 
 EXAMPLE = """example:
   tlm export-hf runs/shakespeare_char out/shakespeare_hf
+  tlm export-hf runs/shakespeare_char out/shakespeare_best --weights best   # --keep-best
   then, in Python: GPT2LMHeadModel.from_pretrained("out/shakespeare_hf")
 
 GPT-2 is pre-norm with learned absolute positions and d_head = d_model / n_heads; a run
@@ -30,12 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("run", help="run directory (or a Hugging Face GPT-2 directory)")
     parser.add_argument("out", help="the folder to create (must not exist or be empty)")
+    add_weights_flag(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     card = Path(args.run) / "MODEL_CARD.md"
-    model = load_model(args.run)
+    model = load_model(args.run, weights=args.weights)
     out = export_hf(model, load_tokenizer(args.run), args.out, card)
     kind = "MarianMTModel" if isinstance(model, EncoderDecoder) else "GPT2LMHeadModel"
     print(f"wrote {out}: load it with {kind}.from_pretrained({str(out)!r})")

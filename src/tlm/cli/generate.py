@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from tlm.cli.args import add_command, fail, read_text_file
+from tlm.cli.args import add_command, add_weights_flag, fail, read_text_file
 from tlm.generate import GenerationConfig, complete, stream_completion
 from tlm.load import load_language_model, load_tokenizer
 from tlm.model.packed import FORMATS
@@ -16,6 +16,7 @@ EXAMPLE = """examples:
   tlm generate runs/demo --prompt "The for statement" --num-beams 4 --max-new-tokens 40
   tlm generate runs/demo --prompt "A list" --prompt "A dict" --do-sample -n 3 --seed 1 --json
   tlm generate runs/demo --prompt-file question.txt --stop "\\n\\n" --dtype int8
+  tlm generate runs/shakespeare_char --weights best   # a run trained with --keep-best
 """
 SAMPLING = ("temperature", "top_k", "top_p")
 
@@ -44,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--dtype", default="float32", choices=FORMATS, help="weights (float32)")
     parser.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
+    add_weights_flag(parser)
     parser.set_defaults(handler=run)
 
 
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         fail("--prompt-logprobs adds to the --json output: add --json")
     if args.stream and (len(prompts) > 1 or args.num_return_sequences > 1 or args.num_beams > 1):
         fail("--stream shows one completion: one prompt, -n 1 and --num-beams 1")
-    model = load_language_model(args.run).for_inference(args.dtype)
+    model = load_language_model(args.run, weights=args.weights).for_inference(args.dtype)
     tokenizer = load_tokenizer(args.run)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,

@@ -28,6 +28,7 @@ EXAMPLE = """example:
   tlm train --data data/shakespeare_char --out runs/shakespeare_char --n-layers 4 \\
       --n-heads 4 --d-model 128 --context-length 64 --batch-size 12 --max-steps 2000
   tlm train --out runs/shakespeare_char --resume      # continue after Ctrl-C or a crash
+  tlm train ... --keep-best --eval-tokens 0   # best.safetensors: lowest loss on all of val
   torchrun --standalone --nproc_per_node=2 -m tlm train --data ... --out ...  # DDP
   torchrun --standalone --nproc_per_node=2 -m tlm train --fsdp ...   # sharded (FSDP2)
 
@@ -119,4 +120,9 @@ def _train(args, model_values, train_values, runtime: Runtime) -> int:
             f"val loss {'n/a' if val is None else f'{val:.4f}'}, {results['elapsed']:.1f} s; "
             f"run in {out} (MODEL_CARD.md, plots/loss.png)"
         )
+        if results.get("best_step") is not None:
+            print(
+                f"best: val loss {results['best_val_loss']:.4f} at step {results['best_step']:,} "
+                f"in {out}/best.safetensors (read it with --weights best)"
+            )
     return 0

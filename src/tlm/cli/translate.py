@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tlm.cli.args import add_command, fail
+from tlm.cli.args import add_command, add_weights_flag, fail
 from tlm.data.pairs import read_lines
 from tlm.generate.translate import translate
 from tlm.load import load_tokenizer, load_translation_model
@@ -26,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--alpha", type=float, default=0.6, help="length penalty α (0.6)")
     parser.add_argument("--batch-size", type=int, default=64, help="sentences decoded at once")
     parser.add_argument("--max-new-tokens", type=int, help="(default: source length + 50)")
+    add_weights_flag(parser)
     parser.set_defaults(handler=run)
 
 
@@ -36,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     empty = [n for n, s in enumerate(sentences, start=1) if not s]
     if empty:
         fail(f"line {empty[0]} of {args.file} is empty ({len(empty)} empty lines in all)")
-    model, tokenizer = load_translation_model(args.run), load_tokenizer(args.run)
+    model = load_translation_model(args.run, weights=args.weights)
+    tokenizer = load_tokenizer(args.run)
     outputs = translate(
         model, tokenizer, sentences, args.beams, args.alpha, args.batch_size, args.max_new_tokens
     )

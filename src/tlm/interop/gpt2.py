@@ -100,11 +100,24 @@ def config_from_gpt2(hf: dict[str, Any]) -> ModelConfig:
             activation=ACTIVATIONS_IN[activation],
             tie_embeddings=hf.get("tie_word_embeddings", True),
             bias=True,
-            dropout=float(hf.get("resid_pdrop", 0.1)),
+            **dropouts_from_gpt2(hf),
             layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
         )
     except ConfigError as exc:
         raise HFFormatError(f"config.json: {exc}") from None
+
+
+def dropouts_from_gpt2(hf: dict[str, Any]) -> dict[str, float | None]:
+    """GPT-2's three dropout rates (0.1 each unless given) -> `dropout` (resid_pdrop) and
+    `attn_dropout` / `embd_dropout` only where they differ from it, so that a model whose
+    rates are equal has the textbook's one `dropout`, as before the split."""
+    resid = float(hf.get("resid_pdrop", 0.1))
+    attn, embd = float(hf.get("attn_pdrop", 0.1)), float(hf.get("embd_pdrop", 0.1))
+    return {
+        "dropout": resid,
+        "attn_dropout": None if attn == resid else attn,
+        "embd_dropout": None if embd == resid else embd,
+    }
 
 
 def gpt2_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
@@ -135,9 +148,9 @@ def gpt2_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
         "n_head": config.n_heads,
         "n_inner": config.d_ff,
         "activation_function": ACTIVATIONS_OUT[config.activation],
-        "resid_pdrop": config.dropout,
-        "embd_pdrop": config.dropout,
-        "attn_pdrop": config.dropout,
+        "resid_pdrop": config.resid_dropout_p,
+        "embd_pdrop": config.embd_dropout_p,
+        "attn_pdrop": config.attn_dropout_p,
         "layer_norm_epsilon": config.layer_norm_eps,
         "initializer_range": 0.02,
         "scale_attn_weights": True,

@@ -65,8 +65,8 @@ def marian_config(config: ModelConfig, eot_id: int) -> dict[str, Any]:
         "scale_embedding": True,
         "share_encoder_decoder_embeddings": True,
         "tie_word_embeddings": config.tie_embeddings,
-        "dropout": config.dropout,
-        "attention_dropout": 0.0,
+        "dropout": config.resid_dropout_p,  # Marian's one rate for residuals and embeddings
+        "attention_dropout": config.attn_dropout_p,
         "activation_dropout": 0.0,
         "is_encoder_decoder": True,
         "pad_token_id": eot_id,

@@ -123,7 +123,7 @@ class MultiHeadAttention(nn.Module):
         d, d_attn = config.d_model, config.d_attn
         self.layer = layer  # its slot in a KVCache
         self.n_heads, self.d_head = config.n_heads, config.d_head
-        self.dropout = config.dropout
+        self.dropout = config.attn_dropout_p  # on α only: residual dropout never reaches SDPA
         self.W_Q = nn.Parameter(torch.empty(d, d_attn))
         self.W_K = nn.Parameter(torch.empty(d, d_attn))
         self.W_V = nn.Parameter(torch.empty(d, d_attn))

@@ -59,7 +59,7 @@ class DecoderBlock(nn.Module):
         self.ln2 = LayerNorm(d, eps, bias)
         self.ffn = FeedForward(config)
         self.resid_post = HookPoint()
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = nn.Dropout(config.resid_dropout_p)  # on each sublayer, before the add
 
     def forward(
         self,
@@ -92,7 +92,7 @@ class EncoderDecoder(nn.Module):
             raise ValueError(f"EncoderDecoder needs model_type='encoder-decoder', got {config}")
         self.config = config
         self.embedding = Embedding(config, scale=math.sqrt(config.d_model))  # §3.4
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = nn.Dropout(config.embd_dropout_p)  # on the scaled embedding + P
         self.embed_source, self.embed_target = HookPoint(), HookPoint()
         encoder_block = BLOCKS[config.norm]
         self.encoder = nn.ModuleList(

@@ -109,7 +109,7 @@ class PreNormBlock(nn.Module):
         self.ln2 = LayerNorm(config.d_model, config.layer_norm_eps, config.bias)
         self.ffn = FeedForward(config)
         self.resid_post = HookPoint()
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = nn.Dropout(config.resid_dropout_p)  # on each sublayer, before the add
 
     def forward(
         self,

@@ -32,7 +32,7 @@ class TransformerLM(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = Embedding(config)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = nn.Dropout(config.embd_dropout_p)  # on X = E[w] + P[pos]
         self.embed = HookPoint()
         block = BLOCKS[config.norm]
         self.blocks = nn.ModuleList(block(config, layer) for layer in range(config.n_layers))

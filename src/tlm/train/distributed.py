@@ -122,6 +122,17 @@ class Runtime:
         """The whole gradient's norm as a number (under FSDP a DTensor to gather)."""
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
+    def full_weights(self, model: nn.Module) -> dict:
+        """The model's whole state dict, for the main rank to save (under FSDP every rank must
+        call this: the shards are gathered; the other ranks get an empty dict)."""
+        if not self.fsdp:
+            return model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=full)
+        return weights if self.is_main else {}
+
     def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """The model's and the optimizer's whole state dicts, in one process's form (the
         optimizer's keyed by parameter index), for the main rank to save. Under FSDP every

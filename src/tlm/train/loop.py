@@ -2,7 +2,8 @@
 
 Each step: for every micro-batch, cross-entropy (eq. 10.51) averaged over the windows and
 backpropagated; then gradient clipping, one AdamW step at the scheduled learning rate.
-Periodically: validation loss, metrics, plot and an atomic checkpoint. Ctrl-C saves
+Periodically: validation loss, metrics, plot and an atomic checkpoint; with --keep-best,
+the weights of the lowest validation loss so far in RUN/best.safetensors. Ctrl-C saves
 and stops; a loss that becomes NaN or inf stops without saving over the last good state. A
 gradient whose norm is NaN or inf (the loss finite) never reaches the weights: the step is
 skipped and counted, or the run stops (`TrainConfig.nonfinite_grad`).
@@ -24,10 +25,12 @@ from torch.nn.utils import clip_grad_norm_
 from tqdm import tqdm
 
 from tlm.checkpoint import (
+    BEST,
     NonFiniteWeights,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    save_weights,
     write_config,
 )
 from tlm.config import ModelConfig, TrainConfig
@@ -64,6 +67,8 @@ class Progress:
     window: list[float] = field(default_factory=list)  # train losses since the last log line
     norms: list[float] = field(default_factory=list)  # gradient norms since the last log line
     skipped: int = 0  # steps whose gradient was not finite, so no update was made
+    best_step: int | None = None  # --keep-best: the step of best.safetensors
+    best_loss: float | None = None  # and its validation loss, which a new best must beat
 
 
 class DeferredInterrupt:
@@ -143,11 +148,13 @@ class Trainer:
         self.val_batches = self._val_batches()
 
     def _val_batches(self) -> list[torch.Tensor]:
-        """The validation windows in batches of VAL_BATCH, the unit a rank scores."""
+        """The validation windows in batches of VAL_BATCH, the unit a rank scores: the first
+        `eval_tokens` targets of the split, or every one with `eval_tokens` 0."""
         val = self.data.split("val")
         if len(val) < 2:
             return []
-        chunks = eval_windows(val, self.model_config.context_length, self.config.eval_tokens)
+        limit = self.config.eval_tokens or None  # None: eval_windows takes the whole split
+        chunks = eval_windows(val, self.model_config.context_length, limit)
         return [w[i : i + VAL_BATCH] for w in chunks for i in range(0, len(w), VAL_BATCH)]
 
     def autocast(self):
@@ -271,22 +278,40 @@ class Trainer:
 
     def _evaluate(self) -> None:
         val = self.validation_loss()  # every rank takes part (FSDP gathers its shards)
-        if val is None or self.metrics is None:
+        if val is None:
             return
         s = self.state
+        better = s.best_loss is None or val < s.best_loss  # (every rank has the same `val`)
+        if self.config.keep_best and math.isfinite(val) and better:
+            self.save_best(val)
+        if self.metrics is None:
+            return
         self.metrics.log(
             {"step": s.step, "tokens": s.tokens, "time": round(s.elapsed, 3), "val_loss": val}
         )
         plot_losses(self.metrics.rows, self.run / "plots" / "loss.png")
 
+    def save_best(self, loss: float) -> None:
+        """Write the weights now to RUN/best.safetensors (their step and loss in its header),
+        then record them in the state that checkpoints save, so that a resumed run compares
+        against the best it had reached at its checkpoint."""
+        s = self.state
+        weights = self.runtime.full_weights(self.model)  # every rank (FSDP gathers)
+        header = {"step": str(s.step), "val_loss": repr(loss)}
+        self._main_writes(lambda: save_weights(self.run / BEST, weights, header))
+        s.best_step, s.best_loss = s.step, loss
+
     def save(self) -> None:
-        """The main rank writes the checkpoint; if it refuses (non-finite weights), every
-        rank stops."""
-        refused = None
+        """The main rank writes the checkpoint."""
         weights, optimizer = self.runtime.full_state(self.model, self.optimizer)
+        self._main_writes(lambda: save_checkpoint(self.run, weights, optimizer, asdict(self.state)))
+
+    def _main_writes(self, write) -> None:
+        """The main rank calls `write`; if it refuses (non-finite weights), every rank stops."""
+        refused = None
         if self.runtime.is_main:
             try:
-                save_checkpoint(self.run, weights, optimizer, asdict(self.state))
+                write()
             except NonFiniteWeights as exc:
                 refused = exc
         if self.runtime.any(refused is not None):
@@ -303,6 +328,8 @@ class Trainer:
             "train_loss": train[-1] if train else float("nan"),
             "val_loss": val[-1] if val else None,
         }
+        if self.config.keep_best:
+            results |= {"best_step": self.state.best_step, "best_val_loss": self.state.best_loss}
         if self.runtime.is_main:
             plot_losses(rows, self.run / "plots" / "loss.png")
             self.write_card(results)

@@ -118,13 +118,13 @@ Tokenizer: {data_meta["tokenizer"]}, vocabulary {data_meta["vocab_size"]}. Docum
 | tokens seen | {results["tokens"]:,} ({epochs:.1f} passes over the training split) |
 | wall time | {results["elapsed"]:.1f} s |
 | final train loss (nats/token) | {results["train_loss"]:.4f} |
-| final validation loss (nats/token) | {val} |
+| final validation loss (nats/token) | {val} |{best_row(results)}
 
 ## How to use
 
 ```
 tlm generate {run} --prompt "..." --max-new-tokens 200
-tlm eval {run} --data {train_config.data} --split val
+tlm eval {run} --data {train_config.data} --split val{best_usage(f"tlm generate {run}", results)}
 ```
 
 ## Limits (J&M §10.10)
@@ -139,6 +139,23 @@ tlm eval {run} --data {train_config.data} --split val
   validation loss says how well it predicts held-out text from the same sources only.
 """
     write_text_atomic(run / "MODEL_CARD.md", card)
+
+
+def best_row(results: dict[str, Any], unit: str = "nats/token") -> str:
+    """The card's row for best.safetensors (a run trained with --keep-best), else ""."""
+    if "best_step" not in results:
+        return ""
+    if results["best_step"] is None:
+        return "\n| best validation loss | n/a (no evaluation yet; no best.safetensors) |"
+    loss, step = results["best_val_loss"], results["best_step"]
+    return f"\n| best validation loss ({unit}) | {loss:.4f} at step {step:,} (best.safetensors) |"
+
+
+def best_usage(command: str, results: dict[str, Any]) -> str:
+    """`command` with the best weights, for the card's usage, when the run kept them."""
+    if results.get("best_step") is None:
+        return ""
+    return f"\n{command} --weights best   # the weights of the lowest validation loss"
 
 
 def _cleaning(cleaning: dict[str, Any] | None) -> str:

@@ -96,7 +96,7 @@ def check_new_run(out: Path, probe_lock: bool = True) -> None:
 
 
 # may differ between a pretrained model and its fine-tuning run; the shape may not
-FINE_TUNING_FIELDS = ("dropout",)
+FINE_TUNING_FIELDS = ("dropout", "attn_dropout", "resid_dropout", "embd_dropout")
 
 
 def _init_model_values(source: str, given: dict[str, Any], data: TokenData) -> dict[str, Any]:

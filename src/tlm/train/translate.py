@@ -23,6 +23,7 @@ from tlm.data.pairs import Pairs, token_batches
 from tlm.io import write_text_atomic
 from tlm.model.loss import IGNORE, label_smoothed_cross_entropy
 from tlm.train.loop import Trainer
+from tlm.train.report import best_row, best_usage
 from tlm.train.run import RunError
 
 Batch = tuple[Tensor, Tensor, Tensor, Tensor]  # source, source mask, decoder input, labels
@@ -128,6 +129,7 @@ class TranslationTrainer(Trainer):
     def write_card(self, results: dict[str, Any]) -> None:
         meta, splits = self.data.meta, self.data.meta["splits"]
         val = results.get("val_loss")
+        best = best_row(results, "nats/target token")
         card = f"""# Model card: `{self.run.name}`
 
 An encoder-decoder transformer (Vaswani et al. 2017) trained with tlm to translate: the
@@ -156,13 +158,13 @@ validation pairs.
 | target tokens seen | {results["tokens"]:,} |
 | wall time | {results["elapsed"]:.1f} s |
 | final train loss (label-smoothed, nats/token) | {results["train_loss"]:.4f} |
-| final validation loss (nats/target token) | {"n/a" if val is None else f"{val:.4f}"} |
+| final validation loss (nats/target token) | {"n/a" if val is None else f"{val:.4f}"} |{best}
 
 ## How to use
 
 ```
 tlm translate {self.run} "A man rides a bike."
-tlm eval {self.run} --task translate
+tlm eval {self.run} --task translate{best_usage(f"tlm translate {self.run}", results)}
 ```
 
 ## Limits
