@@ -44,6 +44,7 @@ def load_hf(folder):
         {},
         {"activation_function": "gelu", "layer_norm_epsilon": 1e-6},
         {"activation_function": "relu", "n_inner": 48},
+        {"activation_function": "relu2"},  # ReLU², a small-budget option (not the book's)
         {"tie_word_embeddings": False},
     ],
 )
@@ -125,6 +126,7 @@ def test_original_gpt2_layout_loads(tmp_path):
         {"activation": "gelu_tanh"},
         {"activation": "gelu"},
         {"activation": "relu", "d_ff": 96},
+        {"activation": "relu2"},
         {"position": "sinusoidal"},
         {"bias": False},
         {"tie_embeddings": False, "layer_norm_eps": 1e-6},
@@ -186,6 +188,7 @@ def test_round_trip_hf_tlm_hf_gives_identical_tensors(gpt2_dir, tmp_path):
         ({"position": "none"}, "position='none'"),
         ({"norm": "post"}, "norm='post'"),
         ({"d_head": 8}, "d_head=8"),
+        ({"qk_norm": True}, "qk_norm"),
     ],
 )
 def test_export_refuses_what_gpt2_cannot_express(tmp_path, bpe_tokenizer, capsys, overrides, field):

@@ -15,7 +15,7 @@ from tlm.errors import UserError
 MODEL_TYPES = ("decoder", "encoder-decoder")
 NORMS = ("pre", "post")
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "relu2")
 DROPOUTS = ("dropout", "attn_dropout", "resid_dropout", "embd_dropout")
 RETIRED = {"attention_impl"}  # read from old config files and ignored
 
@@ -44,7 +44,13 @@ class ModelConfig:
     construction they are always integers.
 
     `activation`: "relu" (eq. 9.21), "gelu" (exact, x·Φ(x)) or "gelu_tanh" (the tanh
-    approximation GPT-2 was trained with; 5x slower than exact GELU on CPU in torch 2.13).
+    approximation GPT-2 was trained with; 5x slower than exact GELU on CPU in torch 2.13)
+    or "relu2", ReLU(x)² (So et al. 2021, "Primer"), a departure from the book that trains
+    faster at small budgets.
+
+    `qk_norm` (off in the book) scales each head's query and key to unit RMS before their
+    dot product (RMSNorm without a gain, as Dehghani et al. 2023 and OLMo 2 do), so the
+    attention logits stay bounded and a higher learning rate stays stable.
 
     An encoder-decoder has `n_encoder_layers` encoder blocks (default `n_layers`) and
     `n_layers` decoder blocks; `context_length` bounds the source and the target each.
@@ -79,6 +85,7 @@ class ModelConfig:
     attn_dropout: float | None = None  # None: `dropout` (kept last: positional order stays)
     resid_dropout: float | None = None
     embd_dropout: float | None = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -216,6 +223,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16")
 BAD_GRADIENT = ("skip", "stop")
 SCHEDULES = ("cosine", "inverse-sqrt")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass(frozen=True)
@@ -233,6 +241,10 @@ class TrainConfig:
     Validation scores the first `eval_tokens` tokens of the validation split, or all of it
     with `eval_tokens=0`: a large split scored whole makes each evaluation slower, but the
     loss then measures the whole split, as `tlm eval` does.
+
+    `optimizer`: "adamw" (the book's) or "muon": Muon for the blocks' weight matrices and
+    AdamW for the rest, one learning rate for both (`train/optim.py`); a departure from the
+    book for small budgets. Muon runs on one process or under DDP, not FSDP.
 
     `keep_best`: each evaluation whose validation loss is lower than every earlier one writes
     the weights to RUN/best.safetensors (`--weights best` reads them); model.safetensors
@@ -269,6 +281,7 @@ class TrainConfig:
     compile: bool = False
     init_from: str | None = None
     schedule: str = "cosine"
+    optimizer: str = "adamw"
     label_smoothing: float = 0.0
     batch_tokens: int | None = None
     keep_best: bool = False
@@ -302,6 +315,7 @@ class TrainConfig:
             raise ConfigError(f"grad_clip must be >= 0 (0 = off), got {self.grad_clip!r}")
         _check_choice("nonfinite_grad", self.nonfinite_grad, BAD_GRADIENT)
         _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
         if self.batch_tokens is not None:

@@ -40,8 +40,9 @@ ACTIVATIONS_IN = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu": "gelu",
     "relu": "relu",
+    "relu2": "relu2",
 }
-ACTIVATIONS_OUT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+ACTIVATIONS_OUT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "relu2": "relu2"}
 # buffers older GPT-2 checkpoints store beside the weights (the causal mask): not weights
 BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
@@ -134,6 +135,7 @@ def gpt2_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
             f"d_head={config.d_head}: GPT-2 needs d_head = d_model / n_heads "
             f"= {config.d_model / config.n_heads:g} (leave --d-head unset)",
         ),
+        (config.qk_norm, "qk_norm: GPT-2's attention has no query/key norm"),
     ]
     for refused, message in refusals:
         if refused:

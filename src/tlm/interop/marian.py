@@ -41,6 +41,8 @@ def check_marian(config: ModelConfig) -> None:
         problems.append("d_head x n_heads != d_model")
     if config.layer_norm_eps != 1e-5:
         problems.append(f"layer_norm_eps {config.layer_norm_eps} (Marian's is 1e-5)")
+    if config.qk_norm:
+        problems.append("qk_norm (Marian's attention has none)")
     if problems:
         raise HFFormatError(f"MarianMTModel cannot express {'; '.join(problems)}")
 

@@ -136,6 +136,7 @@ class MultiHeadAttention(nn.Module):
         else:
             self.b_Q = self.b_K = self.b_V = self.b_O = None
         self.rotary = Rotary(config) if config.position == "rope" else None
+        self.qk_norm = config.qk_norm
         self.q, self.k, self.v = HookPoint(), HookPoint(), HookPoint()  # [B,H,T,d_head]
         self.scores, self.pattern = HookPoint(), HookPoint()  # [B,H,T,S]
         self.z = HookPoint()  # each head's output before W_O  [B,T,H,d_head]
@@ -216,6 +217,8 @@ class MultiHeadAttention(nn.Module):
         (eq. 9.11-9.13); without `causal`, `mask` alone says what a query may see."""
         T = q.shape[1]
         q, k, v = map(self.split_heads, (q, k, v))  # [B,H,T,dh]
+        if self.qk_norm:  # q and k at unit RMS per head: the logits stay bounded (not the book)
+            q, k = F.rms_norm(q, (q.shape[-1],)), F.rms_norm(k, (k.shape[-1],))
         if self.rotary is not None:  # relative positions: rotate q and k, never v
             if positions is None:
                 positions = torch.arange(T, device=q.device)

@@ -41,4 +41,5 @@ ACTIVATIONS = {
     "relu": F.relu,  # eq. 9.21
     "gelu": F.gelu,  # exact: x·Φ(x)
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # == gelu_tanh, in one kernel
+    "relu2": lambda x: F.relu(x).square(),  # ReLU(x)², So et al. 2021 (not in the book)
 }

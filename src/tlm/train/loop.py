@@ -112,6 +112,8 @@ class Trainer:
                 f"the global batch of {self.global_batch} windows (--batch-size x --grad-accum) "
                 f"does not split evenly over {rt.world_size} processes"
             )
+        if rt.fsdp and config.optimizer == "muon":  # Newton-Schulz needs a whole matrix
+            raise RunError("--optimizer muon needs whole weight matrices: use DDP, not --fsdp")
         torch.manual_seed(config.seed)
         self.model = build_model(model_config, init=False)
         self.model.reset_parameters(seed=config.seed)  # resume / init_from overwrite it below

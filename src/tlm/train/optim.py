@@ -1,4 +1,13 @@
-"""AdamW with decoupled weight decay (Loshchilov & Hutter 2019) and the learning-rate schedule."""
+"""The optimizers and the learning-rate schedule.
+
+AdamW with decoupled weight decay (Loshchilov & Hutter 2019) is the textbook's and the
+default. `optimizer="muon"` is a departure from the book for small budgets: Muon (Jordan et
+al. 2024; `torch.optim.Muon`) for the blocks' weight matrices, which it updates by the
+orthogonalised momentum (Newton-Schulz), and AdamW for everything else (embeddings, the
+head, LayerNorms, biases). Muon's step is scaled to AdamW's update size
+(`adjust_lr_fn="match_rms_adamw"`, Liu et al. 2025), so one learning rate and one schedule
+drive both.
+"""
 
 from __future__ import annotations
 
@@ -29,11 +38,84 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    groups = parameter_groups(model, config.weight_decay)
+OUTSIDE_MUON = ("E", "P", "W_U")  # 2-D, but embeddings and the head: AdamW (Jordan et al.)
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer | Combined:
     device = next(model.parameters()).device
     fused = device.type in ("cpu", "cuda")
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=fused)
+    betas = (config.beta1, config.beta2)
+    if config.optimizer == "adamw":
+        groups = parameter_groups(model, config.weight_decay)
+        return torch.optim.AdamW(groups, lr=config.lr, betas=betas, fused=fused)
+    matrices = [
+        p
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.ndim == 2 and name.rsplit(".", 1)[-1] not in OUTSIDE_MUON
+    ]
+    chosen = {id(p) for p in matrices}
+    rest = [g for g in parameter_groups(model, config.weight_decay) if g["params"]]
+    for group in rest:
+        group["params"] = [p for p in group["params"] if id(p) not in chosen]
+    muon = torch.optim.Muon(
+        matrices, lr=config.lr, weight_decay=config.weight_decay, adjust_lr_fn="match_rms_adamw"
+    )
+    return Combined(muon, torch.optim.AdamW(rest, lr=config.lr, betas=betas, fused=fused))
+
+
+class Combined:
+    """Several optimizers used as one: the trainer sets the learning rate of every group in
+    `param_groups`, steps, zeroes, and saves and loads one state dict, whose parameters are
+    numbered across the optimizers in order (as one optimizer numbers its groups')."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for o in self.optimizers for group in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        state, groups, offset = {}, [], 0
+        for o in self.optimizers:
+            saved = o.state_dict()
+            state.update({offset + i: s for i, s in saved["state"].items()})
+            groups += [
+                {**g, "params": [offset + i for i in g["params"]]} for g in saved["param_groups"]
+            ]
+            offset += _count(o)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, saved: dict) -> None:
+        offset, first = 0, 0
+        for o in self.optimizers:
+            n, k = _count(o), len(o.param_groups)
+            groups = saved["param_groups"][first : first + k]
+            o.load_state_dict(
+                {
+                    "state": {
+                        i - offset: s
+                        for i, s in saved["state"].items()
+                        if offset <= int(i) < offset + n
+                    },
+                    "param_groups": [
+                        {**g, "params": [i - offset for i in g["params"]]} for g in groups
+                    ],
+                }
+            )
+            offset, first = offset + n, first + k
+
+
+def _count(optimizer: torch.optim.Optimizer) -> int:
+    return sum(len(group["params"]) for group in optimizer.param_groups)
 
 
 def learning_rate(step: int, config: TrainConfig, d_model: int | None = None) -> float:
