@@ -15,6 +15,7 @@ from tlm.model import TransformerLM
 from tlm.model.functional import ACTIVATIONS
 from tlm.model.kv_cache import KVCache
 from tlm.train import RunError, Runtime, Trainer, new_run_configs
+from tlm.train.muon import Muon, orthogonalize
 from tlm.train.optim import Combined, build_optimizer
 
 
@@ -137,3 +138,34 @@ def test_muon_refuses_fsdp(docs_chars, tmp_path):
     with pytest.raises(RunError, match="use DDP, not --fsdp"):
         Trainer(model_config, train_config, data, "{}", runtime=runtime)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
+def test_our_muon_in_bf16_is_torchs_step_for_step(adjust):
+    """tlm's Muon only moves Newton-Schulz to fp32 on a CPU; in bf16 it is torch's exactly."""
+    torch.manual_seed(0)
+    shapes = [(48, 80), (96, 32), (48, 80)]  # wide, tall, and two of one shape (a stack)
+    start = [torch.randn(shape) for shape in shapes]
+    params = [t.clone().requires_grad_() for t in start]
+    copies = [t.clone().requires_grad_() for t in start]
+    settings = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": adjust}
+    ours = Muon(params, ns_dtype=torch.bfloat16, **settings)
+    reference = torch.optim.Muon(copies, **settings)
+    for seed in range(3):
+        for group in (params, copies):
+            g = torch.Generator().manual_seed(seed)
+            for p in group:
+                p.grad = torch.randn(p.shape, generator=g)
+        ours.step()
+        reference.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, copies, strict=True))
+    fp32 = orthogonalize(torch.randn(64, 128), (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
+    singular = torch.linalg.svdvals(fp32)
+    assert 0.5 < singular.min() and singular.max() < 1.5  # U S' Vᵀ with S' near 1 (Jordan)
+
+
+def test_a_stack_is_orthogonalised_as_each_matrix_alone():
+    torch.manual_seed(0)
+    stack, ns = torch.randn(5, 96, 40), ((3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
+    alone = torch.stack([orthogonalize(G, *ns) for G in stack])
+    assert torch.allclose(orthogonalize(stack, *ns), alone, atol=1e-5)

@@ -2,9 +2,9 @@
 
 AdamW with decoupled weight decay (Loshchilov & Hutter 2019) is the textbook's and the
 default. `optimizer="muon"` is a departure from the book for small budgets: Muon (Jordan et
-al. 2024; `torch.optim.Muon`) for the blocks' weight matrices, which it updates by the
-orthogonalised momentum (Newton-Schulz), and AdamW for everything else (embeddings, the
-head, LayerNorms, biases). Muon's step is scaled to AdamW's update size
+al. 2024; `train/muon.py`) for the blocks' weight matrices, which it updates by the
+orthogonalised momentum, and AdamW for everything else (embeddings, the head, LayerNorms,
+biases). Muon's step is scaled to AdamW's update size
 (`adjust_lr_fn="match_rms_adamw"`, Liu et al. 2025), so one learning rate and one schedule
 drive both.
 """
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tlm.config import TrainConfig
+from tlm.train.muon import Muon
 
 NO_DECAY = ("E", "P", "gamma", "beta")  # embeddings and norms; biases are b_*
 
@@ -57,7 +58,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     rest = [g for g in parameter_groups(model, config.weight_decay) if g["params"]]
     for group in rest:
         group["params"] = [p for p in group["params"] if id(p) not in chosen]
-    muon = torch.optim.Muon(
+    muon = Muon(
         matrices, lr=config.lr, weight_decay=config.weight_decay, adjust_lr_fn="match_rms_adamw"
     )
     return Combined(muon, torch.optim.AdamW(rest, lr=config.lr, betas=betas, fused=fused))
