@@ -4,6 +4,8 @@
     python bench/train.py --part recipe        # the well-known CPU recipe, exactly as issued
     python bench/train.py --part fast          # time to the recipe's loss with our settings
     python bench/train.py --part best          # best validation loss in ~5 minutes
+    python bench/train.py --part budget25      # issue 16: <= 1.87 in <= 25 s (Muon, QK-norm, ReLU²)
+    python bench/train.py --part budget5       # issue 16: <= 1.55 in 5 minutes (the same, ctx 128)
     python bench/train.py --part throughput    # tokens/s vs GPT2LMHeadModel, FLOP/s vs peak
 
 Runs the `tlm` commands as a user would (in --work, default out/bench) and prints what they
@@ -53,6 +55,20 @@ RECIPES = {
         "--eval-interval 1000",
         "best in ~5 min (4L d128 ctx64, rope, lr 2e-3, 4600 steps)",
         "target: <= 1.65",
+    ),
+    # issue 16: the departures from the book for small budgets, each a flag
+    "budget25": (
+        SMALL + "--position rope --d-ff 256 --optimizer muon --qk-norm --activation relu2 "
+        "--max-steps 340 --lr 6e-3 --min-lr 6e-4 --warmup-steps 30 --eval-interval 340",
+        "25-second budget (4L d128 ctx64, rope, d_ff 256, Muon, QK-norm, ReLU², 340 steps)",
+        "target: <= 1.87 in <= 25 s of training",
+    ),
+    "budget5": (
+        SMALL + "--context-length 128 --position rope --optimizer muon --qk-norm "
+        "--activation relu2 --max-steps 2000 --lr 6e-3 --min-lr 6e-4 --warmup-steps 100 "
+        "--eval-interval 1000",
+        "5-minute budget (4L d128 ctx128, rope, Muon, QK-norm, ReLU², 2000 steps)",
+        "target: <= 1.55 in <= 300 s of training",
     ),
 }
 
