@@ -71,7 +71,9 @@ def module_text(root: Path, path: Path) -> str:
     "" for a module with none."""
     try:
         tree = ast.parse(path.read_bytes(), filename=str(path))
-    except (OSError, SyntaxError, ValueError):  # unreadable, not this Python's syntax, NUL bytes
+    except (OSError, SyntaxError, ValueError):
+        # unreadable, not this Python's syntax, not in its declared encoding, or NUL bytes
+        # (a SyntaxError here; compile() has raised ValueError for them on other versions)
         return ""
     parts = path.relative_to(root).with_suffix("").parts
     module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
