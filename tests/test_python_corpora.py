@@ -10,7 +10,7 @@ import sysconfig
 from pathlib import Path
 from pydoc_data.topics import topics
 
-from tlm.data import documents, resolve_sources
+from tlm.data import corpus, documents, resolve_sources
 from tlm.data import python_corpora as pc
 
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -30,6 +30,13 @@ def test_python_docs_is_the_pydoc_topics_as_before():
     docs, size, sha256 = read("python-docs")
     assert docs == [text for text in texts if text.strip()]
     assert (size, sha256) == (len(raw), hashlib.sha256(raw).hexdigest())
+
+
+def test_blank_texts_count_in_bytes_and_give_no_document(monkeypatch):
+    """No topic is blank on 3.11.7; were one blank, python-docs would still read as before."""
+    monkeypatch.setitem(corpus.BUILTIN_PYTHON, "python-docs", lambda: ["one", " \n", "two"])
+    raw = b"one \ntwo"
+    assert read("python-docs") == (["one", "two"], len(raw), hashlib.sha256(raw).hexdigest())
 
 
 def test_python_stdlib_is_the_modules_then_the_topics():
