@@ -42,7 +42,7 @@ def python_stdlib() -> list[str]:
 @functools.cache  # `prepare` reads its sources twice; parsing ~700 files takes a second or two
 def stdlib_documents(root: str) -> tuple[str, ...]:
     """The docstrings of each module under `root` that has any; unreadable files are skipped."""
-    texts = (module_text(Path(root), path) for path in module_paths(Path(root)))
+    texts = (module_text(path) for path in module_paths(Path(root)))
     return tuple(text for text in texts if text)
 
 
@@ -66,34 +66,22 @@ def _is_module(name: str) -> bool:
     return name.isidentifier() and name not in TESTS
 
 
-def module_text(root: Path, path: Path) -> str:
-    """The module's docstrings in source order, each below a line naming what it documents;
-    "" for a module with none."""
+def module_text(path: Path) -> str:
+    """The module's docstrings (its own, then its classes' and functions') in source order,
+    cleaned as `help()` shows them; "" for a module with none."""
     try:
         tree = ast.parse(path.read_bytes(), filename=str(path))
     except (OSError, SyntaxError, ValueError):
         # unreadable, not this Python's syntax, not in its declared encoding, or NUL bytes
         # (a SyntaxError here; compile() has raised ValueError for them on other versions)
         return ""
-    parts = path.relative_to(root).with_suffix("").parts
-    module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-    entries = [f"{head}\n\n{doc}" for head, doc in _definitions(tree.body, "") if doc]
-    if doc := ast.get_docstring(tree):
-        entries.insert(0, doc)
-    return "\n\n".join([f"module {module}", *entries]) + "\n" if entries else ""
+    docs = [ast.get_docstring(node) for node in _documented(tree)]
+    return "".join(f"{doc}\n\n" for doc in docs if doc).removesuffix("\n")
 
 
-def _definitions(body: list[ast.stmt], prefix: str) -> Iterator[tuple[str, str | None]]:
-    """(heading, docstring) of every class and function in `body` and within them, in order.
-
-    Headings are what `help()` shows: `class Name(bases)`, `Class.method(arguments)`."""
-    for node in body:
-        if isinstance(node, ast.ClassDef):
-            bases = ", ".join(ast.unparse(b) for b in [*node.bases, *node.keywords])
-            head = f"class {prefix}{node.name}" + (f"({bases})" if bases else "")
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            head = f"{prefix}{node.name}({ast.unparse(node.args)})"
-        else:
-            continue
-        yield head, ast.get_docstring(node)
-        yield from _definitions(node.body, f"{prefix}{node.name}.")
+def _documented(node: ast.AST) -> Iterator[ast.AST]:
+    """`node`, then every class and function within it, depth first in source order."""
+    yield node
+    for child in node.body:
+        if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from _documented(child)
