@@ -25,7 +25,7 @@ TESTS = frozenset({"test", "tests", "idle_test", "__hello__", "__phello__"})
 
 
 def python_docs() -> list[str]:
-    """The pydoc topics, sorted by name; some are blank, and the reader skips those."""
+    """The pydoc topics, sorted by name (a blank one, if a version had any, gives no document)."""
     from pydoc_data.topics import topics
 
     return [topics[name] for name in sorted(topics)]
