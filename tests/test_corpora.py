@@ -108,7 +108,8 @@ def test_cli_prepares_a_builtin(tmp_path):
 
 def test_unknown_name_lists_every_builtin():
     with pytest.raises(
-        CorpusError, match="built-in corpus \\(python-docs, tinyshakespeare, names\\)"
+        CorpusError,
+        match="built-in corpus \\(python-docs, python-stdlib, tinyshakespeare, names\\)",
     ):
         resolve_sources(["shakespeare"])
 

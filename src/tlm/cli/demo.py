@@ -22,13 +22,14 @@ from tlm.tokenizer import load_tokenizer
 from tlm.train import Trainer, new_run_configs
 
 EXAMPLE = """examples:
-  tlm demo                                  # python-docs, about two minutes on a laptop CPU
+  tlm demo                                  # python-stdlib, about two minutes on a laptop CPU
+  tlm demo python-docs --data data/demo-docs --out runs/demo-docs
   tlm demo tinyshakespeare --data data/demo-shakespeare --out runs/demo-shakespeare
 """
 
 MODEL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "context_length": 128, "position": "rope"}
 TRAIN = {"batch_size": 16, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 50, "eval_interval": 100}
-PROMPTS = ["The for statement", "A list is", "def "]
+PROMPTS = ["The for statement", "Return True if", "This function"]
 MARKER = ".tlm-demo"  # the demo replaces only folders it made itself
 
 
@@ -36,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = add_command(
         sub, "demo", "prepare a corpus, train a small model, generate, plot", EXAMPLE
     )
-    parser.add_argument("inputs", nargs="*", default=["python-docs"], help="corpus (python-docs)")
+    parser.add_argument(
+        "inputs", nargs="*", default=["python-stdlib"], help="corpus (python-stdlib)"
+    )
     parser.add_argument("--data", default="data/demo", help="prepared data folder (data/demo)")
     parser.add_argument("--out", default="runs/demo", help="run directory (runs/demo)")
     parser.add_argument("--max-steps", type=int, default=800, help="training steps (800)")

@@ -7,9 +7,11 @@ import argparse
 from tlm.cli.args import add_command, fail
 from tlm.data import prepare, prepare_pairs
 from tlm.data.clean import REASONS, CleanConfig
+from tlm.data.corpus import BUILTIN
 
 EXAMPLE = """examples:
   tlm prepare python-docs --tokenizer bpe --vocab-size 2048 --out data/python-docs
+  tlm prepare python-stdlib --tokenizer bpe --vocab-size 2048 --out data/python-stdlib
   tlm prepare tinyshakespeare --tokenizer char --val-fraction 0.1 --out data/shakespeare_char
   tlm prepare names --line-docs --tokenizer char --out data/names   # one document per name
   tlm prepare more.txt --tokenizer runs/my_model --out data/finetune   # reuse a tokenizer
@@ -26,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "inputs",
         nargs="*",
-        help="files, folders, globs, or a built-in corpus: python-docs, tinyshakespeare, names",
+        help=f"files, folders, globs, or a built-in corpus: {', '.join(BUILTIN)}",
     )
     pairs = parser.add_argument_group("translation (--task translate): two aligned files")
     pairs.add_argument("--task", choices=("lm", "translate"), default="lm", help="lm (default)")

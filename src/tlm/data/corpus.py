@@ -1,8 +1,9 @@
 """Corpora: where text comes from, read as a stream of documents.
 
 A source is a `.txt` file (one document, or one per line with `line_docs`), a `.jsonl` file
-(one document per line, in its `text` field), or a built-in corpus: `python-docs` (the topics
-of CPython's `pydoc_data.topics`, present on every Python), or one of the text files shipped
+(one document per line, in its `text` field), or a built-in corpus: one read from the running
+Python (`python-docs`, the topics of `pydoc_data.topics`; `python-stdlib`, the standard
+library's docstrings and those topics; see `python_corpora`), or one of the text files shipped
 gzip-compressed in `tlm/data/corpora/` (`tinyshakespeare`, `names`), read exactly as the
 `.txt` file it came from. Folders contribute their `.txt` and `.jsonl` files; globs are
 expanded. Every source is read in pieces of about `CHUNK_BYTES`, so a corpus larger than
@@ -23,11 +24,14 @@ from importlib import resources
 from pathlib import Path
 from typing import BinaryIO
 
+from tlm.data.python_corpora import python_docs, python_stdlib
 from tlm.errors import UserError
 
+# built-in corpora read from the running Python: name -> its documents
+BUILTIN_PYTHON = {"python-docs": python_docs, "python-stdlib": python_stdlib}
 # built-in text corpora: name -> gzip file in tlm/data/corpora/ (origins in its README.md)
 BUILTIN_TEXT = {"tinyshakespeare": "tinyshakespeare.txt.gz", "names": "names.txt.gz"}
-BUILTIN = ("python-docs", *BUILTIN_TEXT)
+BUILTIN = (*BUILTIN_PYTHON, *BUILTIN_TEXT)
 SUFFIXES = (".txt", ".jsonl")
 CHUNK_BYTES = 1 << 22  # 4 MiB per read
 
@@ -62,8 +66,8 @@ class Source:
     def pieces(self) -> Iterator[Piece]:
         """Yield the source's text piece by piece; documents never mix."""
         self._hash, self.bytes = hashlib.sha256(), 0
-        if self.path is None and self.name == "python-docs":
-            yield from self._python_docs()
+        if self.path is None and self.name in BUILTIN_PYTHON:
+            yield from self._texts(BUILTIN_PYTHON[self.name]())
         elif self.path is not None and self.path.suffix == ".jsonl":
             yield from self._jsonl()
         elif self.line_docs:
@@ -75,11 +79,9 @@ class Source:
     def describe(self) -> dict[str, object]:
         return {"name": self.name, "bytes": self.bytes, "sha256": self.sha256}
 
-    def _python_docs(self) -> Iterator[Piece]:
-        from pydoc_data.topics import topics
-
-        for name in sorted(topics):
-            text = topics[name]
+    def _texts(self, texts: list[str]) -> Iterator[Piece]:
+        """One document per text; blank texts are counted in `bytes` but give none."""
+        for text in texts:
             self._count(text.encode("utf-8"))
             if text.strip():
                 yield Piece(text)
