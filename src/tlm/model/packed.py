@@ -174,12 +174,7 @@ def pack_for_inference(model: nn.Module, fmt: str) -> None:
         attn.project_out = _packed([(attn.W_O, attn.b_O)], fmt, release)
         ffn.up = _packed([(ffn.W_1, ffn.b_1)], fmt, release)
         ffn.down = _packed([(ffn.W_2, ffn.b_2)], fmt, release)
-    head = model.unembedding()
-    model.unembed = (
-        PackedLinear.side_by_side([(head, None)], fmt)
-        if release
-        else (Float32Linear([(head, None)]))
-    )
+    model.unembed = PackedLinear.side_by_side([(model.unembedding(), None)], fmt)
     if release:
         model.embedding.tokens = PackedRows(model.embedding.E, fmt)
         for param in (model.embedding.E, model.W_U):
