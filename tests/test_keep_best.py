@@ -104,7 +104,17 @@ def test_without_keep_best_no_best_is_written_and_asking_is_one_line(
     )
     with pytest.raises(CheckpointError, match=f"{run} has no best.safetensors.*--keep-best"):
         load_model(run, weights="best")
-    for command in (["generate", str(run)], ["eval", str(run), "--text", str(run / "config.json")]):
+    text = str(run / "config.json")
+    commands = [
+        ["generate", str(run)],
+        ["eval", str(run), "--text", text],
+        ["score", str(run), "--context", "The", "--continuation", " list"],
+        ["classify", str(run), "--labels", "a,b", "--template", "{text}", "--input", text],
+        ["ask", str(run), "What?"],
+        ["summarize", str(run), text],
+        ["inspect", str(run), "--prompt", "The", "--out", str(tmp_path / "inspect")],
+    ]  # serve reads --weights the same way; a server that ignored it would not return
+    for command in commands:
         assert main([*command, "--weights", "best"]) == 2
         err = capsys.readouterr().err
         assert "--keep-best" in err and str(run) in err and err.count("\n") == 1
@@ -147,6 +157,15 @@ def test_commands_read_the_best_weights(docs_chars, tmp_path, scripted, capsys):
     with torch.no_grad():
         expected = cross_entropy_reference(best(ids[:, :-1]), ids[:, 1:]).item()
     assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(expected, rel=1e-5)
+
+    score = ["score", str(run), "--context", "The", "--continuation", " list", "--json"]
+    assert main([*score, "--weights", "best"]) == 0
+    got = json.loads(capsys.readouterr().out)["continuations"][0]["logprob"]
+    ids = torch.tensor([[tok.eot_id, *tok.encode("The list")]])
+    with torch.no_grad():
+        logprobs = best(ids[:, :-1]).log_softmax(-1)[0, -len(tok.encode(" list")) :]
+    targets = ids[0, -len(tok.encode(" list")) :]
+    assert got == pytest.approx(logprobs.gather(1, targets[:, None]).sum().item(), abs=1e-4)
 
     assert main(["export-hf", str(run), str(tmp_path / "hf"), "--weights", "best"]) == 0
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tlm.cli.args import add_command
+from tlm.cli.args import add_command, add_weights_flag
 from tlm.load import load_language_model, load_tokenizer
 from tlm.tasks import accuracy, classify, confusion_matrix
 from tlm.tasks.inputs import read_examples
@@ -32,13 +32,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--text-field", default="text", help="JSONL field of the text")
     parser.add_argument("--gold-field", help="JSONL field of the gold label (.tsv: 2nd column)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_weights_flag(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     labels = [label.strip() for label in args.labels.split(",")]
     examples = read_examples(args.input, args.text_field, args.gold_field)
-    model, tokenizer = load_language_model(args.run), load_tokenizer(args.run)
+    model, tokenizer = load_language_model(args.run, weights=args.weights), load_tokenizer(args.run)
     results = classify(model, tokenizer, [text for text, _ in examples], labels, args.template)
     rows = [
         {

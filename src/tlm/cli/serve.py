@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tlm.cli.args import add_command, fail
+from tlm.cli.args import add_command, add_weights_flag, fail
 from tlm.load import load_language_model, load_tokenizer
 from tlm.model.packed import FORMATS
 
@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-queue", type=int, default=64, help="waiting sequences (64)")
     parser.add_argument("--dtype", default="float32", choices=FORMATS, help="weights (float32)")
     parser.add_argument("--name", help="the model's name in the API (the directory's name)")
+    add_weights_flag(parser)
     parser.set_defaults(handler=run)
 
 
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         fail("--slots and --max-queue must be at least 1")
     if not 0 <= args.port <= 65535:
         fail(f"--port {args.port} is not a port")
-    model = load_language_model(args.run).for_inference(args.dtype)
+    model = load_language_model(args.run, weights=args.weights).for_inference(args.dtype)
     tokenizer = load_tokenizer(args.run)
     metrics = Metrics()
     engine = Engine(model, tokenizer, args.slots, args.max_queue, metrics.on_token)
