@@ -192,9 +192,8 @@ def part_limit(rounds: int) -> None:
     """Batch-1 tok/s as a share of (read bandwidth ÷ weight bytes), the bandwidth measured
     just before each block of decoding so that both see the machine in the same state."""
     big = torch.randn(64 * 1024 * 1024)
-    models = {"float32": tlm_gpt2(), "float16": None, "int8": None}  # float32: load_model's
-    for fmt in ("float16", "int8"):
-        models[fmt] = tlm_gpt2().for_inference(fmt)
+    models = {"float32": tlm_gpt2()}  # as load_model gives it: no for_inference call
+    models |= {fmt: tlm_gpt2().for_inference(fmt) for fmt in ("float16", "int8")}
     peer = hf_gpt2()
     print("GPT-2 124M shape, greedy, prompt 32, 64 new tokens; median of rounds")
     print("format    weights MB  batch 1 tok/s  limit tok/s  share  batch 8  batch 32  step@1024")

@@ -169,3 +169,15 @@ def test_a_stack_is_orthogonalised_as_each_matrix_alone():
     stack, ns = torch.randn(5, 96, 40), ((3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
     alone = torch.stack([orthogonalize(G, *ns) for G in stack])
     assert torch.allclose(orthogonalize(stack, *ns), alone, atol=1e-5)
+
+
+def test_on_a_cpu_newton_schulz_runs_in_fp32():
+    """The reason for tlm's Muon: one step equals the written-out update with fp32 NS."""
+    torch.manual_seed(0)
+    W = torch.randn(32, 64, requires_grad=True)
+    W.grad = torch.randn(32, 64)
+    start, grad = W.detach().clone(), W.grad.clone()
+    Muon([W], lr=0.02, weight_decay=0.0).step()  # first step: the momentum is (1 - μ) G
+    update = grad.lerp((1 - 0.95) * grad, 0.95)  # Nesterov: G + μ (M - G)
+    ns = orthogonalize(update, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
+    assert torch.allclose(W.detach(), start - 0.02 * ns, atol=1e-6)  # lr · √max(1, 32/64)

@@ -323,15 +323,26 @@ def test_the_page_streams_text_and_shows_the_explorer(browser, server, run):
     assert console_errors(browser) == []
 
 
-def test_an_int8_server_decodes_and_refuses_inspection_in_one_line(run, server):
-    """int8 keeps no fp32 weights (memory follows the format), and inspection reads them."""
+def test_an_int8_server_decodes_and_refuses_inspection_in_one_line(run, browser):
+    """int8 keeps no fp32 weights (memory follows the format), and inspection reads them:
+    the openai client completes, and the page's Inspect button shows the one-line refusal."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
     proc, url = start(run, "--dtype", "int8")
     try:
-        assert post(url + "/v1/completions", {"prompt": "a", "max_tokens": 3})[0] == 200
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        completion = client.completions.create(model="run", prompt="The", max_tokens=3)
+        assert completion.choices[0].text and completion.usage.completion_tokens <= 3
         status, answer, _ = post(url + "/v1/inspect", {"prompt": "a"})
         assert status == 400 and answer["error"]["code"] == "unsupported_dtype"
-        assert "--dtype float32" in answer["error"]["message"]
+        browser.get(url + "/")
+        browser.find_element(By.ID, "inspect").click()
+        error = WebDriverWait(browser, 30).until(
+            lambda b: b.find_element(By.ID, "error").text or None
+        )
+        assert error.startswith("400: ") and "--dtype float32" in error
+        assert error.count("\n") == 0
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-    assert post(server + "/v1/inspect", {"prompt": "a"})[0] == 200  # the fp32 server inspects

@@ -23,7 +23,6 @@ from tlm.generate.sampling import (
     sample,
 )
 from tlm.generate.slots import Slots, random_seed, row_generator
-from tlm.model.blas import decoding
 from tlm.model.kv_cache import KVCache
 
 
@@ -122,13 +121,6 @@ class Context:
         new = self.ids[:, self.start + self.cache.length :]  # [B, prompt or 1]
         return self.model(new, self.cache, self._mask(self.start), last_only=True)[:, -1]
 
-    def feeding(self) -> int:
-        """How many positions the next `next_logits` runs (all rows)."""
-        S, B = self.ids.shape[1], self.ids.shape[0]
-        if self.cache is None or S - self.start > self.N:
-            return B * min(S, self.N)
-        return B * (S - self.start - self.cache.length)
-
     def _mask(self, lo: int) -> Tensor | None:
         return None if self.mask is None else self.mask[:, lo:]
 
@@ -220,6 +212,7 @@ def _decode(model: nn.Module, context: Context, c: GenerationConfig) -> Iterator
             seen[torch.arange(B, device=device), step.tokens] = True
 
 
+@torch.no_grad()
 def _next_step(
     context: Context,
     c: GenerationConfig,
@@ -228,12 +221,11 @@ def _next_step(
     finished: Tensor,
     eos: Tensor,
 ) -> Step:
-    with decoding(context.model, context.feeding()):  # no autograd; one row: the CPU's BLAS
-        logits = context.next_logits().float()  # [B,V]
-        tokens = _choose(logits, c, generators, seen)
-        tokens = torch.where(finished, c.pad_id, tokens)
-        logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
-        return Step(tokens, logprobs, finished | torch.isin(tokens, eos))
+    logits = context.next_logits().float()  # [B,V]
+    tokens = _choose(logits, c, generators, seen)
+    tokens = torch.where(finished, c.pad_id, tokens)
+    logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
+    return Step(tokens, logprobs, finished | torch.isin(tokens, eos))
 
 
 def _choose(

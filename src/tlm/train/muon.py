@@ -58,8 +58,11 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
+        """Each matrix as torch's step does it, but matrices of one shape are orthogonalised
+        as one stack: a small model's 24 matrices are 2 shapes, 30 products a step instead
+        of 360."""
         for group in self.param_groups:
-            lr, momentum = group["lr"], group["momentum"]
+            lr, momentum, same_shape = group["lr"], group["momentum"], {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -69,11 +72,11 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)  # M ← μ M + (1 - μ) G
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                dtype = self.ns_dtype or (
-                    torch.float32 if p.device.type == "cpu" else torch.bfloat16
-                )
-                ortho = orthogonalize(
-                    update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype
-                )
-                p.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay
-                p.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+                same_shape.setdefault((p.shape, p.device), []).append((p, update))
+            ns = group["ns_coefficients"], group["ns_steps"], group["eps"]
+            for (shape, device), pairs in same_shape.items():
+                dtype = self.ns_dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+                stack = orthogonalize(torch.stack([u for _, u in pairs]), *ns, dtype)  # [k,A,B]
+                for (p, _), ortho in zip(pairs, stack, strict=True):
+                    p.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay
+                    p.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))

@@ -55,9 +55,10 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
         if p.requires_grad and p.ndim == 2 and name.rsplit(".", 1)[-1] not in OUTSIDE_MUON
     ]
     chosen = {id(p) for p in matrices}
-    rest = [g for g in parameter_groups(model, config.weight_decay) if g["params"]]
-    for group in rest:
-        group["params"] = [p for p in group["params"] if id(p) not in chosen]
+    rest = [
+        {**g, "params": [p for p in g["params"] if id(p) not in chosen]}
+        for g in parameter_groups(model, config.weight_decay)
+    ]
     muon = Muon(
         matrices, lr=config.lr, weight_decay=config.weight_decay, adjust_lr_fn="match_rms_adamw"
     )
@@ -103,9 +104,7 @@ class Combined:
             o.load_state_dict(
                 {
                     "state": {
-                        i - offset: s
-                        for i, s in saved["state"].items()
-                        if offset <= int(i) < offset + n
+                        i - offset: s for i, s in saved["state"].items() if offset <= i < offset + n
                     },
                     "param_groups": [
                         {**g, "params": [i - offset for i in g["params"]]} for g in groups
