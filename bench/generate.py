@@ -243,11 +243,14 @@ if side == "transformers":
         model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
 else:
     from tlm import load_model
-    model = load_model(folder)
-    if fmt != "none":
-        model.for_inference(fmt)
+    if side == "load":  # read whole, then packed
+        model = load_model(folder)
+        if fmt != "none":
+            model.for_inference(fmt)
+    else:  # packed part by part as it is read
+        model = load_model(folder, dtype=fmt)
     model.generate(ids, max_new_tokens=32)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6)  # KiB -> MB
 """
 
 
@@ -262,16 +265,21 @@ def part_memory(work: Path) -> None:
         hf_gpt2().save_pretrained(folder)
     config = ModelConfig(**GPT2, activation="gelu_tanh")
     cache = 2 * config.n_layers * 64 * config.d_model * 4  # K and V of 64 positions, fp32
-    print("side                             peak MB   goal MB")
-    for side, fmt in [("transformers", "none"), ("tlm", "none"), ("tlm", "float32")] + [
-        ("tlm", f) for f in ("float16", "bfloat16", "int8")
-    ]:
+    print("side                                        peak MB   goal MB")
+    formats = ("float32", "float16", "bfloat16", "int8")
+    sides = [("transformers", "none"), ("load", "none")]
+    sides += [("load", fmt) for fmt in formats] + [("stream", fmt) for fmt in formats]
+    for side, fmt in sides:
         command = [sys.executable, "-c", MEMORY_SCRIPT, side, str(folder), fmt]
         peak = float(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
-        name = side if fmt == "none" else f"{side} for_inference({fmt!r})"
+        name = {
+            "transformers": "transformers",
+            "load": "tlm load_model(path)" + ("" if fmt == "none" else f".for_inference({fmt!r})"),
+            "stream": f"tlm load_model(path, dtype={fmt!r})",
+        }[side]
         weights = weight_bytes(config, "float32" if fmt == "none" else fmt)
         goal = (weights + config.context_length * config.d_model * 4 + cache) / 1e6 + 300
-        print(f"{name:32s} {peak:7.0f} {goal:9.0f}")
+        print(f"{name:43s} {peak:7.0f} {goal:9.0f}")
 
 
 PARTS = ["peer", "cache", "dtypes", "imported", "limit", "memory"]

@@ -129,3 +129,18 @@ def test_generation_takes_the_route_for_one_row_only(monkeypatch, batch):
     assert len(routed) == steps * 13
     with blas.decoding(model, 2):
         assert not blas.active()
+
+
+@pytest.mark.parametrize("settings", [{}, {"num_beams": 2}])
+def test_batched_decoding_steps_use_the_layout_and_prompts_do_not(settings):
+    """A model prepared in float32 decodes several rows on its oneDNN layout (made at the
+    first such step), both in generate's rows and in beam search, with the plain model's
+    tokens; one row and prompts read the parameters."""
+    ids = torch.randint(0, 97, (2, 5))
+    expected = make_model().generate(ids, max_new_tokens=6, **settings)
+    model = make_model().for_inference("float32")
+    qkv = model.blocks[0].attn.project_qkv
+    model.generate(ids[:1], max_new_tokens=6)
+    assert qkv.layout is None
+    assert torch.equal(model.generate(ids, max_new_tokens=6, **settings), expected)
+    assert qkv.layout is not None

@@ -114,7 +114,7 @@ def library(run, prompt, dtype="float32", prompt_logprobs=False, **settings):
     """What the CLI should print: the library's completion with the config the CLI builds."""
     tok = load_tokenizer(run)
     config = GenerationConfig(eos_token_id=tok.eot_id, **settings)
-    model = load_model(run).for_inference(dtype)
+    model = load_model(run, dtype=dtype)
     (completion,) = complete(model, tok, [prompt], config, prompt_logprobs=prompt_logprobs)
     return completion
 

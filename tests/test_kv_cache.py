@@ -77,12 +77,15 @@ KERNEL = {  # the op each product runs through once packed (none of them is aten
 }
 
 
-def ops_called(model, ids) -> dict[str, int]:
+def ops_called(model, ids, cache=None) -> tuple[dict[str, int], torch.Tensor]:
+    """The ops of one forward pass and its logits; with a cache, as a decoding step of
+    len(ids) rows."""
     from torch.profiler import ProfilerActivity, profile
 
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        model(ids)
-    return {e.key: e.count for e in prof.key_averages()}
+    step = torch.no_grad() if cache is None else blas.decoding(model, len(ids))
+    with step, profile(activities=[ProfilerActivity.CPU]) as prof:
+        logits = model(ids, cache)
+    return {e.key: e.count for e in prof.key_averages()}, logits
 
 
 @pytest.mark.parametrize("dtype", FORMAT_ERROR)
@@ -100,9 +103,16 @@ def test_packed_weights_compute_the_same_log_probabilities(make_model, dtype):
     with torch.no_grad():
         got = packed(ids).float().log_softmax(-1)
         cache = KVCache(packed.config, 2, dtype=next(packed.parameters()).dtype)
-        stepped = torch.cat([packed(ids[:, :8], cache), packed(ids[:, 8:], cache)], 1)
-    calls = ops_called(packed, ids)
+        stepped = torch.cat([packed(ids[:, :8], cache), packed(ids[:, 8:15], cache)], 1)
+    calls, last = ops_called(packed, ids[:, 15:], cache)  # a decoding step of 2 rows
+    stepped = torch.cat([stepped, last], 1)
     assert calls.get(KERNEL[dtype]) == products
+    prompt = ops_called(packed, ids)[0]
+    if dtype == "float32":  # a prompt is read once: on the parameters, not on a layout
+        Q_K_V = 2 * model.config.n_layers  # three products where the layout has one
+        assert KERNEL[dtype] not in prompt and prompt["aten::linear"] == products + Q_K_V
+    else:
+        assert prompt.get(KERNEL[dtype]) == products
     if dtype == "bfloat16":  # aten::linear as unpacked, but on bf16 weights
         assert packed.blocks[0].ffn.up.weight.dtype == torch.bfloat16
     else:  # the unpacked model's products run as aten::addmm / aten::mm
@@ -151,15 +161,17 @@ def test_smaller_formats_release_the_fp32_weights(make_model, dtype):
 
 
 def test_float32_packing_copies_nothing_until_a_batch(make_model):
-    """One row reads the parameters themselves; the oneDNN layout comes with the first
-    step of several rows."""
+    """One row and a prompt read the parameters themselves; the oneDNN layout comes with
+    the first decoding step of several rows."""
     model = make_model().for_inference("float32")
-    qkv = model.blocks[0].attn.project_qkv
+    qkv, cache = model.blocks[0].attn.project_qkv, KVCache(model.config, 2)
     with blas.decoding(model, 1):
         one = model(torch.randint(0, 97, (1, 1)))
-    assert qkv.layout is None and one.shape == (1, 1, 97)
     with torch.no_grad():
-        model(torch.randint(0, 97, (2, 3)))
+        model(torch.randint(0, 97, (2, 3)), cache)
+    assert qkv.layout is None and one.shape == (1, 1, 97)
+    with blas.decoding(model, 2):
+        model(torch.randint(0, 97, (2, 1)), cache)
     assert qkv.layout is not None
 
 

@@ -129,11 +129,17 @@ def load_run(run: str | Path, weights: str = "latest") -> TransformerLM | Encode
     """A run directory -> the model its config.json names, in eval mode, with its latest
     weights (model.safetensors) or, `weights="best"`, those of its lowest validation loss
     (best.safetensors, kept by a run trained with --keep-best)."""
-    run = Path(run)
+    config, path = run_model_config(run), weights_file(run, weights)
+    model = build_model(config, init=False)  # every weight is read below
+    load_weights(path, model)
+    return model.eval()
+
+
+def weights_file(run: str | Path, weights: str = "latest") -> Path:
+    """The file of a run's latest weights or (`weights="best"`) of its best ones."""
     if weights not in WEIGHTS:
         raise CheckpointError(f"weights must be one of {', '.join(WEIGHTS)}; got {weights!r}")
-    model = build_model(run_model_config(run), init=False)  # every weight is read below
-    path = run / WEIGHTS[weights]
+    path = Path(run) / WEIGHTS[weights]
     if not path.is_file() and weights == "best":
         raise CheckpointError(
             f"{run} has no {BEST}: only a run trained with --keep-best keeps the weights of "
@@ -141,8 +147,7 @@ def load_run(run: str | Path, weights: str = "latest") -> TransformerLM | Encode
         )
     if not path.is_file():
         raise CheckpointError(f"{run} has no {path.name} yet")
-    load_weights(path, model)
-    return model.eval()
+    return path
 
 
 def latest_checkpoint(run: str | Path) -> Path | None:

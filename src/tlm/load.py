@@ -11,11 +11,13 @@ from typing import Any
 
 import torch
 
-from tlm.checkpoint import CheckpointError, load_run, run_model_config
+from tlm.checkpoint import CheckpointError, load_run, run_model_config, weights_file
 from tlm.config import ModelConfig
 from tlm.interop import is_hf_model_dir, load_gpt2
-from tlm.interop.gpt2 import config_from_gpt2, read_hf_config
+from tlm.interop.gpt2 import config_from_gpt2, gpt2_weights, read_hf_config, read_hf_weights
 from tlm.model import EncoderDecoder, TransformerLM
+from tlm.model.packed import check_format, load_packed
+from tlm.tensor_files import TensorFiles
 from tlm.tokenizer import load_tokenizer
 
 __all__ = [
@@ -35,19 +37,64 @@ def model_config(path: str | Path) -> ModelConfig:
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", weights: str = "latest"
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    weights: str = "latest",
+    dtype: str | None = None,
 ) -> TransformerLM | EncoderDecoder:
     """A run directory of ours, or a Hugging Face GPT-2 directory -> the model (TransformerLM,
     or EncoderDecoder for a translation run) in eval mode, with a run's latest weights or,
-    `weights="best"`, those of its lowest validation loss (a run trained with --keep-best)."""
+    `weights="best"`, those of its lowest validation loss (a run trained with --keep-best).
+
+    `dtype` ("float32", "float16", "bfloat16", "int8") gives a language model prepared for
+    inference, as `model.for_inference(dtype)` would, and on a CPU reads it one part at a
+    time, packing each part before the next is read: the whole fp32 model is never in
+    memory, so the peak follows the format (docs/benchmarks.md, "Memory").
+    """
     path = Path(path)
-    if is_hf_model_dir(path):
-        if weights != "latest":
-            raise CheckpointError(f"{path} is a Hugging Face model: it has one set of weights")
-        return load_gpt2(path).to(device)
-    if not path.is_dir():
+    hf = is_hf_model_dir(path)
+    if hf and weights != "latest":
+        raise CheckpointError(f"{path} is a Hugging Face model: it has one set of weights")
+    if not hf and not path.is_dir():
         raise CheckpointError(f"{path} is not a directory (a run, or a Hugging Face GPT-2 model)")
-    return load_run(path, weights).to(device)
+    if dtype is not None:
+        check_format(dtype, torch.device(device))
+        config = model_config(path)
+        if config.model_type == "decoder" and torch.device(device).type == "cpu":
+            return _load_packed(path, config, weights, dtype)
+    model = (load_gpt2(path) if hf else load_run(path, weights)).to(device)
+    if dtype is None:
+        return model
+    if not isinstance(model, TransformerLM):  # dtype prepares language models only
+        raise CheckpointError(f"{path} is {WRONG_KIND[TransformerLM]}")
+    return model.for_inference(dtype)
+
+
+def _load_packed(path: Path, config: ModelConfig, weights: str, dtype: str) -> TransformerLM:
+    """The language model at `path`, each part packed in `dtype` as soon as it is read."""
+    model = TransformerLM(config, init=False)  # untouched memory: every weight is assigned
+    if is_hf_model_dir(path):
+        pairs = gpt2_weights(read_hf_weights(path), config, lazy_embedding=True)
+    else:
+        file = weights_file(path, weights)
+        try:
+            tensors = TensorFiles([file])
+        except Exception as exc:
+            raise CheckpointError(f"cannot read weights {file}: {exc}") from None
+        missing = sorted(set(model.state_dict()) - set(tensors))
+        unexpected = sorted(set(tensors) - set(model.state_dict()))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{file} does not fit the config: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}"
+            )
+        pairs = (
+            (name, tensors.lazy(name) if name == "embedding.E" else tensors[name])
+            for name in model.state_dict()
+        )
+    load_packed(model.eval(), pairs, dtype)
+    model.inference_format = dtype
+    return model
 
 
 # what a command that needs one kind of model says when given the other
@@ -59,22 +106,27 @@ WRONG_KIND = {
 }
 
 
-def _load_kind(path: str | Path, device: str | torch.device, kind: type, weights: str) -> Any:
-    model = load_model(path, device, weights)
+def _load_kind(
+    path: str | Path, device: str | torch.device, kind: type, weights: str, dtype: str | None
+) -> Any:
+    model = load_model(path, device, weights, dtype)
     if not isinstance(model, kind):
         raise CheckpointError(f"{path} is {WRONG_KIND[kind]}")
     return model
 
 
 def load_language_model(
-    path: str | Path, device: str | torch.device = "cpu", weights: str = "latest"
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    weights: str = "latest",
+    dtype: str | None = None,
 ) -> TransformerLM:
     """`load_model` for the commands that continue text: an encoder-decoder is refused."""
-    return _load_kind(path, device, TransformerLM, weights)
+    return _load_kind(path, device, TransformerLM, weights, dtype)
 
 
 def load_translation_model(
     path: str | Path, device: str | torch.device = "cpu", weights: str = "latest"
 ) -> EncoderDecoder:
     """`load_model` for the commands that translate: a language model is refused."""
-    return _load_kind(path, device, EncoderDecoder, weights)
+    return _load_kind(path, device, EncoderDecoder, weights, None)

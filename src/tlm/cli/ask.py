@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_ask(args: argparse.Namespace) -> int:
     context = read_text_file(args.context_file) if args.context_file else None
-    model = load_language_model(args.run, weights=args.weights).for_inference()
+    model = load_language_model(args.run, weights=args.weights, dtype="float32")
     tokenizer = load_tokenizer(args.run)
     print(answer(model, tokenizer, args.question, context, args.max_new_tokens))
     return 0
@@ -48,7 +48,7 @@ def run_ask(args: argparse.Namespace) -> int:
 
 def run_summarize(args: argparse.Namespace) -> int:
     text = read_text_file(args.file)
-    model = load_language_model(args.run, weights=args.weights).for_inference()
+    model = load_language_model(args.run, weights=args.weights, dtype="float32")
     tokenizer = load_tokenizer(args.run)
     print(summarize(model, tokenizer, text, args.max_new_tokens))
     return 0

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         fail("--prompt-logprobs adds to the --json output: add --json")
     if args.stream and (len(prompts) > 1 or args.num_return_sequences > 1 or args.num_beams > 1):
         fail("--stream shows one completion: one prompt, -n 1 and --num-beams 1")
-    model = load_language_model(args.run, weights=args.weights).for_inference(args.dtype)
+    model = load_language_model(args.run, weights=args.weights, dtype=args.dtype)
     tokenizer = load_tokenizer(args.run)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         fail("--slots and --max-queue must be at least 1")
     if not 0 <= args.port <= 65535:
         fail(f"--port {args.port} is not a port")
-    model = load_language_model(args.run, weights=args.weights).for_inference(args.dtype)
+    model = load_language_model(args.run, weights=args.weights, dtype=args.dtype)
     tokenizer = load_tokenizer(args.run)
     metrics = Metrics()
     engine = Engine(model, tokenizer, args.slots, args.max_queue, metrics.on_token)

@@ -23,6 +23,7 @@ from tlm.generate.sampling import (
     sample,
 )
 from tlm.generate.slots import Slots, random_seed, row_generator
+from tlm.model.blas import decoding
 from tlm.model.kv_cache import KVCache
 
 
@@ -119,7 +120,8 @@ class Context:
             self.cache.reset()
             self.start = S - self.N
         new = self.ids[:, self.start + self.cache.length :]  # [B, prompt or 1]
-        return self.model(new, self.cache, self._mask(self.start), last_only=True)[:, -1]
+        with decoding(self.model, len(new)) if new.shape[1] == 1 else torch.no_grad():
+            return self.model(new, self.cache, self._mask(self.start), last_only=True)[:, -1]
 
     def _mask(self, lo: int) -> Tensor | None:
         return None if self.mask is None else self.mask[:, lo:]

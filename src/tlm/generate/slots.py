@@ -151,7 +151,8 @@ class Slots:
         if not slots:
             return []
         ids = torch.tensor([token for feed in feeds for token in feed], device=self.device)
-        with decoding(self.model, len(ids)):  # no autograd; one row: the CPU's BLAS
+        one_each = len(ids) == len(feeds)  # every row feeds one token: a decoding step
+        with decoding(self.model, len(feeds)) if one_each else torch.no_grad():
             rows = self.cache.rows(slots, [len(feed) for feed in feeds])
             logits = self.model(ids[None], rows, last_only=True)[0]  # [rows,V]
             return [self._choose(self.rows[s], row) for s, row in zip(slots, logits, strict=True)]

@@ -22,17 +22,18 @@ an untied `lm_head` ([V, d], an `nn.Linear`), which is W_U transposed.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from tlm.config import ConfigError, ModelConfig
 from tlm.errors import UserError
 from tlm.model import TransformerLM
 from tlm.model.positions import sinusoidal_table
+from tlm.tensor_files import LazyMatrix, TensorFiles
 
 # GPT-2's activation_function -> tlm's activation, and back
 ACTIVATIONS_IN = {
@@ -172,17 +173,18 @@ def load_gpt2(path: str | Path) -> TransformerLM:
     return model.eval()
 
 
-def read_hf_weights(path: str | Path) -> dict[str, Tensor]:
-    """The tensors of a Hugging Face directory: safetensors (one file or shards) or a
-    `pytorch_model.bin` read with `weights_only=True` (never arbitrary pickle)."""
+def read_hf_weights(path: str | Path) -> Mapping[str, Tensor]:
+    """The tensors of a Hugging Face directory: safetensors (one file or shards), each read
+    when it is looked up, or a `pytorch_model.bin` read whole with `weights_only=True`
+    (never arbitrary pickle)."""
     folder = Path(path)
     index = folder / "model.safetensors.index.json"
     try:
         if (folder / "model.safetensors").is_file():
-            return load_file(str(folder / "model.safetensors"))
+            return TensorFiles([folder / "model.safetensors"])
         if index.is_file():
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            return {k: v for shard in shards for k, v in load_file(str(folder / shard)).items()}
+            return TensorFiles([folder / shard for shard in shards])
         if (folder / "pytorch_model.bin").is_file():
             return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
     except Exception as exc:  # safetensors, json or the weights-only unpickler refusing
@@ -190,27 +192,41 @@ def read_hf_weights(path: str | Path) -> dict[str, Tensor]:
     raise HFFormatError(f"{folder} has no model.safetensors or pytorch_model.bin")
 
 
-def state_from_gpt2(tensors: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+def state_from_gpt2(tensors: Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
     """GPT-2 tensors -> a tlm state dict (float32); every weight must be used exactly once."""
-    hf = {_strip(k): v.float() for k, v in tensors.items() if not k.endswith(BUFFER_SUFFIXES)}
+    return dict(gpt2_weights(tensors, config))
+
+
+def gpt2_weights(
+    tensors: Mapping[str, Tensor], config: ModelConfig, lazy_embedding: bool = False
+) -> Iterator[tuple[str, Tensor | LazyMatrix]]:
+    """GPT-2 tensors -> (tlm name, float32 tensor) in the model's order, one part of the
+    model after another, each tensor looked up only when it is reached (so a loader can
+    pack a block before the next one is read). The names are checked first: every weight
+    must be used exactly once. With `lazy_embedding` (and safetensors files), E comes as a
+    `LazyMatrix` left in the file."""
+    names = {_strip(k): k for k in tensors if not k.endswith(BUFFER_SUFFIXES)}
     if config.tie_embeddings:
-        hf.pop("lm_head.weight", None)  # a tied head is wte itself
-    state: dict[str, Tensor] = {}
-    for hf_name, name in _pairs(config):
-        if hf_name not in hf:
-            raise HFFormatError(f"the checkpoint has no {hf_name} ({config.n_layers} layers)")
-        state[name] = hf.pop(hf_name)
-    for layer in range(config.n_layers):
-        attn = f"blocks.{layer}.attn"
-        for kind in ("W", "b"):
-            qkv = state.pop(f"{attn}.{kind}_QKV")
-            for part, tensor in zip("QKV", qkv.chunk(3, dim=-1), strict=True):
-                state[f"{attn}.{kind}_{part}"] = tensor.contiguous()  # [d, 3d] -> 3 × [d, d]
-    if "W_U" in state:
-        state["W_U"] = state["W_U"].t().contiguous()  # lm_head [V, d] -> W_U [d, V]
-    if hf:
-        raise HFFormatError(f"unexpected tensors in the checkpoint: {', '.join(sorted(hf)[:3])}")
-    return state
+        names.pop("lm_head.weight", None)  # a tied head is wte itself
+    pairs = _pairs(config)
+    missing = next((hf_name for hf_name, _ in pairs if hf_name not in names), None)
+    if missing is not None:
+        raise HFFormatError(f"the checkpoint has no {missing} ({config.n_layers} layers)")
+    unexpected = sorted(set(names) - {hf_name for hf_name, _ in pairs})
+    if unexpected:
+        raise HFFormatError(f"unexpected tensors in the checkpoint: {', '.join(unexpected[:3])}")
+    for hf_name, name in pairs:
+        if name == "embedding.E" and lazy_embedding and isinstance(tensors, TensorFiles):
+            yield name, tensors.lazy(names[hf_name])  # wte [V, d] is E as it is
+            continue
+        tensor = tensors[names[hf_name]].float()
+        if name.endswith("_QKV"):  # [d, 3d] -> 3 × [d, d]
+            for part, third in zip("QKV", tensor.chunk(3, dim=-1), strict=True):
+                yield name.replace("QKV", part), third.contiguous()
+        elif name == "W_U":
+            yield name, tensor.t().contiguous()  # lm_head [V, d] -> W_U [d, V]
+        else:
+            yield name, tensor
 
 
 def state_to_gpt2(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:

@@ -13,14 +13,14 @@ waits for work while the other one runs slows both by up to 4x. So while a step 
 through numpy, torch's ops (LayerNorm, attention over one query, the residual adds) run
 on one thread; they are small, and the BLAS uses every core for the products.
 
-`decoding(model, rows)` switches this on for one step of one row (one sequence, one new
-token), on the thread that entered it, for a fp32 model on the CPU;
-`functional.linear` reads `active()`. A step of several rows stays on torch: numpy's BLAS
-repacks the weights for a product of 2 to 32 rows and runs at half the speed of
-oneDNN's prepacked kernel there, which `for_inference("float32")` uses
-(`model/packed.py`). A model packed by
+`decoding(model, rows)` wraps a step that feeds one new token to each of `rows` sequences.
+With one row it switches this on, on the thread that entered it, for a fp32 model on the
+CPU; `functional.linear` reads `active()`. A step of several rows stays on torch: numpy's
+BLAS repacks the weights for a product of 2 to 32 rows and runs at half the speed of
+oneDNN's prepacked kernel there, which a model prepared by `for_inference("float32")`
+uses inside such a step (`batched()`; `model/packed.py`). A model packed by
 `for_inference` into float16 or int8 runs fbgemm's kernels on torch's threads instead and
-is left as it is. The result is the same product: tests hold the two paths equal.
+is left as it is. The result is the same product: tests hold the paths equal.
 """
 
 from __future__ import annotations
@@ -36,8 +36,13 @@ _state = threading.local()
 
 
 def active() -> bool:
-    """True inside `decoding` (on this thread) and while autograd is off."""
+    """True inside `decoding` of one row (on this thread) and while autograd is off."""
     return getattr(_state, "on", False) and not torch.is_grad_enabled()
+
+
+def batched() -> bool:
+    """True inside `decoding` of several rows (on this thread) and while autograd is off."""
+    return getattr(_state, "batch", False) and not torch.is_grad_enabled()
 
 
 def applies(model: nn.Module) -> bool:
@@ -49,11 +54,20 @@ def applies(model: nn.Module) -> bool:
 
 @contextmanager
 def decoding(model: nn.Module, rows: int) -> Iterator[None]:
-    """No autograd; for a step of one row (`rows` positions in all) of a model that
-    `applies`, its products through numpy's BLAS."""
+    """No autograd, for a step that feeds one token to each of `rows` sequences; for a
+    model that `applies`, one row's products go through numpy's BLAS, and several rows'
+    are `batched()`."""
     with torch.no_grad():
-        if rows != 1 or not applies(model) or getattr(_state, "on", False):
+        busy = getattr(_state, "on", False) or getattr(_state, "batch", False)
+        if busy or not applies(model):
             yield
+            return
+        if rows > 1:
+            _state.batch = True
+            try:
+                yield
+            finally:
+                _state.batch = False
             return
         threads = torch.get_num_threads()
         torch.set_num_threads(1)

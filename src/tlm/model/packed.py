@@ -8,8 +8,10 @@ the same x W + b through better kernels:
 | format   | weights held as                | kernel (CPU)                    | arithmetic      |
 |----------|--------------------------------|---------------------------------|-----------------|
 | float32  | the parameters themselves      | one row: numpy's BLAS           | fp32 (exact)    |
-|          | (+ a oneDNN layout, made at    | (`blas.decoding`); more rows:   |                 |
-|          | the first step of many rows)   | `mkldnn._linear_pointwise`      |                 |
+|          | (+ a oneDNN layout, made at    | (`blas.decoding`); a decoding   |                 |
+|          | the first decoding step of     | step of more rows: `mkldnn.     |                 |
+|          | several rows)                  | _linear_pointwise`; a prompt:   |                 |
+|          |                                | torch's product                 |                 |
 | float16  | fp16, prepacked for fbgemm     | `quantized.linear_dynamic_fp16` | fp32            |
 | bfloat16 | bf16, [out, in]                | `F.linear` in bf16              | bf16 products,  |
 |          |                                |                                 | fp32 elsewhere  |
@@ -24,19 +26,38 @@ up are widened to fp32), and the fp32 parameters they came from are released, so
 model can be neither trained nor read as fp32 again; load it anew for that. On a GPU,
 `bfloat16` and `float16` cast the whole model instead (`TransformerLM.for_inference`). A
 test holds each format against the plain fp32 model.
+
+Packing a loaded model (`for_inference`) needs the fp32 model whole first. A loader that
+reads one part at a time (`tlm.load_model(path, dtype=...)`, `load_packed`) packs each
+attention and FFN as it arrives and never holds more than one part in fp32; it leaves the
+token embeddings in the file (`tensor_files.FileRows`: a lookup reads its rows, in fp32 as
+stored) and packs a tied head from blocks of 4,096 rows (`HeadBlocks`), last, when the
+other parts' fp32 weights are gone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import warnings
+from collections.abc import Iterable
+from itertools import groupby
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tlm.model import blas
+from tlm.tensor_files import FileRows, LazyMatrix
+
+try:
+    _libc = ctypes.CDLL("libc.so.6")
+    _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+except (OSError, AttributeError):  # not glibc
+    _libc = None
 
 FORMATS = ("float32", "float16", "bfloat16", "int8")
+CHUNK = 4096  # rows quantized at a time: the temporaries stay a few MB
+HEAD_ROWS = 4096  # vocabulary rows of a head block packed while loading (12 MB in fp32)
 
 
 class PackedLinear:
@@ -70,7 +91,7 @@ class PackedLinear:
         """The maps x W_i + b_i (W_i [in, out_i], as the model stores them) as one product."""
         if fmt == "float32":
             return Float32Linear(maps)
-        W_t = torch.cat([W.detach().t() for W, _ in maps])  # [sum out_i, in]
+        W_t = _stacked(maps)  # [sum out_i, in]
         biases = [b for _, b in maps]
         b = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         splits = [W.shape[1] for W, _ in maps] if len(maps) > 1 else None
@@ -92,9 +113,10 @@ class PackedLinear:
 
 
 class Float32Linear:
-    """The fp32 maps x W_i + b_i without a copy while decoding one row (`blas.decoding`
-    reads the parameters); a step of several rows runs them as one oneDNN product, laid
-    out for 4 rows the first time one comes (a copy of the weights, kept from then on)."""
+    """The fp32 maps x W_i + b_i. A decoding step of one row reads the parameters through
+    numpy's BLAS, and a prompt (read once) through torch's product, neither with a copy; a
+    decoding step of several rows runs them as one oneDNN product, laid out for 4 rows the
+    first time such a step comes (a copy of the weights, kept from then on)."""
 
     def __init__(self, maps: list[tuple[Tensor, Tensor | None]]) -> None:
         self.maps, self.layout, self.b = maps, None, None
@@ -103,6 +125,8 @@ class Float32Linear:
     def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
         if blas.active():
             y = tuple(blas.product(x, W, b) for W, b in self.maps)
+        elif not blas.batched():
+            y = tuple(F.linear(x, W.t(), b) for W, b in self.maps)
         else:
             y = self._onednn(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], sum(self.splits))
             y = y.split(self.splits, dim=-1)
@@ -110,11 +134,22 @@ class Float32Linear:
 
     def _onednn(self, x: Tensor) -> Tensor:
         if self.layout is None:
-            W_t = torch.cat([W.detach().t() for W, _ in self.maps])  # [sum out_i, in]
+            W_t = _stacked(self.maps)  # [sum out_i, in]
             self.layout = torch.ops.mkldnn._reorder_linear_weight(W_t, 4)
             if self.maps[0][1] is not None:
                 self.b = torch.cat([b.detach() for _, b in self.maps])
         return torch.ops.mkldnn._linear_pointwise(x, self.layout, self.b, "none", [], "")
+
+
+class HeadBlocks:
+    """x [..., d] -> [..., V]: a head packed in blocks of vocabulary rows, the logits of
+    each block side by side (as one product would give them)."""
+
+    def __init__(self, blocks: list[PackedLinear]) -> None:
+        self.blocks = blocks
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.cat([block(x) for block in self.blocks], dim=-1)
 
 
 class PackedRows:
@@ -123,8 +158,11 @@ class PackedRows:
     def __init__(self, E: Tensor, fmt: str) -> None:
         E = E.detach()
         if fmt == "int8":  # one scale per row, as the products' weights
-            self.scale = (E.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
-            self.rows = torch.round(E / self.scale).to(torch.int8)
+            self.scale, self.rows = torch.empty(len(E), 1), torch.empty(E.shape, dtype=torch.int8)
+            for lo in range(0, len(E), CHUNK):  # a chunk at a time: no fp32 temporary of E
+                rows = E[lo : lo + CHUNK]
+                scale = self.scale[lo : lo + CHUNK] = _row_scales(rows)[:, None]
+                self.rows[lo : lo + CHUNK] = torch.round(rows / scale)
         else:
             self.scale, self.rows = None, E.to(getattr(torch, fmt))
 
@@ -135,11 +173,24 @@ class PackedRows:
 
 def _int8_rows(W_t: Tensor) -> Tensor:
     """Symmetric int8 with one scale per output row: W ≈ scale_r · q, q in [-127, 127]."""
-    scale = (W_t.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
+    scale = torch.cat([_row_scales(rows) for rows in W_t.split(CHUNK)]).double()
     zero = torch.zeros(W_t.shape[0], dtype=torch.long)
     with warnings.catch_warnings():  # quantized tensors are the only way into fbgemm's int8
         warnings.simplefilter("ignore", UserWarning)
         return torch.quantize_per_channel(W_t, scale, zero, 0, torch.qint8)
+
+
+def _row_scales(rows: Tensor) -> Tensor:
+    """[n, in] -> [n]: the scale that maps each row's largest |w| to 127."""
+    return (rows.abs().amax(dim=1) / 127).clamp(min=1e-12)
+
+
+def _stacked(maps: list[tuple[Tensor, Tensor | None]]) -> Tensor:
+    """W_i [in, out_i] -> [sum out_i, in]; one map's W^T without a copy when it is contiguous
+    so (a tied head's E^T is E)."""
+    if len(maps) == 1:
+        return maps[0][0].detach().t()
+    return torch.cat([W.detach().t() for W, _ in maps])
 
 
 def check_format(fmt: str, device: torch.device) -> None:
@@ -163,25 +214,91 @@ def pack_for_inference(model: nn.Module, fmt: str) -> None:
     Each module's product methods (`project_qkv` and `project_out` of attention, `up` and
     `down` of the FFN, the model's `unembed`) are replaced on that instance by the same map
     in `fmt`; Q, K and V become one product. Except in float32, the token lookup is packed
-    too, and each fp32 matrix is released as soon as its packed form exists, so the peak
-    stays near the fp32 model. The caller refuses further training.
+    too, and each fp32 matrix is released as soon as its packed form exists. The caller
+    refuses further training. A loader that packs each part as it reads it
+    (`tlm.load_model(path, dtype=...)`) never holds the whole fp32 model.
     """
-    release = fmt != "float32"
-    for block in model.blocks:
-        attn, ffn = block.attn, block.ffn
-        qkv = [(attn.W_Q, attn.b_Q), (attn.W_K, attn.b_K), (attn.W_V, attn.b_V)]
-        attn.project_qkv = _packed(qkv, fmt, release)
-        attn.project_out = _packed([(attn.W_O, attn.b_O)], fmt, release)
-        ffn.up = _packed([(ffn.W_1, ffn.b_1)], fmt, release)
-        ffn.down = _packed([(ffn.W_2, ffn.b_2)], fmt, release)
-    model.unembed = PackedLinear.side_by_side([(model.unembedding(), None)], fmt)
-    if release:
-        model.embedding.tokens = PackedRows(model.embedding.E, fmt)
-        for param in (model.embedding.E, model.W_U):
-            _release(param)
+    blocks = [f"blocks.{i}.{m}" for i in range(len(model.blocks)) for m in ("attn", "ffn")]
+    for part in [*blocks, "W_U", "embedding"]:  # the largest last, when the rest is freed
+        pack_part(model, part, fmt)
+        free_to_system()  # the fp32 matrices just released
+    if fmt != "float32":
         for param in model.parameters():  # biases, LayerNorms: their own memory, so that
             if param.numel():  # they do not keep alive the buffer the weights were read into
                 param.data = param.data.clone()
+
+
+def load_packed(model: nn.Module, weights: Iterable[tuple[str, Tensor]], fmt: str) -> None:
+    """Fill `model` (a TransformerLM built with init=False) from (name, tensor) pairs given
+    in the model's order, and pack each part as soon as its last weight is in: only one
+    part's fp32 weights are ever held, so the peak follows the format. E may come as a
+    `LazyMatrix` left in its file: it is then packed last (`_pack_embedding_from_file`),
+    when the other parts' fp32 weights are gone."""
+    left, lazy = set(model.state_dict()), None
+    for part, pairs in groupby(weights, key=lambda pair: part_of(pair[0])):
+        state = dict(pairs)
+        if isinstance(state.get("embedding.E"), LazyMatrix):
+            lazy = state.pop("embedding.E")
+            if fmt == "float32":  # kept whole: it is the parameter the products read
+                state["embedding.E"], lazy = lazy.rows(0, len(lazy)), None
+        unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
+        if unexpected:
+            raise ValueError(f"no place in the model for {', '.join(unexpected[:3])}")
+        if part != "embedding" or lazy is None:
+            pack_part(model, part, fmt)
+        left -= state.keys()
+        del state
+        free_to_system()
+    if lazy is not None:
+        _pack_embedding_from_file(model, lazy, fmt)
+        left.discard("embedding.E")
+    if left:
+        raise ValueError(f"no weights for {', '.join(sorted(left)[:3])}")
+
+
+def _pack_embedding_from_file(model: nn.Module, E: LazyMatrix, fmt: str) -> None:
+    """The token lookup from the file (each lookup reads its rows, as stored) and a tied
+    head packed a block of rows at a time: E is never whole in memory."""
+    _release(model.embedding.E)
+    model.embedding.tokens = FileRows(E)
+    if model.W_U is None:  # the tied head is E^T: [V, d] is its [out, in]
+        blocks = []
+        for lo in range(0, len(E), HEAD_ROWS):
+            blocks.append(PackedLinear(E.rows(lo, lo + HEAD_ROWS), None, fmt))
+            free_to_system()  # the fp32 rows just packed
+        model.unembed = HeadBlocks(blocks)
+
+
+def part_of(name: str) -> str:
+    """The part of the model a parameter belongs to, the unit a loader packs at once:
+    `blocks.3.attn.W_Q` -> `blocks.3.attn`, `embedding.E` -> `embedding`, `W_U` -> `W_U`."""
+    depth = 3 if name.startswith("blocks.") else 1
+    return ".".join(name.split(".")[:depth])
+
+
+def pack_part(model: nn.Module, part: str, fmt: str) -> None:
+    """Pack the products of one part whose weights are in place (`embedding`: the token
+    lookup and a tied head; `blocks.{l}.attn`; `blocks.{l}.ffn`; `W_U`: an untied head;
+    other parts have none)."""
+    release = fmt != "float32"
+    if part.endswith(".attn"):
+        attn = model.get_submodule(part)
+        qkv = [(attn.W_Q, attn.b_Q), (attn.W_K, attn.b_K), (attn.W_V, attn.b_V)]
+        attn.project_qkv = _packed(qkv, fmt, release)
+        attn.project_out = _packed([(attn.W_O, attn.b_O)], fmt, release)
+    elif part.endswith(".ffn"):
+        ffn = model.get_submodule(part)
+        ffn.up = _packed([(ffn.W_1, ffn.b_1)], fmt, release)
+        ffn.down = _packed([(ffn.W_2, ffn.b_2)], fmt, release)
+    elif part == "embedding":
+        E = model.embedding.E
+        if model.W_U is None:  # the tied head is E^T
+            model.unembed = PackedLinear.side_by_side([(E.t(), None)], fmt)
+        if release:
+            model.embedding.tokens = PackedRows(E, fmt)
+            _release(E)
+    elif part == "W_U" and model.W_U is not None:
+        model.unembed = _packed([(model.W_U, None)], fmt, release)
 
 
 def _packed(maps: list[tuple[Tensor, Tensor | None]], fmt: str, release: bool):
@@ -190,6 +307,14 @@ def _packed(maps: list[tuple[Tensor, Tensor | None]], fmt: str, release: bool):
         for W, _ in maps:
             _release(W)
     return packed
+
+
+def free_to_system() -> None:
+    """Hand the memory freed so far back to the system (glibc's malloc_trim). Released
+    weights leave holes in the heap that glibc would keep for later use, and that a
+    resident-memory figure keeps counting; elsewhere this does nothing."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
 
 
 def _release(param: Tensor | None) -> None:
