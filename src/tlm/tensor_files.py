@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -101,7 +102,8 @@ class FileRows:
         (self.n, self.d), self.dtype = entry["shape"], DTYPES[entry["dtype"]]
         self.row_bytes = self.d * self.dtype.itemsize
         self.start = 8 + size + entry["data_offsets"][0]
-        self.file = open(matrix.file, "rb")  # noqa: SIM115 - read for the model's lifetime
+        self.name, self.fd = matrix.file, os.open(matrix.file, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)  # open for as long as the model lives
 
     def __call__(self, ids: Tensor) -> Tensor:
         flat = ids.reshape(-1).tolist()
@@ -109,10 +111,10 @@ class FileRows:
             raise IndexError(f"token ids must be in [0, {self.n}); got {min(flat)}..{max(flat)}")
         rows = torch.empty(len(flat), self.d, dtype=self.dtype)
         buffer = memoryview(rows.view(torch.uint8).numpy()).cast("B")
-        fd, size = self.file.fileno(), self.row_bytes
+        fd, size = self.fd, self.row_bytes
         for i, row in enumerate(flat):
             if os.preadv(fd, [buffer[i * size : (i + 1) * size]], self.start + row * size) < size:
-                raise TensorFileError(f"{self.file.name} is shorter than its header says")
+                raise TensorFileError(f"{self.name} is shorter than its header says")
         return rows.float().view(*ids.shape, self.d)
 
 
