@@ -196,23 +196,46 @@ def part_limit(rounds: int) -> None:
     models |= {fmt: tlm_gpt2().for_inference(fmt) for fmt in ("float16", "int8")}
     peer = hf_gpt2()
     print("GPT-2 124M shape, greedy, prompt 32, 64 new tokens; median of rounds")
-    print("format    weights MB  batch 1 tok/s  limit tok/s  share  batch 8  batch 32  step@1024")
+    print("'kernels': the step's products alone, run back to back, as a share of the limit")
+    print(
+        "format    weights MB  batch 1 tok/s  limit tok/s  share  kernels"
+        "  batch 8  batch 32  step@1024"
+    )
     for fmt, model in models.items():
         tlm_rate(model, 1, 4)
-        nbytes, rates, shares = weight_bytes(model.config, fmt), [], []
+        nbytes, rates, shares, kernels = weight_bytes(model.config, fmt), [], [], []
         for _ in range(rounds):
             limit = read_bandwidth(big) / nbytes
             rates.append(tlm_rate(model, 1, 64))
             shares.append(rates[-1] / limit)
+            kernels.append(1 / products_only(model) / limit)
         eight, many = tlm_rate(model, 8, 32), tlm_rate(model, 32, 32)
         step = step_at(model, 1024)
         rate, share = statistics.median(rates), statistics.median(shares)
         print(
             f"{fmt:9s} {nbytes / 1e6:10.0f} {rate:14.1f} {rate / share:12.1f} {share:6.0%}"
-            f" {eight:8.1f} {many:9.1f} {step * 1e3:8.1f} ms"
+            f" {statistics.median(kernels):8.0%} {eight:8.1f} {many:9.1f} {step * 1e3:8.1f} ms"
         )
     hf = statistics.median(hf_rate(peer, 1, 64) for _ in range(rounds))
     print(f"transformers fp32 batch 1: {hf:.1f} tok/s")
+
+
+def products_only(model: TransformerLM) -> float:
+    """Seconds for one row through every product of a decoding step and nothing else (no
+    attention, LayerNorm or loop): the most the kernels allow (best of 5)."""
+    from tlm.model.blas import decoding
+
+    x, h = torch.randn(1, 1, model.config.d_model), torch.randn(1, 1, model.config.d_ff)
+    times = []
+    for _ in range(5):
+        with decoding(model, 1):
+            started = time.perf_counter()
+            for block in model.blocks:
+                block.attn.project_qkv(x), block.attn.project_out(x)
+                block.ffn.up(x), block.ffn.down(h)
+            model.unembed(x)
+            times.append(time.perf_counter() - started)
+    return min(times)
 
 
 def step_at(model: TransformerLM, position: int) -> float:
