@@ -7,6 +7,8 @@
     python bench/train.py --part budget25      # issue 16: <= 1.87 in <= 25 s (Muon, QK-norm, ReLU²)
     python bench/train.py --part budget5       # issue 16: <= 1.55 in 5 minutes (the same, ctx 128)
     python bench/train.py --part throughput    # tokens/s vs GPT2LMHeadModel, FLOP/s vs peak
+    python bench/train.py --part nanogpt --nanogpt PATH   # the recipe's whole command against
+                                               # nanoGPT's train.py (a checkout at PATH)
 
 Runs the `tlm` commands as a user would (in --work, default out/bench) and prints what they
 measured. The throughput part times both models in one process, in alternating blocks of
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -134,19 +137,65 @@ def part_throughput(work: Path, blocks: int = 8, steps: int = 15) -> None:
         )
 
 
-PARTS = [*RECIPES, "throughput"]
+# nanoGPT's train.py on the recipe: its shakespeare_char config, shrunk to the recipe's shape
+NANOGPT = (
+    "train.py config/train_shakespeare_char.py --device=cpu --compile=False --eval_iters=20 "
+    "--log_interval=100 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 "
+    "--max_iters=2000 --lr_decay_iters=2000 --dropout=0.0 --bias=False"
+)
+# tlm's command for the same recipe, without biases as nanoGPT's run
+NANOGPT_PEER = (
+    SMALL + "--bias false --max-steps 2000 --lr 1e-3 --min-lr 1e-4 --warmup-steps 100 "
+    "--eval-interval 250"
+)
+
+
+def part_nanogpt(work: Path, checkout: Path | None, rounds: int = 2) -> None:
+    """The recipe's whole command, tlm and nanoGPT's train.py one after the other, `rounds`
+    times; nanoGPT's data is made by its own prepare.py from the same text."""
+    if checkout is None or not (checkout / "train.py").is_file():
+        print("nanogpt: skipped (give --nanogpt PATH, a checkout of nanoGPT)")
+        return
+    prepared(work)
+    data = checkout / "data" / "shakespeare_char"
+    if not (data / "train.bin").is_file():
+        shutil.copy(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt", data / "input.txt")
+        stub = work / "stub"  # prepare.py imports requests, used only to download input.txt
+        stub.mkdir(exist_ok=True)
+        (stub / "requests.py").write_text("")
+        env = {**os.environ, "PYTHONPATH": str(stub)}
+        subprocess.run([sys.executable, "prepare.py"], cwd=data, env=env, check=True)
+    times: dict[str, list[float]] = {"nanoGPT": [], "tlm": []}
+    for _ in range(rounds):
+        started = time.perf_counter()
+        out = str(work / "nanogpt_out")
+        command = [sys.executable, *NANOGPT.split(), f"--out_dir={out}"]
+        subprocess.run(command, cwd=checkout, capture_output=True, check=True)
+        times["nanoGPT"].append(time.perf_counter() - started)
+        shutil.rmtree(work / "runs" / "nanogpt_peer", ignore_errors=True)
+        times["tlm"].append(tlm(TRAIN.format(run="nanogpt_peer") + NANOGPT_PEER, work)[1])
+    for name, seconds in times.items():
+        print(f"{name:8s} whole command: {', '.join(f'{t:.1f} s' for t in seconds)}")
+    ratio = statistics.median(times["nanoGPT"]) / statistics.median(times["tlm"])
+    print(f"tlm's speed against nanoGPT's: {ratio:.2f}x (goal >= 1.5x)")
+
+
+PARTS = [*RECIPES, "throughput", "nanogpt"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", default="all", choices=["all", *PARTS])
     parser.add_argument("--work", default=str(ROOT / "out" / "bench"))
+    parser.add_argument("--nanogpt", type=Path, help="a checkout of nanoGPT, for --part nanogpt")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     for part in PARTS if args.part == "all" else [args.part]:
         if part == "throughput":
             part_throughput(work)
+        elif part == "nanogpt":
+            part_nanogpt(work, args.nanogpt)
         else:
             part_recipe(part, work)
 
