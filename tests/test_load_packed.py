@@ -33,8 +33,10 @@ def write_run(folder, seed=0, **overrides):
 
 @pytest.fixture
 def small_head_blocks(monkeypatch):
-    """Head blocks of 16 vocabulary rows, so that a tiny head is packed in several."""
+    """Head blocks (float16) and chunks (int8, bfloat16) of 16 vocabulary rows, so that a
+    tiny head is read in several."""
     monkeypatch.setattr(packed, "HEAD_ROWS", 16)
+    monkeypatch.setattr(packed, "CHUNK", 16)
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
@@ -72,7 +74,10 @@ def test_each_product_is_the_one_for_inference_makes(tmp_path, dtype, small_head
         assert torch.allclose(
             mine.ffn.down(mine.ffn.up(x)), theirs.ffn.down(theirs.ffn.up(x)), atol=1e-6
         )
-    assert len(streamed.unembed.blocks) == 7  # 97 rows in blocks of 16
+    if dtype == "float16":  # fbgemm packs fp16 only from whole fp32 matrices: in blocks
+        assert len(streamed.unembed.blocks) == 7  # 97 rows in blocks of 16
+    else:  # one product, read a chunk of rows at a time
+        assert isinstance(streamed.unembed, packed.PackedLinear)
     assert torch.allclose(streamed.unembed(x), packed_model.unembed(x), atol=1e-5)
     assert torch.equal(streamed.embedding.tokens(ids), E[ids])
 
@@ -89,10 +94,13 @@ def test_a_hugging_face_directory_streams_too(tmp_path, small_head_blocks):
     assert (exact - expected).abs().max().item() <= 1e-5
 
 
-def test_no_more_than_one_part_is_ever_held_in_fp32(tmp_path, monkeypatch, small_head_blocks):
+@pytest.mark.parametrize("dtype", ["int8", "float16"])
+def test_no_more_than_one_part_is_ever_held_in_fp32(
+    tmp_path, monkeypatch, small_head_blocks, dtype
+):
     """Every tensor the loader reads is tracked until it is freed: at no moment are the fp32
-    weights of more than one part (an attention or an FFN) alive, and E is read a head
-    block at a time, never whole."""
+    weights of more than one part (one product of a block) alive, and E is read a block
+    of rows at a time, never whole."""
     run = write_run(tmp_path / "run", n_layers=4)
     alive, most, reads = [0], [0], []
 
@@ -106,12 +114,13 @@ def test_no_more_than_one_part_is_ever_held_in_fp32(tmp_path, monkeypatch, small
     getitem, rows = TensorFiles.__getitem__, LazyMatrix.rows
     monkeypatch.setattr(TensorFiles, "__getitem__", lambda self, n: track(getitem(self, n)))
     monkeypatch.setattr(LazyMatrix, "rows", lambda self, lo, hi: track(rows(self, lo, hi)))
-    model = load_model(run, dtype="int8")
+    model = load_model(run, dtype=dtype)
     config = model.config
-    ffn = 4 * (2 * config.d_model * config.d_ff + config.d_ff + config.d_model)
+    up = 4 * (config.d_model * config.d_ff + config.d_ff)  # W_1 and b_1: the largest product
+    W_2 = 4 * config.d_ff * config.d_model  # read before `up` is packed, to see `up` end
     whole = sum(4 * p.numel() for p in TransformerLM(config, init=False).parameters())
-    assert ffn < most[0] <= ffn + 4 * 4 * config.d_model  # one FFN (+ a LayerNorm, at most)
-    assert most[0] < whole / 4
+    assert up <= most[0] <= up + W_2  # one product, and the next one's first matrix
+    assert most[0] < whole / 6
     assert (config.vocab_size, config.d_model) not in reads  # E never whole
     assert (
         sum(shape[0] for shape in reads if shape[-1:] == (config.d_model,) and shape[0] <= 16)
@@ -164,3 +173,19 @@ def test_weights_that_do_not_fit_and_models_that_cannot_stream(tmp_path):
     write_config(translation, model.config, {})
     with pytest.raises(CheckpointError, match="encoder-decoder"):
         load_model(translation, dtype="float16")
+
+
+def test_parts_must_come_together(tmp_path):
+    """A product is packed once its weights are in: weights that come apart (W_O between
+    W_V and b_Q, as a module's own order has them) are refused, and `in_parts` orders them."""
+    run = write_run(tmp_path / "run")
+    tensors = TensorFiles([run / "model.safetensors"])
+    names = list(TransformerLM(tiny_config(), init=False).state_dict())
+    with pytest.raises(ValueError, match="come apart"):
+        packed.load_packed(
+            TransformerLM(tiny_config(), init=False), ((n, tensors[n]) for n in names), "int8"
+        )
+    ordered = packed.in_parts(names)
+    assert sorted(ordered) == sorted(names) and ordered.index("blocks.0.attn.b_Q") < ordered.index(
+        "blocks.0.attn.W_O"
+    )

@@ -16,7 +16,7 @@ from tlm.config import ModelConfig
 from tlm.interop import is_hf_model_dir, load_gpt2
 from tlm.interop.gpt2 import config_from_gpt2, gpt2_weights, read_hf_config, read_hf_weights
 from tlm.model import EncoderDecoder, TransformerLM
-from tlm.model.packed import check_format, load_packed
+from tlm.model.packed import check_format, in_parts, load_packed
 from tlm.tensor_files import TensorFiles
 from tlm.tokenizer import load_tokenizer
 
@@ -90,7 +90,7 @@ def _load_packed(path: Path, config: ModelConfig, weights: str, dtype: str) -> T
             )
         pairs = (
             (name, tensors.lazy(name) if name == "embedding.E" else tensors[name])
-            for name in model.state_dict()
+            for name in in_parts(model.state_dict())
         )
     load_packed(model.eval(), pairs, dtype)
     model.inference_format = dtype

@@ -78,9 +78,14 @@ class LazyMatrix:
     file: str
     name: str
 
-    def __len__(self) -> int:
+    @property
+    def shape(self) -> tuple[int, int]:
         with safe_open(self.file, framework="pt") as f:
-            return f.get_slice(self.name).get_shape()[0]
+            n, d = f.get_slice(self.name).get_shape()
+        return n, d
+
+    def __len__(self) -> int:
+        return self.shape[0]
 
     def rows(self, lo: int, hi: int) -> Tensor:
         """Rows lo:hi in fp32, in memory of their own (only their pages are read)."""

@@ -29,17 +29,18 @@ test holds each format against the plain fp32 model.
 
 Packing a loaded model (`for_inference`) needs the fp32 model whole first. A loader that
 reads one part at a time (`tlm.load_model(path, dtype=...)`, `load_packed`) packs each
-attention and FFN as it arrives and never holds more than one part in fp32; it leaves the
-token embeddings in the file (`tensor_files.FileRows`: a lookup reads its rows, in fp32 as
-stored) and packs a tied head from blocks of 4,096 rows (`HeadBlocks`), last, when the
-other parts' fp32 weights are gone.
+product of a block as its weights arrive and never holds more than one product in fp32
+(and the next matrix, read to see the part end); it leaves the token embeddings in the
+file (`tensor_files.FileRows`: a lookup reads its rows, in fp32 as stored) and reads a tied
+head a chunk of rows at a time into one int8 or bf16 product, or, in float16, whose kernel
+packs only whole fp32 matrices, into blocks of 4,096 rows (`HeadBlocks`) packed last.
 """
 
 from __future__ import annotations
 
 import ctypes
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import groupby
 
 import torch
@@ -56,30 +57,42 @@ except (OSError, AttributeError):  # not glibc
     _libc = None
 
 FORMATS = ("float32", "float16", "bfloat16", "int8")
-CHUNK = 4096  # rows quantized at a time: the temporaries stay a few MB
+CHUNK = 1024  # rows quantized or converted at a time: the temporaries stay a few MB
 HEAD_ROWS = 4096  # vocabulary rows of a head block packed while loading (12 MB in fp32)
 
 
 class PackedLinear:
     """y = x W + b for weight W_t [out, in] prepared in `fmt`; x [..., in] -> y [..., out].
 
-    With `splits`, y is cut along its last dimension into outputs of those widths.
+    With `splits`, y is cut along its last dimension into outputs of those widths. W_t may
+    be a matrix left in its file (`LazyMatrix`): bfloat16 and int8 then read it a block of
+    rows at a time, so that it is never whole in fp32 (float16's kernel packs only from a
+    whole fp32 matrix).
     """
 
     def __init__(
-        self, W_t: Tensor, b: Tensor | None, fmt: str, splits: list[int] | None = None
+        self,
+        W_t: Tensor | LazyMatrix,
+        b: Tensor | None,
+        fmt: str,
+        splits: list[int] | None = None,
     ) -> None:
-        W_t, self.b = W_t.detach().float(), None if b is None else b.detach().float()
-        self.out_features, self.splits = W_t.shape[0], splits
+        if isinstance(W_t, LazyMatrix):
+            read, shape = W_t.rows, W_t.shape
+        else:
+            read, shape = (lambda lo, hi: W_t[lo:hi].detach().float()), W_t.shape
+        self.b = None if b is None else b.detach().float()
+        self.out_features, self.splits = shape[0], splits
         if fmt == "float16":
-            self.weight = torch.ops.quantized.linear_prepack_fp16(W_t.contiguous(), self.b)
+            whole = read(0, shape[0]).contiguous()
+            self.weight = torch.ops.quantized.linear_prepack_fp16(whole, self.b)
             self.kernel = self._fbgemm_fp16
         elif fmt == "bfloat16":
-            self.weight = W_t.to(torch.bfloat16).contiguous()  # [out, in]: the fast orientation
+            self.weight = _converted(read, shape, torch.bfloat16)  # [out, in]: the fast way
             self.b = None if b is None else self.b.to(torch.bfloat16)
             self.kernel = self._bf16
         elif fmt == "int8":
-            self.weight = torch.ops.quantized.linear_prepack(_int8_rows(W_t), self.b)
+            self.weight = torch.ops.quantized.linear_prepack(_qint8(*_int8(read, shape)), self.b)
             self.kernel = self._fbgemm_int8
         else:
             raise ValueError(f"no packed format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -158,11 +171,8 @@ class PackedRows:
     def __init__(self, E: Tensor, fmt: str) -> None:
         E = E.detach()
         if fmt == "int8":  # one scale per row, as the products' weights
-            self.scale, self.rows = torch.empty(len(E), 1), torch.empty(E.shape, dtype=torch.int8)
-            for lo in range(0, len(E), CHUNK):  # a chunk at a time: no fp32 temporary of E
-                rows = E[lo : lo + CHUNK]
-                scale = self.scale[lo : lo + CHUNK] = _row_scales(rows)[:, None]
-                self.rows[lo : lo + CHUNK] = torch.round(rows / scale)
+            self.rows, scale = _int8(lambda lo, hi: E[lo:hi], E.shape)
+            self.scale = scale[:, None]
         else:
             self.scale, self.rows = None, E.to(getattr(torch, fmt))
 
@@ -171,18 +181,35 @@ class PackedRows:
         return x if self.scale is None else x * F.embedding(ids, self.scale)
 
 
-def _int8_rows(W_t: Tensor) -> Tensor:
-    """Symmetric int8 with one scale per output row: W ≈ scale_r · q, q in [-127, 127]."""
-    scale = torch.cat([_row_scales(rows) for rows in W_t.split(CHUNK)]).double()
-    zero = torch.zeros(W_t.shape[0], dtype=torch.long)
+Rows = Callable[[int, int], Tensor]  # read(lo, hi) -> rows lo:hi of a matrix, in fp32
+
+
+def _int8(read: Rows, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 with one scale per row, W ≈ scale_r · q with q in [-127, 127], made a
+    chunk of rows at a time (no fp32 temporary of the whole matrix): q [n, in], scale [n]."""
+    q, scale = torch.empty(shape, dtype=torch.int8), torch.empty(shape[0])
+    for lo in range(0, shape[0], CHUNK):
+        rows = read(lo, min(lo + CHUNK, shape[0]))
+        least, most = torch.aminmax(rows, dim=1)  # max |w| without a temporary |W|
+        part = scale[lo : lo + len(rows)] = (torch.maximum(-least, most) / 127).clamp(min=1e-12)
+        q[lo : lo + len(rows)] = torch.div(rows, part[:, None]).round_()
+    return q, scale
+
+
+def _qint8(q: Tensor, scale: Tensor) -> Tensor:
+    """int8 rows and their scales as the quantized tensor fbgemm's int8 kernel packs."""
+    zero = torch.zeros(len(q), dtype=torch.long)
     with warnings.catch_warnings():  # quantized tensors are the only way into fbgemm's int8
         warnings.simplefilter("ignore", UserWarning)
-        return torch.quantize_per_channel(W_t, scale, zero, 0, torch.qint8)
+        return torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
 
 
-def _row_scales(rows: Tensor) -> Tensor:
-    """[n, in] -> [n]: the scale that maps each row's largest |w| to 127."""
-    return (rows.abs().amax(dim=1) / 127).clamp(min=1e-12)
+def _converted(read: Rows, shape: tuple[int, int], dtype: torch.dtype) -> Tensor:
+    """The matrix in `dtype`, converted a chunk of rows at a time."""
+    out = torch.empty(shape, dtype=dtype)
+    for lo in range(0, shape[0], CHUNK):
+        out[lo : lo + CHUNK] = read(lo, min(lo + CHUNK, shape[0]))
+    return out
 
 
 def _stacked(maps: list[tuple[Tensor, Tensor | None]]) -> Tensor:
@@ -218,7 +245,8 @@ def pack_for_inference(model: nn.Module, fmt: str) -> None:
     refuses further training. A loader that packs each part as it reads it
     (`tlm.load_model(path, dtype=...)`) never holds the whole fp32 model.
     """
-    blocks = [f"blocks.{i}.{m}" for i in range(len(model.blocks)) for m in ("attn", "ffn")]
+    products = ["attn.project_qkv", "attn.project_out", "ffn.up", "ffn.down"]
+    blocks = [f"blocks.{i}.{product}" for i in range(len(model.blocks)) for product in products]
     for part in [*blocks, "W_U", "embedding"]:  # the largest last, when the rest is freed
         pack_part(model, part, fmt)
         free_to_system()  # the fp32 matrices just released
@@ -232,11 +260,14 @@ def load_packed(model: nn.Module, weights: Iterable[tuple[str, Tensor]], fmt: st
     """Fill `model` (a TransformerLM built with init=False) from (name, tensor) pairs given
     in the model's order, and pack each part as soon as its last weight is in: only one
     part's fp32 weights are ever held, so the peak follows the format. E may come as a
-    `LazyMatrix` left in its file: it is then packed last (`_pack_embedding_from_file`),
-    when the other parts' fp32 weights are gone."""
-    left, lazy = set(model.state_dict()), None
+    `LazyMatrix` left in its file (`_pack_embedding_from_file`); float16 packs it last,
+    when the other parts' fp32 weights are gone, since its head needs fp32 blocks."""
+    left, deferred, seen = set(model.state_dict()), None, set()
     for part, pairs in groupby(weights, key=lambda pair: part_of(pair[0])):
-        state = dict(pairs)
+        if part in seen:  # it was packed without these: the order must keep parts together
+            raise ValueError(f"the weights of {part} come apart; order them with in_parts")
+        seen.add(part)
+        state, lazy = dict(pairs), None
         if isinstance(state.get("embedding.E"), LazyMatrix):
             lazy = state.pop("embedding.E")
             if fmt == "float32":  # kept whole: it is the parameter the products read
@@ -244,24 +275,29 @@ def load_packed(model: nn.Module, weights: Iterable[tuple[str, Tensor]], fmt: st
         unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
         if unexpected:
             raise ValueError(f"no place in the model for {', '.join(unexpected[:3])}")
-        if part != "embedding" or lazy is None:
+        if lazy is None:
             pack_part(model, part, fmt)
-        left -= state.keys()
+        elif fmt == "float16":
+            deferred = lazy
+        else:
+            _pack_embedding_from_file(model, lazy, fmt)
+        left -= {*state, *(["embedding.E"] if lazy is not None else [])}
         del state
         free_to_system()
-    if lazy is not None:
-        _pack_embedding_from_file(model, lazy, fmt)
-        left.discard("embedding.E")
+    if deferred is not None:
+        _pack_embedding_from_file(model, deferred, fmt)
     if left:
         raise ValueError(f"no weights for {', '.join(sorted(left)[:3])}")
 
 
 def _pack_embedding_from_file(model: nn.Module, E: LazyMatrix, fmt: str) -> None:
     """The token lookup from the file (each lookup reads its rows, as stored) and a tied
-    head packed a block of rows at a time: E is never whole in memory."""
+    head read a block of rows at a time: E is never whole in memory."""
     _release(model.embedding.E)
     model.embedding.tokens = FileRows(E)
-    if model.W_U is None:  # the tied head is E^T: [V, d] is its [out, in]
+    if model.W_U is None and fmt != "float16":  # the tied head is E^T: [V, d] is [out, in]
+        model.unembed = PackedLinear(E, None, fmt)  # one product, E read a chunk at a time
+    elif model.W_U is None:  # fbgemm packs fp16 only from whole fp32 matrices: in blocks
         blocks = []
         for lo in range(0, len(E), HEAD_ROWS):
             blocks.append(PackedLinear(E.rows(lo, lo + HEAD_ROWS), None, fmt))
@@ -269,27 +305,49 @@ def _pack_embedding_from_file(model: nn.Module, E: LazyMatrix, fmt: str) -> None
         model.unembed = HeadBlocks(blocks)
 
 
+# the product each block parameter belongs to: a loader packs one product at a time
+PRODUCTS = {
+    **dict.fromkeys(["W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V"], "project_qkv"),
+    **dict.fromkeys(["W_O", "b_O"], "project_out"),
+    **dict.fromkeys(["W_1", "b_1"], "up"),
+    **dict.fromkeys(["W_2", "b_2"], "down"),
+}
+
+
+def in_parts(names: Iterable[str]) -> list[str]:
+    """`names` with each part's together, parts in the order they first appear."""
+    names = list(names)
+    first = {}
+    for name in names:
+        first.setdefault(part_of(name), len(first))
+    return sorted(names, key=lambda name: first[part_of(name)])
+
+
 def part_of(name: str) -> str:
-    """The part of the model a parameter belongs to, the unit a loader packs at once:
-    `blocks.3.attn.W_Q` -> `blocks.3.attn`, `embedding.E` -> `embedding`, `W_U` -> `W_U`."""
-    depth = 3 if name.startswith("blocks.") else 1
-    return ".".join(name.split(".")[:depth])
+    """The part of the model a parameter belongs to, the unit a loader packs at once: one
+    product of a block (`blocks.3.attn.W_Q` -> `blocks.3.attn.project_qkv`), or a module
+    (`blocks.3.ln1.gamma` -> `blocks.3.ln1`, `embedding.E` -> `embedding`, `W_U`)."""
+    parts = name.split(".")
+    if parts[0] != "blocks":
+        return parts[0]
+    product = PRODUCTS.get(parts[-1]) if parts[2] in ("attn", "ffn") else None
+    return ".".join(parts[:3] + ([product] if product else []))
 
 
 def pack_part(model: nn.Module, part: str, fmt: str) -> None:
     """Pack the products of one part whose weights are in place (`embedding`: the token
-    lookup and a tied head; `blocks.{l}.attn`; `blocks.{l}.ffn`; `W_U`: an untied head;
-    other parts have none)."""
+    lookup and a tied head; `blocks.{l}.attn.project_qkv` and the block's other products;
+    `W_U`: an untied head; other parts have none)."""
     release = fmt != "float32"
-    if part.endswith(".attn"):
-        attn = model.get_submodule(part)
-        qkv = [(attn.W_Q, attn.b_Q), (attn.W_K, attn.b_K), (attn.W_V, attn.b_V)]
-        attn.project_qkv = _packed(qkv, fmt, release)
-        attn.project_out = _packed([(attn.W_O, attn.b_O)], fmt, release)
-    elif part.endswith(".ffn"):
-        ffn = model.get_submodule(part)
-        ffn.up = _packed([(ffn.W_1, ffn.b_1)], fmt, release)
-        ffn.down = _packed([(ffn.W_2, ffn.b_2)], fmt, release)
+    module, _, product = part.rpartition(".")
+    if part.startswith("blocks.") and product in PRODUCTS.values():
+        owner = model.get_submodule(module)
+        if product == "project_qkv":
+            maps = [(owner.W_Q, owner.b_Q), (owner.W_K, owner.b_K), (owner.W_V, owner.b_V)]
+        else:
+            W = {"project_out": "O", "up": "1", "down": "2"}[product]
+            maps = [(getattr(owner, f"W_{W}"), getattr(owner, f"b_{W}"))]
+        setattr(owner, product, _packed(maps, fmt, release))
     elif part == "embedding":
         E = model.embedding.E
         if model.W_U is None:  # the tied head is E^T
