@@ -82,9 +82,21 @@ def test_each_product_is_the_one_for_inference_makes(tmp_path, dtype, small_head
     assert torch.equal(streamed.embedding.tokens(ids), E[ids])
 
 
-def test_a_hugging_face_directory_streams_too(tmp_path, small_head_blocks):
+@pytest.mark.parametrize("files", ["one", "shards", "bin"])
+def test_a_hugging_face_directory_streams_too(tmp_path, small_head_blocks, files):
+    """One safetensors file, shards (E looked up in its own shard), or the older
+    pytorch_model.bin (read whole: streaming needs safetensors)."""
     hf = hf_model()
-    hf.save_pretrained(tmp_path / "gpt2")
+    hf.save_pretrained(
+        tmp_path / "gpt2", **({"max_shard_size": "20KB"} if files == "shards" else {})
+    )
+    if files == "bin":
+        (tmp_path / "gpt2" / "model.safetensors").unlink()
+        torch.save(hf.state_dict(), tmp_path / "gpt2" / "pytorch_model.bin")
+    assert (
+        len(list((tmp_path / "gpt2").glob("*.safetensors")))
+        == {"one": 1, "shards": 8, "bin": 0}[files]
+    )
     ids = torch.randint(0, 300, (1, 10))
     with torch.no_grad():
         expected = hf(ids).logits.log_softmax(-1)
