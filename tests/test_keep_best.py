@@ -66,6 +66,8 @@ def test_best_is_written_only_when_the_loss_improves(docs_chars, tmp_path, scrip
     scripted["losses"] = [nan, 3.0, 2.0, 2.5, 1.5, 1.8]  # evaluations at steps 2, 4, ..., 12
     results = trainer(docs_chars, run, 12).fit()
     assert scripted["best_writes"] == [4, 6, 10]  # a NaN is no best, nor something to beat
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows if r.get("best")] == [4, 6, 10]  # marked where written
     best = load_model(run, weights="best").state_dict()
     assert same(best, scripted["weights"][10])
     assert not same(best, load_model(run).state_dict())  # model.safetensors: step 12

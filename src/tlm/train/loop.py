@@ -284,13 +284,13 @@ class Trainer:
             return
         s = self.state
         better = s.best_loss is None or val < s.best_loss  # (every rank has the same `val`)
-        if self.config.keep_best and math.isfinite(val) and better:
+        kept = self.config.keep_best and math.isfinite(val) and better
+        if kept:
             self.save_best(val)
         if self.metrics is None:
             return
-        self.metrics.log(
-            {"step": s.step, "tokens": s.tokens, "time": round(s.elapsed, 3), "val_loss": val}
-        )
+        row = {"step": s.step, "tokens": s.tokens, "time": round(s.elapsed, 3), "val_loss": val}
+        self.metrics.log(row | ({"best": True} if kept else {}))  # best.safetensors: this step
         plot_losses(self.metrics.rows, self.run / "plots" / "loss.png")
 
     def save_best(self, loss: float) -> None:
