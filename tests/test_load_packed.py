@@ -12,7 +12,7 @@ from test_kv_cache import FORMAT_ERROR
 from conftest import hf_model, tiny_config
 from tlm import TransformerLM, load_model
 from tlm.checkpoint import CheckpointError, save_weights, write_config
-from tlm.model import packed
+from tlm.model import pack, packed
 from tlm.tensor_files import FileRows, LazyMatrix, TensorFileError, TensorFiles
 
 FORMATS = list(FORMAT_ERROR)
@@ -35,7 +35,7 @@ def write_run(folder, seed=0, **overrides):
 def small_head_blocks(monkeypatch):
     """Head blocks (float16) and chunks (int8, bfloat16) of 16 vocabulary rows, so that a
     tiny head is read in several."""
-    monkeypatch.setattr(packed, "HEAD_ROWS", 16)
+    monkeypatch.setattr(pack, "HEAD_ROWS", 16)
     monkeypatch.setattr(packed, "CHUNK", 16)
 
 
@@ -194,10 +194,10 @@ def test_parts_must_come_together(tmp_path):
     tensors = TensorFiles([run / "model.safetensors"])
     names = list(TransformerLM(tiny_config(), init=False).state_dict())
     with pytest.raises(ValueError, match="come apart"):
-        packed.load_packed(
+        pack.load_packed(
             TransformerLM(tiny_config(), init=False), ((n, tensors[n]) for n in names), "int8"
         )
-    ordered = packed.in_parts(names)
+    ordered = pack.in_parts(names)
     assert sorted(ordered) == sorted(names) and ordered.index("blocks.0.attn.b_Q") < ordered.index(
         "blocks.0.attn.W_O"
     )

@@ -16,7 +16,8 @@ from tlm.config import ModelConfig
 from tlm.interop import is_hf_model_dir, load_gpt2
 from tlm.interop.gpt2 import config_from_gpt2, gpt2_weights, read_hf_config, read_hf_weights
 from tlm.model import EncoderDecoder, TransformerLM
-from tlm.model.packed import check_format, in_parts, load_packed
+from tlm.model.pack import in_parts, load_packed
+from tlm.model.packed import check_format
 from tlm.tensor_files import TensorFiles
 from tlm.tokenizer import load_tokenizer
 

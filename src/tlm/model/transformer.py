@@ -14,7 +14,8 @@ from tlm.model.functional import linear
 from tlm.model.hooks import HookPoint, name_hook_points
 from tlm.model.kv_cache import KVCache
 from tlm.model.layers import BLOCKS, Embedding, LayerNorm
-from tlm.model.packed import can_prepack_float32, check_format, pack_for_inference
+from tlm.model.pack import pack_for_inference
+from tlm.model.packed import can_prepack_float32, check_format
 from tlm.model.slot_cache import Rows
 
 
