@@ -188,12 +188,16 @@ def weight_bytes(config: ModelConfig, fmt: str) -> int:
     return matrices * size + 4 * L * (4 * d + config.d_ff + d + 4 * d)
 
 
-def part_limit(rounds: int) -> None:
+def part_limit(rounds: int, work: Path) -> None:
     """Batch-1 tok/s as a share of (read bandwidth ÷ weight bytes), the bandwidth measured
-    just before each block of decoding so that both see the machine in the same state."""
-    big = torch.randn(64 * 1024 * 1024)
-    models = {"float32": tlm_gpt2()}  # as load_model gives it: no for_inference call
-    models |= {fmt: tlm_gpt2().for_inference(fmt) for fmt in ("float16", "int8")}
+    just before each block of decoding so that both see the machine in the same state.
+    The models are what a user gets: `load_model(path)` and `load_model(path, dtype=...)`
+    of a Hugging Face directory."""
+    from tlm import load_model
+
+    big, folder = torch.randn(64 * 1024 * 1024), saved_gpt2(work)
+    models = {"float32": load_model(folder)}  # no for_inference call
+    models |= {fmt: load_model(folder, dtype=fmt) for fmt in ("float16", "int8")}
     peer = hf_gpt2()
     print("GPT-2 124M shape, greedy, prompt 32, 64 new tokens; median of rounds")
     print("'kernels': the step's products alone, run back to back, as a share of the limit")
@@ -277,15 +281,21 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6)  # KiB ->
 """
 
 
+def saved_gpt2(work: Path) -> Path:
+    """A Hugging Face directory of the random GPT-2 124M shape (`hf_gpt2`), saved once."""
+    folder = work / "gpt2-124m-random"
+    if not (folder / "model.safetensors").is_file():
+        hf_gpt2().save_pretrained(folder)
+    return folder
+
+
 def part_memory(work: Path) -> None:
     """Peak resident memory (MB) of a fresh process that loads the GPT-2 124M shape from a
     Hugging Face directory and generates 32 tokens; the goal is the weights in the chosen
     format + the KV cache + 300 MB."""
     import subprocess
 
-    folder = work / "gpt2-124m-random"
-    if not (folder / "model.safetensors").is_file():
-        hf_gpt2().save_pretrained(folder)
+    folder = saved_gpt2(work)
     config = ModelConfig(**GPT2, activation="gelu_tanh")
     cache = 2 * config.n_layers * 64 * config.d_model * 4  # K and V of 64 positions, fp32
     print("side                                        peak MB   goal MB")
@@ -323,7 +333,7 @@ def main() -> None:
         elif part == "imported":
             part_imported(args.rounds, Path(args.work))
         elif part == "limit":
-            part_limit(args.rounds)
+            part_limit(args.rounds, Path(args.work))
         elif part == "memory":
             part_memory(Path(args.work))
         else:
