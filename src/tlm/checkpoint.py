@@ -40,6 +40,7 @@ from tlm.config import ModelConfig
 from tlm.errors import UserError
 from tlm.io import atomic_path, write_text_atomic
 from tlm.model import EncoderDecoder, TransformerLM, build_model
+from tlm.tensor_files import LazyMatrix, TensorFiles
 
 STATE_DIR = "train_state"
 BEST = "best.safetensors"  # written by a run trained with --keep-best
@@ -92,6 +93,25 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
     except Exception as exc:
         raise CheckpointError(f"cannot read weights {path}: {exc}") from None
     missing, unexpected = model.load_state_dict(tensors, strict=False)
+    _check_fit(path, missing, unexpected)
+
+
+def run_weights(
+    run: str | Path, weights: str, names: list[str], lazy: tuple[str, ...] = ()
+) -> Iterator[tuple[str, torch.Tensor | LazyMatrix]]:
+    """A run's latest or best weights one tensor at a time, each read when it is reached,
+    in the order of `names` (a model's state dict, which the file must fit); the names in
+    `lazy` come as a `LazyMatrix` left in the file."""
+    path = weights_file(run, weights)
+    try:
+        tensors = TensorFiles([path])
+    except Exception as exc:
+        raise CheckpointError(f"cannot read weights {path}: {exc}") from None
+    _check_fit(path, sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names)))
+    return ((name, tensors.lazy(name) if name in lazy else tensors[name]) for name in names)
+
+
+def _check_fit(path: Path, missing: list[str], unexpected: list[str]) -> None:
     if missing or unexpected:
         raise CheckpointError(
             f"{path} does not fit the config: missing {missing[:3]}, unexpected {unexpected[:3]}"

@@ -11,14 +11,13 @@ from typing import Any
 
 import torch
 
-from tlm.checkpoint import CheckpointError, load_run, run_model_config, weights_file
+from tlm.checkpoint import CheckpointError, load_run, run_model_config, run_weights
 from tlm.config import ModelConfig
 from tlm.interop import is_hf_model_dir, load_gpt2
 from tlm.interop.gpt2 import config_from_gpt2, gpt2_weights, read_hf_config, read_hf_weights
 from tlm.model import EncoderDecoder, TransformerLM
 from tlm.model.pack import in_parts, load_packed
 from tlm.model.packed import check_format
-from tlm.tensor_files import TensorFiles
 from tlm.tokenizer import load_tokenizer
 
 __all__ = [
@@ -77,22 +76,8 @@ def _load_packed(path: Path, config: ModelConfig, weights: str, dtype: str) -> T
     if is_hf_model_dir(path):
         pairs = gpt2_weights(read_hf_weights(path), config, lazy_embedding=True)
     else:
-        file = weights_file(path, weights)
-        try:
-            tensors = TensorFiles([file])
-        except Exception as exc:
-            raise CheckpointError(f"cannot read weights {file}: {exc}") from None
-        missing = sorted(set(model.state_dict()) - set(tensors))
-        unexpected = sorted(set(tensors) - set(model.state_dict()))
-        if missing or unexpected:
-            raise CheckpointError(
-                f"{file} does not fit the config: missing {missing[:3]}, "
-                f"unexpected {unexpected[:3]}"
-            )
-        pairs = (
-            (name, tensors.lazy(name) if name == "embedding.E" else tensors[name])
-            for name in in_parts(model.state_dict())
-        )
+        names = in_parts(model.state_dict())  # each product's weights together
+        pairs = run_weights(path, weights, names, lazy=("embedding.E",))
     load_packed(model.eval(), pairs, dtype)
     model.inference_format = dtype
     return model

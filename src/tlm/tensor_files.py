@@ -99,16 +99,15 @@ class FileRows:
     by rename) does not change what this reads."""
 
     def __init__(self, matrix: LazyMatrix) -> None:
-        with open(matrix.file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            entry = json.loads(f.read(size))[matrix.name]
+        self.name, self.fd = matrix.file, os.open(matrix.file, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)  # open for as long as the model lives
+        size = int.from_bytes(os.pread(self.fd, 8, 0), "little")  # the header, then the data
+        entry = json.loads(os.pread(self.fd, size, 8))[matrix.name]
         if entry["dtype"] not in DTYPES or len(entry["shape"]) != 2:
             raise TensorFileError(f"{matrix.name} in {matrix.file} is not a float matrix")
         (self.n, self.d), self.dtype = entry["shape"], DTYPES[entry["dtype"]]
         self.row_bytes = self.d * self.dtype.itemsize
         self.start = 8 + size + entry["data_offsets"][0]
-        self.name, self.fd = matrix.file, os.open(matrix.file, os.O_RDONLY)
-        weakref.finalize(self, os.close, self.fd)  # open for as long as the model lives
 
     def __call__(self, ids: Tensor) -> Tensor:
         flat = ids.reshape(-1).tolist()

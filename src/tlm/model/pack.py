@@ -47,10 +47,6 @@ def pack_for_inference(model: nn.Module, fmt: str) -> None:
     for part in [*blocks, "W_U", "embedding"]:  # the largest last, when the rest is freed
         pack_part(model, part, fmt)
         free_to_system()  # the fp32 matrices just released
-    if fmt != "float32":
-        for param in model.parameters():  # biases, LayerNorms: their own memory, so that
-            if param.numel():  # they do not keep alive the buffer the weights were read into
-                param.data = param.data.clone()
 
 
 def load_packed(model: nn.Module, weights: Iterable[tuple[str, Tensor]], fmt: str) -> None:
@@ -65,6 +61,7 @@ def load_packed(model: nn.Module, weights: Iterable[tuple[str, Tensor]], fmt: st
             raise ValueError(f"the weights of {part} come apart; order them with in_parts")
         seen.add(part)
         state, lazy = dict(pairs), None
+        left -= state.keys()
         if isinstance(state.get("embedding.E"), LazyMatrix):
             lazy = state.pop("embedding.E")
             if fmt == "float32":  # kept whole: it is the parameter the products read
@@ -78,7 +75,6 @@ def load_packed(model: nn.Module, weights: Iterable[tuple[str, Tensor]], fmt: st
             deferred = lazy
         else:
             _pack_embedding_from_file(model, lazy, fmt)
-        left -= {*state, *(["embedding.E"] if lazy is not None else [])}
         del state
         free_to_system()
     if deferred is not None:

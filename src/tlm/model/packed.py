@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tlm.model import blas
+from tlm.model.functional import linear
 from tlm.tensor_files import LazyMatrix
 
 FORMATS = ("float32", "float16", "bfloat16", "int8")
@@ -122,10 +123,8 @@ class Float32Linear:
         self.splits = [W.shape[1] for W, _ in maps]
 
     def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
-        if blas.active():
-            y = tuple(blas.product(x, W, b) for W, b in self.maps)
-        elif not blas.batched():
-            y = tuple(F.linear(x, W.t(), b) for W, b in self.maps)
+        if not blas.batched():  # one row: numpy's BLAS (`blas.active`); a prompt: torch's
+            y = tuple(linear(x, W, b) for W, b in self.maps)
         else:
             y = self._onednn(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], sum(self.splits))
             y = y.split(self.splits, dim=-1)

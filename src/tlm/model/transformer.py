@@ -135,11 +135,13 @@ class TransformerLM(nn.Module):
         """Prepare the weights for fast generation and scoring (in place; no training after).
 
         On a CPU every weight matrix is prepared for a faster kernel: "float32" adds a oneDNN
-        layout for steps of several rows (one row already reads the weights at the memory
-        bandwidth, `model/blas.py`); "float16" and "int8" are compressed for fbgemm and
-        "bfloat16" halved, and these release the fp32 matrices, so memory follows the
-        format. The activations stay fp32. On a GPU "bfloat16" and "float16" cast the model
-        and "float32" changes nothing. See `model/packed.py`.
+        layout, made at the first decoding step of several rows (one row already reads the
+        weights at the memory bandwidth, `model/blas.py`); "float16" and "int8" are
+        compressed for fbgemm and "bfloat16" halved, and these release the fp32 matrices, so
+        memory follows the format. The activations stay fp32. On a GPU "bfloat16" and
+        "float16" cast the model and "float32" changes nothing. See `model/packed.py` and
+        `model/pack.py`; `tlm.load_model(path, dtype=...)` does the same while reading, with
+        a lower peak.
         """
         device = self.embedding.E.device
         check_format(dtype, device)
