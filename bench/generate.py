@@ -26,6 +26,7 @@ import torch
 
 from tlm import ModelConfig, TransformerLM, load_model
 from tlm.generate import GenerationConfig, generate
+from tlm.inference import decoding_step, for_decoding, for_inference
 from tlm.interop.gpt2 import gpt2_config
 from tlm.model.kv_cache import KVCache
 
@@ -67,7 +68,7 @@ def hf_rate(model, batch: int, new: int) -> float:
 
 
 def part_peer(rounds: int) -> None:
-    ours, theirs = tlm_gpt2().for_inference("float32"), hf_gpt2()
+    ours, theirs = for_inference(tlm_gpt2(), "float32"), hf_gpt2()
     tlm_rate(ours, 1, 4), hf_rate(theirs, 1, 4)  # warm up
     print("GPT-2 124M shape, fp32, greedy, prompt 32; tokens/s (median of alternating rounds)")
     for batch, new in [(1, 128), (8, 128), (1, 512), (8, 512)]:
@@ -87,7 +88,7 @@ def alternate(ours: TransformerLM, theirs, batch: int, new: int, rounds: int) ->
 
 def part_cache(rounds: int) -> None:
     """One decoding step at position 1024: the cached step against a full recomputation."""
-    model = tlm_gpt2().for_inference("float32")
+    model = for_inference(tlm_gpt2(), "float32")
     ids = torch.randint(0, GPT2["vocab_size"], (1, 1024))
     cached, recomputed = [], []
     with torch.no_grad():
@@ -114,10 +115,10 @@ def part_dtypes(rounds: int, work: Path) -> None:
     run, data = small_model(work)
     print("weights     batch 1 tok/s   batch 8 tok/s   validation loss (small trained model)")
     for dtype in ("float32", "float16", "bfloat16", "int8"):
-        model = tlm_gpt2().for_inference(dtype)
+        model = for_inference(tlm_gpt2(), dtype)
         one = statistics.median(tlm_rate(model, 1, 128) for _ in range(rounds))
         eight = statistics.median(tlm_rate(model, 8, 128) for _ in range(rounds))
-        small = load_model(run).for_inference(dtype)
+        small = for_inference(load_model(run), dtype)
         loss = evaluate_tokens(small, data.split("val"), load_tokenizer(run).token_bytes())["loss"]
         print(f"  {dtype:9s} {one:13.1f} {eight:15.1f}   {loss:.4f}")
 
@@ -151,7 +152,7 @@ def part_imported(rounds: int, work: Path) -> None:
     loaded_hf = time.perf_counter()
     ours = load_model(folder)
     loaded = time.perf_counter()
-    ours.for_inference("float32")
+    ours = for_inference(ours, "float32")
     packed = time.perf_counter()
     print(
         f"{folder.name}: loaded by transformers in {loaded_hf - started:.2f} s, by tlm in "
@@ -227,12 +228,11 @@ def part_limit(rounds: int, work: Path) -> None:
 def products_only(model: TransformerLM) -> float:
     """Seconds for one row through every product of a decoding step and nothing else (no
     attention, LayerNorm or loop): the most the kernels allow (best of 5)."""
-    from tlm.model.blas import decoding
-
+    model = for_decoding(model)
     x, h = torch.randn(1, 1, model.config.d_model), torch.randn(1, 1, model.config.d_ff)
     times = []
     for _ in range(5):
-        with decoding(model, 1):
+        with decoding_step(model, 1):
             started = time.perf_counter()
             for block in model.blocks:
                 block.attn.project_qkv(x), block.attn.project_out(x)
@@ -244,15 +244,14 @@ def products_only(model: TransformerLM) -> float:
 
 def step_at(model: TransformerLM, position: int) -> float:
     """Seconds of one cached batch-1 step with `position` tokens of context (median of 5)."""
-    from tlm.model.blas import decoding
-
+    model = for_decoding(model)
     ids = torch.randint(0, GPT2["vocab_size"], (1, position))
     cache = KVCache(model.config, 1, capacity=position)
     with torch.no_grad():
         model(ids[:, : position - 5], cache)
     times = []
     for t in range(position - 5, position):
-        with decoding(model, 1):
+        with decoding_step(model, 1):
             started = time.perf_counter()
             model(ids[:, t : t + 1], cache, last_only=True)
             times.append(time.perf_counter() - started)
@@ -273,7 +272,8 @@ else:
     if side == "load":  # read whole, then packed
         model = load_model(folder)
         if fmt != "none":
-            model.for_inference(fmt)
+            from tlm.inference import for_inference
+            model = for_inference(model, fmt)
     else:  # packed part by part as it is read
         model = load_model(folder, dtype=fmt)
     model.generate(ids, max_new_tokens=32)
@@ -307,7 +307,7 @@ def part_memory(work: Path) -> None:
         peak = float(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
         name = {
             "transformers": "transformers",
-            "load": "tlm load_model(path)" + ("" if fmt == "none" else f".for_inference({fmt!r})"),
+            "load": "tlm load_model(path)" + ("" if fmt == "none" else f", for_inference {fmt}"),
             "stream": f"tlm load_model(path, dtype={fmt!r})",
         }[side]
         weights = weight_bytes(config, "float32" if fmt == "none" else fmt)

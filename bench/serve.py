@@ -3,7 +3,7 @@
     nice python bench/serve.py             # GPT-2 124M shape, about 6 minutes on 2 CPU cores
     python bench/serve.py --quick          # a 2-layer, d=64 model: a smoke test in seconds
 
-Random weights of the GPT-2 124M shape, fp32 prepacked (`for_inference("float32")`), two
+Random weights of the GPT-2 124M shape, fp32 prepacked (`for_inference(model, "float32")`), two
 torch threads, greedy decoding of random 32-token prompts with no early stop. Requests go
 through `Engine` (one thread stepping `Slots`, as `tlm serve` runs it) with no HTTP in
 between; the tokenizer is a stub whose `decode` gives one "x" per token, since the engine
@@ -41,6 +41,7 @@ import torch
 from tlm import ModelConfig, TransformerLM
 from tlm.generate import GenerationConfig
 from tlm.generate.slots import Slots
+from tlm.inference import for_inference
 from tlm.serve.engine import Engine, Job
 
 PROMPT = 32
@@ -254,7 +255,7 @@ def main() -> None:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     shape = TINY if args.quick else GPT2
-    model = TransformerLM(ModelConfig(**shape, activation="gelu_tanh")).for_inference("float32")
+    model = for_inference(TransformerLM(ModelConfig(**shape, activation="gelu_tanh")), "float32")
     name = "tiny (2 layers, d=64)" if args.quick else "GPT-2 124M shape"
     print(f"{name}, fp32 prepacked, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"load average {os.getloadavg()[0]:.2f} (other processes share these cores)")

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from tlm import load_model, load_tokenizer
 from tlm.cli import main
 from tlm.generate import GenerationConfig, complete, encode_prompts, stream_completion
-from tlm.model.packed import check_format
+from tlm.inference import check_format, for_inference
 
 TOL = 1e-6  # the CLI and the library run the same kernels: their log-probs agree to rounding
 
@@ -142,7 +142,7 @@ def test_int8_runs_on_the_cpu_only(run):
     check_format("int8", torch.device("cpu"))
     ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        exact, packed = load_model(run)(ids), load_model(run).for_inference("int8")(ids)
+        exact, packed = load_model(run)(ids), for_inference(load_model(run), "int8")(ids)
     error = (packed - exact).abs().max() / exact.abs().max()
     assert 0 < error < 0.05  # int8 weights: close to float32, not equal
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import NORMS, POSITIONS, written_out
-from tlm.model import blas
+from tlm.inference import decoding_step, for_inference
 from tlm.model.kv_cache import KVCache
 
 
@@ -82,7 +82,7 @@ def ops_called(model, ids, cache=None) -> tuple[dict[str, int], torch.Tensor]:
     len(ids) rows."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = torch.no_grad() if cache is None else blas.decoding(model, len(ids))
+    step = torch.no_grad() if cache is None else decoding_step(model, len(ids))
     with step, profile(activities=[ProfilerActivity.CPU]) as prof:
         logits = model(ids, cache)
     return {e.key: e.count for e in prof.key_averages()}, logits
@@ -98,7 +98,7 @@ def test_packed_weights_compute_the_same_log_probabilities(make_model, dtype):
         expected = model(ids).log_softmax(-1)
     packed = make_model(position="rope", bias=True)
     packed.load_state_dict(model.state_dict())
-    packed.for_inference(dtype)
+    packed = for_inference(packed, dtype)
     products = 4 * model.config.n_layers + 1  # QKV and W_O, W_1 and W_2 per layer, the head
     with torch.no_grad():
         got = packed(ids).float().log_softmax(-1)
@@ -114,14 +114,14 @@ def test_packed_weights_compute_the_same_log_probabilities(make_model, dtype):
     else:
         assert prompt.get(KERNEL[dtype]) == products
     if dtype == "bfloat16":  # aten::linear as unpacked, but on bf16 weights
-        assert packed.blocks[0].ffn.up.weight.dtype == torch.bfloat16
+        assert packed.blocks[0].ffn.up_kernel.weight.dtype == torch.bfloat16
     else:  # the unpacked model's products run as aten::addmm / aten::mm
         assert "aten::addmm" not in calls and "aten::mm" not in calls
     least, most = FORMAT_ERROR[dtype]
     error = (got - expected).abs().max().item()
     assert least <= error <= most
     assert (stepped.float().log_softmax(-1) - expected).abs().max().item() <= most
-    with pytest.raises(RuntimeError, match="packed for inference"):
+    with pytest.raises(RuntimeError, match="built for inference"):
         packed.train()
 
 
@@ -140,7 +140,7 @@ def test_float16_is_fp32_arithmetic_on_fp16_weights(make_model):
     )
     packed = make_model(bias=True, tie_embeddings=False)
     packed.load_state_dict(state)
-    packed.for_inference("float16")
+    packed = for_inference(packed, "float16")
     ids = torch.randint(0, 97, (2, 16))
     with torch.no_grad():
         exact, reference, got = model(ids), rounded(ids), packed(ids)
@@ -151,7 +151,7 @@ def test_float16_is_fp32_arithmetic_on_fp16_weights(make_model):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8"])
 def test_smaller_formats_release_the_fp32_weights(make_model, dtype):
     """Memory follows the format: no fp32 matrix is kept beside its packed copy."""
-    model = make_model(bias=True).for_inference(dtype)
+    model = for_inference(make_model(bias=True), dtype)
     matrices = [p for name, p in model.named_parameters() if name.rsplit(".", 1)[-1][0] in "WE"]
     assert len(matrices) == 6 * model.config.n_layers + 1
     assert all(p.numel() == 0 for p in matrices)
@@ -163,27 +163,27 @@ def test_smaller_formats_release_the_fp32_weights(make_model, dtype):
 def test_float32_packing_copies_nothing_until_a_batch(make_model):
     """One row and a prompt read the parameters themselves; the oneDNN layout comes with
     the first decoding step of several rows."""
-    model = make_model().for_inference("float32")
-    qkv, cache = model.blocks[0].attn.project_qkv, KVCache(model.config, 2)
-    with blas.decoding(model, 1):
+    model = for_inference(make_model(), "float32")
+    qkv, cache = model.blocks[0].attn.qkv_kernel, KVCache(model.config, 2)
+    with decoding_step(model, 1):
         one = model(torch.randint(0, 97, (1, 1)))
     with torch.no_grad():
         model(torch.randint(0, 97, (2, 3)), cache)
     assert qkv.layout is None and one.shape == (1, 1, 97)
-    with blas.decoding(model, 2):
+    with decoding_step(model, 2):
         model(torch.randint(0, 97, (2, 1)), cache)
     assert qkv.layout is not None
 
 
 def test_unknown_inference_dtype(make_model):
     with pytest.raises(ValueError, match="dtype must be one of"):
-        make_model().for_inference("float8")
+        for_inference(make_model(), "float8")
 
 
 def test_int8_keeps_one_scale_per_output():
     """Outputs of very different sizes each keep ~1% precision: a scale per output row of
     W (per column of the book's [in, out] W), not one for the whole matrix."""
-    from tlm.model.packed import PackedLinear
+    from tlm.inference.kernels import PackedLinear
 
     torch.manual_seed(0)
     sizes = torch.logspace(-3, 0, 32)  # output j is about sizes[j] in size

@@ -12,7 +12,7 @@ from test_kv_cache import FORMAT_ERROR
 from conftest import hf_model, tiny_config
 from tlm import TransformerLM, load_model
 from tlm.checkpoint import CheckpointError, save_weights, write_config
-from tlm.model import pack, packed
+from tlm.inference import for_inference, kernels, prepare
 from tlm.tensor_files import FileRows, LazyMatrix, TensorFileError, TensorFiles
 
 FORMATS = list(FORMAT_ERROR)
@@ -35,8 +35,8 @@ def write_run(folder, seed=0, **overrides):
 def small_head_blocks(monkeypatch):
     """Head blocks (float16) and chunks (int8, bfloat16) of 16 vocabulary rows, so that a
     tiny head is read in several."""
-    monkeypatch.setattr(pack, "HEAD_ROWS", 16)
-    monkeypatch.setattr(packed, "CHUNK", 16)
+    monkeypatch.setattr(prepare, "HEAD_ROWS", 16)
+    monkeypatch.setattr(kernels, "CHUNK", 16)
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
@@ -53,7 +53,7 @@ def test_streamed_equals_the_plain_model_within_the_format(tmp_path, dtype, tie,
     assert least <= (got - expected).abs().max().item() <= most
     cached = streamed.generate(ids[:, :4], max_new_tokens=6)  # the fast path: cache, slots
     assert torch.equal(cached, streamed.generate(ids[:, :4], max_new_tokens=6, use_cache=False))
-    with pytest.raises(RuntimeError, match="packed for inference"):
+    with pytest.raises(RuntimeError, match="built for inference"):
         streamed.train()
 
 
@@ -62,7 +62,7 @@ def test_each_product_is_the_one_for_inference_makes(tmp_path, dtype, small_head
     """Blocks and head: the same packed products as packing the loaded model; the token
     lookup reads E's rows from the file exactly (for_inference keeps them in the format)."""
     run = write_run(tmp_path / "run")
-    streamed, packed_model = load_model(run, dtype=dtype), load_model(run).for_inference(dtype)
+    streamed, packed_model = load_model(run, dtype=dtype), for_inference(load_model(run), dtype)
     E = load_model(run).embedding.E.detach()
     x, ids = torch.randn(3, 64), torch.tensor([[0, 96, 5], [7, 7, 1]])
     for mine, theirs in zip(streamed.blocks, packed_model.blocks, strict=True):
@@ -76,9 +76,9 @@ def test_each_product_is_the_one_for_inference_makes(tmp_path, dtype, small_head
             mine.ffn.down(mine.ffn.up(x)), theirs.ffn.down(theirs.ffn.up(x)), atol=1e-6
         )
     if dtype == "float16":  # fbgemm packs fp16 only from whole fp32 matrices: in blocks
-        assert len(streamed.unembed.blocks) == 7  # 97 rows in blocks of 16
+        assert len(streamed.head.blocks) == 7  # 97 rows in blocks of 16
     else:  # one product, read a chunk of rows at a time
-        assert isinstance(streamed.unembed, packed.PackedLinear)
+        assert isinstance(streamed.head, kernels.PackedLinear)
     assert torch.allclose(streamed.unembed(x), packed_model.unembed(x), atol=1e-5)
     assert torch.equal(streamed.embedding.tokens(ids), E[ids])
 
@@ -195,10 +195,10 @@ def test_parts_must_come_together(tmp_path):
     tensors = TensorFiles([run / "model.safetensors"])
     names = list(TransformerLM(tiny_config(), init=False).state_dict())
     with pytest.raises(ValueError, match="come apart"):
-        pack.load_packed(
+        prepare.load_prepared(
             TransformerLM(tiny_config(), init=False), ((n, tensors[n]) for n in names), "int8"
         )
-    ordered = pack.in_parts(names)
+    ordered = prepare.in_parts(names)
     assert sorted(ordered) == sorted(names) and ordered.index("blocks.0.attn.b_Q") < ordered.index(
         "blocks.0.attn.W_O"
     )

@@ -17,6 +17,7 @@ import torch
 from conftest import console_errors
 from tlm.cli import main
 from tlm.generate import GenerationConfig, complete
+from tlm.inference import for_inference
 from tlm.load import load_model, load_tokenizer
 
 KEY = "test-key"
@@ -74,7 +75,7 @@ def client(server):
 
 
 def local(run, prompt, max_tokens, stop=(), **settings):
-    model, tokenizer = load_model(run).for_inference("float32"), load_tokenizer(run)
+    model, tokenizer = for_inference(load_model(run), "float32"), load_tokenizer(run)
     config = GenerationConfig(max_new_tokens=max_tokens, eos_token_id=tokenizer.eot_id, **settings)
     return complete(model, tokenizer, [prompt], config, stop)[0]
 

@@ -6,7 +6,7 @@ import torch
 from conftest import NORMS, POSITIONS, written_out
 from tlm.generate import GenerationConfig, generate
 from tlm.generate.slots import Slots
-from tlm.model.slot_cache import Run, SlotCache, Steps
+from tlm.inference.slot_cache import Band, Ragged, SlotCache
 
 
 @pytest.mark.parametrize("impl", ["fused", "reference"])
@@ -23,7 +23,7 @@ def test_rows_at_their_own_lengths_equal_each_row_alone(make_model, position, no
     def step(feeds):  # {slot: how many of its next tokens}, in one ragged pass
         slots = sorted(feeds)
         ids = [t for s in slots for t in texts[s][lengths[s] : lengths[s] + feeds[s]]]
-        logits = model(torch.tensor([ids]), cache.rows(slots, [feeds[s] for s in slots]))
+        logits = model(torch.tensor([ids]), cache.feed(slots, [feeds[s] for s in slots]))
         at = 0
         for s in slots:
             lengths[s] += feeds[s]
@@ -44,19 +44,19 @@ def test_rows_are_grouped_for_attention_and_bad_passes_are_refused(make_model):
     model = make_model()
     cache = SlotCache(model.config, slots=4, capacity=8)
     cache.lengths[:] = [3, 3, 5, 3]
-    rows = cache.rows([0, 1], [1, 1])  # neighbours at one length: one run, no mask
-    assert [(type(g), g.lo, g.hi, g.mask) for g in rows.groups] == [(Run, 0, 2, None)]
-    rows = cache.rows([0, 1, 3], [1, 1, 1])  # not neighbours: one masked group, slot 2 a dummy
+    rows = cache.feed([0, 1], [1, 1])  # neighbours at one length: one run, no mask
+    assert [(type(g), g.lo, g.hi, g.mask) for g in rows.groups] == [(Band, 0, 2, None)]
+    rows = cache.feed([0, 1, 3], [1, 1, 1])  # not neighbours: one masked group, slot 2 a dummy
     (steps,) = rows.groups
-    assert isinstance(steps, Steps) and (steps.lo, steps.hi) == (0, 4)
+    assert isinstance(steps, Ragged) and (steps.lo, steps.hi) == (0, 4)
     assert steps.mask[:, 0, 0].tolist() == [[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
-    assert rows.positions.tolist() == [[3, 3, 3]] and rows.lasts == [0, 1, 2]
-    rows = cache.rows([0, 1, 2, 3], [1, 4, 1, 2])  # two prompts, two rows decoding
-    assert [type(g) for g in rows.groups] == [Run, Run, Steps]
-    assert rows.positions.tolist() == [[3, 3, 4, 5, 6, 5, 3, 4]] and rows.lasts == [0, 4, 5, 7]
+    assert rows.fed_positions.tolist() == [[3, 3, 3]] and rows.lasts == [0, 1, 2]
+    rows = cache.feed([0, 1, 2, 3], [1, 4, 1, 2])  # two prompts, two rows decoding
+    assert [type(g) for g in rows.groups] == [Band, Band, Ragged]
+    assert rows.fed_positions.tolist() == [[3, 3, 4, 5, 6, 5, 3, 4]] and rows.lasts == [0, 4, 5, 7]
     for slots, counts in [([0], [6]), ([1, 0], [1, 1]), ([0, 0], [1, 1]), ([0], [0]), ([], [])]:
         with pytest.raises(ValueError):
-            cache.rows(slots, counts)
+            cache.feed(slots, counts)
 
 
 def reference(model, prompt, **settings):

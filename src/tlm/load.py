@@ -13,11 +13,10 @@ import torch
 
 from tlm.checkpoint import CheckpointError, load_run, run_model_config, run_weights
 from tlm.config import ModelConfig
+from tlm.inference import check_format, for_inference, in_parts, load_prepared
 from tlm.interop import is_hf_model_dir, load_gpt2
 from tlm.interop.gpt2 import config_from_gpt2, gpt2_weights, read_hf_config, read_hf_weights
 from tlm.model import EncoderDecoder, TransformerLM
-from tlm.model.pack import in_parts, load_packed
-from tlm.model.packed import check_format
 from tlm.tokenizer import load_tokenizer
 
 __all__ = [
@@ -47,8 +46,8 @@ def load_model(
     `weights="best"`, those of its lowest validation loss (a run trained with --keep-best).
 
     `dtype` ("float32", "float16", "bfloat16", "int8") gives a language model prepared for
-    inference, as `model.for_inference(dtype)` would, and on a CPU reads it one part at a
-    time, packing each part before the next is read: the whole fp32 model is never in
+    inference, as `tlm.inference.for_inference(model, dtype)` would, and on a CPU reads it
+    one part at a time, packing each part before the next is read: the whole fp32 model is never in
     memory, so the peak follows the format (docs/benchmarks.md, "Memory").
     """
     path = Path(path)
@@ -67,7 +66,7 @@ def load_model(
         return model
     if not isinstance(model, TransformerLM):  # dtype prepares language models only
         raise CheckpointError(f"{path} is {WRONG_KIND[TransformerLM]}")
-    return model.for_inference(dtype)
+    return for_inference(model, dtype)
 
 
 def _load_packed(path: Path, config: ModelConfig, weights: str, dtype: str) -> TransformerLM:
@@ -78,9 +77,7 @@ def _load_packed(path: Path, config: ModelConfig, weights: str, dtype: str) -> T
     else:
         names = in_parts(model.state_dict())  # each product's weights together
         pairs = run_weights(path, weights, names, lazy=("embedding.E",))
-    load_packed(model.eval(), pairs, dtype)
-    model.inference_format = dtype
-    return model
+    return load_prepared(model, pairs, dtype)
 
 
 # what a command that needs one kind of model says when given the other

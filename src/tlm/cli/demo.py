@@ -16,6 +16,7 @@ from tlm.data import TokenData, prepare
 from tlm.data.prepare import FILES as PREPARED
 from tlm.evaluate import evaluate_tokens
 from tlm.generate import GenerationConfig, complete
+from tlm.inference import for_inference
 from tlm.interpret import attention_patterns, plot_attention
 from tlm.io import check_replaceable
 from tlm.tokenizer import load_tokenizer
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         seed=0,
         eos_token_id=tokenizer.eot_id,
     )
-    for c in complete(model.for_inference("float32"), tokenizer, PROMPTS, sampling):
+    for c in complete(for_inference(model, "float32"), tokenizer, PROMPTS, sampling):
         print("      " + "\n      ".join(f">>> {c.prompt}{c.text}".splitlines()[:8]))
 
     print("[4/4] evaluate and plot")

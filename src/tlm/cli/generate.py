@@ -8,8 +8,8 @@ import sys
 
 from tlm.cli.args import add_command, add_weights_flag, fail, read_text_file
 from tlm.generate import GenerationConfig, complete, stream_completion
+from tlm.inference import FORMATS
 from tlm.load import load_language_model, load_tokenizer
-from tlm.model.packed import FORMATS
 
 EXAMPLE = """examples:
   tlm generate runs/shakespeare_char --prompt "ROMEO:" --do-sample --temperature 0.8 --stream

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from tlm.cli.args import add_command, add_weights_flag, fail
+from tlm.inference import FORMATS
 from tlm.load import load_language_model, load_tokenizer
-from tlm.model.packed import FORMATS
 
 EXAMPLE = """examples:
   tlm serve runs/demo                                 # http://127.0.0.1:8000

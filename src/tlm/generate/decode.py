@@ -23,7 +23,7 @@ from tlm.generate.sampling import (
     sample,
 )
 from tlm.generate.slots import Slots, random_seed, row_generator
-from tlm.model.blas import decoding
+from tlm.inference import decoding_step, for_decoding
 from tlm.model.kv_cache import KVCache
 
 
@@ -99,7 +99,7 @@ class Context:
         use_cache: bool,
         max_new_tokens: int | None = None,
     ) -> None:
-        self.model, self.ids = model, ids
+        self.model, self.ids = for_decoding(model) if use_cache else model, ids
         self.mask = None if mask is None or bool(mask.all()) else mask  # no padding: no mask
         self.N = model.config.context_length
         self.cache, self.start = None, 0
@@ -120,7 +120,7 @@ class Context:
             self.cache.reset()
             self.start = S - self.N
         new = self.ids[:, self.start + self.cache.length :]  # [B, prompt or 1]
-        with decoding(self.model, len(new)) if new.shape[1] == 1 else torch.no_grad():
+        with decoding_step(self.model, len(new)) if new.shape[1] == 1 else torch.no_grad():
             return self.model(new, self.cache, self._mask(self.start), last_only=True)[:, -1]
 
     def _mask(self, lo: int) -> Tensor | None:

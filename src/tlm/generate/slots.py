@@ -36,8 +36,7 @@ from tlm.generate.sampling import (
     process_logits,
     sample,
 )
-from tlm.model.blas import decoding
-from tlm.model.slot_cache import SlotCache
+from tlm.inference import SlotCache, decoding_step, for_decoding
 
 
 @dataclass(eq=False)  # compared and hashed by identity
@@ -86,7 +85,7 @@ class Slots:
     """Up to `slots` sequences decoded together, each at its own pace."""
 
     def __init__(self, model: nn.Module, slots: int, capacity: int | None = None) -> None:
-        self.model = model
+        self.model = for_decoding(model)
         N = model.config.context_length
         self.capacity = min(capacity or N, N)
         first = next(model.parameters())
@@ -152,9 +151,9 @@ class Slots:
             return []
         ids = torch.tensor([token for feed in feeds for token in feed], device=self.device)
         one_each = len(ids) == len(feeds)  # every row feeds one token: a decoding step
-        with decoding(self.model, len(feeds)) if one_each else torch.no_grad():
-            rows = self.cache.rows(slots, [len(feed) for feed in feeds])
-            logits = self.model(ids[None], rows, last_only=True)[0]  # [rows,V]
+        with decoding_step(self.model, len(feeds)) if one_each else torch.no_grad():
+            fed = self.cache.feed(slots, [len(feed) for feed in feeds])
+            logits = self.model(ids[None], fed, last_only=True)[0]  # [rows,V]
             return [self._choose(self.rows[s], row) for s, row in zip(slots, logits, strict=True)]
 
     def _admit(self) -> None:

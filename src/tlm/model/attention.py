@@ -20,9 +20,8 @@ from torch import Tensor, nn
 from tlm.config import ModelConfig
 from tlm.model.functional import linear
 from tlm.model.hooks import HookPoint
-from tlm.model.kv_cache import KVCache
+from tlm.model.kv_cache import Cache, KVCache
 from tlm.model.positions import Rotary
-from tlm.model.slot_cache import Rows, Run, Steps
 
 
 def causal_mask(T: int, S: int, device: torch.device | None = None) -> Tensor:
@@ -114,14 +113,14 @@ class MultiHeadAttention(nn.Module):
 
     Parameters are named after the equations: W_Q, W_K, W_V [d, H*d_head] and W_O
     [H*d_head, d], right-multiplied as in the book (x @ W_Q). The two products are methods
-    (`project_qkv`, `project_out`) so that `model/packed.py` can run them through faster
-    kernels for inference without the math here knowing.
+    (`project_qkv`, `project_out`): `tlm.inference` builds a model for decoding from
+    subclasses that run them through faster kernels, on the same parameters.
     """
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         d, d_attn = config.d_model, config.d_attn
-        self.layer = layer  # its slot in a KVCache
+        self.layer = layer  # its slot in a cache
         self.n_heads, self.d_head = config.n_heads, config.d_head
         self.dropout = config.attn_dropout_p  # on α only: residual dropout never reaches SDPA
         self.W_Q = nn.Parameter(torch.empty(d, d_attn))
@@ -150,10 +149,6 @@ class MultiHeadAttention(nn.Module):
             linear(x, self.W_V, self.b_V),
         )
 
-    def project_kv(self, source: Tensor) -> tuple[Tensor, Tensor]:
-        """K = SW^K + b_K, V = SW^V + b_V from another sequence S (cross-attention)."""
-        return linear(source, self.W_K, self.b_K), linear(source, self.W_V, self.b_V)
-
     def project_out(self, z: Tensor) -> Tensor:
         """(head_1 ⊕ ... ⊕ head_A) W^O + b_O (eq. 9.19): [B,T,H*dh] -> [B,T,d]."""
         return linear(z, self.W_O, self.b_O)
@@ -162,71 +157,51 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # [B,T,H*dh] -> [B,H,T,dh]
 
+    def normed(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """With qk_norm, q and k at unit RMS per head: the logits stay bounded (not the book)."""
+        if not self.qk_norm:
+            return q, k
+        return F.rms_norm(q, (q.shape[-1],)), F.rms_norm(k, (k.shape[-1],))
+
     def forward(
         self,
         x: Tensor,
         positions: Tensor | None = None,
         mask: Tensor | None = None,
-        cache: KVCache | Rows | None = None,
-        kv_source: Tensor | None = None,
+        cache: Cache | None = None,
         causal: bool = True,
     ) -> Tensor:
         """x: [B,T,d] -> a: [B,T,d].
 
         `positions` [T] or [B,T] are absolute positions (for rope). Attention is causal; with
-        a `cache`, x holds the new positions and also attends to every stored one. `mask`
-        (from `padding_mask`) replaces the causal mask where batch rows are left-padded.
-        With a `SlotCache.rows(...)` cache, x [1,N,d] holds the new tokens of many rows one
-        after another: the products run over all of them, attention per run of rows.
-
+        a `cache` (`model/kv_cache.py`), x holds the new positions, the cache stores their
+        keys and values, and each query also attends to the stored ones. `mask` (from
+        `padding_mask`) replaces the causal mask where batch rows are left-padded.
         `causal=False` lets every query see every key (an encoder); `mask` then only hides
-        padding. With `kv_source` [B,S,d] the keys and values come from that sequence, the
-        queries from x (cross-attention, Vaswani et al. §3.2.3: the decoder reads the
-        encoder's output); with a cache they are projected once per source and kept.
+        padding.
         """
         B, T, _ = x.shape
-        if kv_source is not None:
-            q = linear(x, self.W_Q, self.b_Q)  # queries from the decoder
-            if cache is None:
-                k, v = self.project_kv(kv_source)  # keys and values from the encoder
-            else:
-                k, v = cache.cross(self.layer, lambda: self.project_kv(kv_source))
-            z = self.heads(q, k, v, None, mask, None, causal=False)
-            return self.out(self.project_out(z.reshape(B, T, -1)))
-        q, k, v = self.project_qkv(x)  # eq. 9.34  Q = XW^Q, K, V
-        if isinstance(cache, Rows):  # each group of rows attends to its own keys
-            z = q.new_empty(T, self.n_heads, self.d_head)  # [N,H,dh]
-            for group in cache.groups:
-                part = [group.take(t) for t in (q, k, v, positions)]
-                group.put(z, self.heads(*part, group.mask, group))
-        else:
-            z = self.heads(q, k, v, positions, mask, cache, causal)
-        return self.out(self.project_out(z.reshape(B, T, -1)))  # concat, then W^O: eq. 9.19
-
-    def heads(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        positions: Tensor | None,
-        mask: Tensor | None,
-        cache: KVCache | Run | Steps | None,
-        causal: bool = True,
-    ) -> Tensor:
-        """Every head's output, z [B,T,H,d_head], from q, k, v [B,T,H*d_head] and [B,S,H*d_head]
-        (eq. 9.11-9.13); without `causal`, `mask` alone says what a query may see."""
-        T = q.shape[1]
-        q, k, v = map(self.split_heads, (q, k, v))  # [B,H,T,dh]
-        if self.qk_norm:  # q and k at unit RMS per head: the logits stay bounded (not the book)
-            q, k = F.rms_norm(q, (q.shape[-1],)), F.rms_norm(k, (k.shape[-1],))
+        q, k, v = map(self.split_heads, self.project_qkv(x))  # eq. 9.34  [B,H,T,dh] each
+        q, k = self.normed(q, k)
         if self.rotary is not None:  # relative positions: rotate q and k, never v
             if positions is None:
                 positions = torch.arange(T, device=q.device)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         q, k, v = self.q(q), self.k(k), self.v(v)
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # [B,H,S,dh]: the stored positions, then these
-        S = k.shape[2]
+        if cache is None:
+            heads = self.attend(q, k, v, mask, causal)
+        else:  # the cache stores k, v and hands each query the keys it may see
+            heads = cache.attend(self.layer, q, k, v, mask, self.attend)
+        z = self.z(heads.transpose(1, 2))  # [B,H,T,dh] -> [B,T,H,dh]
+        return self.out(self.project_out(z.reshape(B, T, -1)))  # concat, then W^O: eq. 9.19
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True
+    ) -> Tensor:
+        """Every head's output [B,H,T,d_head] from q [B,H,T,d_head] and k, v [B,H,S,d_head]
+        (eq. 9.11-9.13): the last T of S positions query; without `causal`, `mask` alone says
+        what a query may see."""
+        T, S = q.shape[2], k.shape[2]
         whole_window = causal and mask is None and 1 < T == S  # the kernel's causal mask
         if causal and mask is None and 1 < T < S:  # new queries after cached keys
             mask = causal_mask(T, S, q.device)
@@ -236,7 +211,35 @@ class MultiHeadAttention(nn.Module):
                 mask = causal_mask(T, S, q.device)
             scores = self.scores(attention_scores(q, k, mask))  # eq. 9.11
             pattern = self.pattern(torch.softmax(scores, dim=-1))  # eq. 9.12
-            heads = attend(pattern, v, dropout_p)  # eq. 9.13
+            return attend(pattern, v, dropout_p)  # eq. 9.13
+        return attention_fused(q, k, v, mask, dropout_p, is_causal=whole_window)
+
+
+class CrossAttention(MultiHeadAttention):
+    """Queries from one sequence, keys and values from another (Vaswani et al. §3.2.3: the
+    decoder reads the encoder's output). The same parameters and hook points as
+    self-attention; no positions are added (the source has its own)."""
+
+    def project_kv(self, source: Tensor) -> tuple[Tensor, Tensor]:
+        """K = SW^K + b_K, V = SW^V + b_V from the source S: [B,S,d] -> 2 × [B,S,H*dh]."""
+        return linear(source, self.W_K, self.b_K), linear(source, self.W_V, self.b_V)
+
+    def forward(
+        self,
+        x: Tensor,
+        source: Tensor,
+        mask: Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """x [B,T,d] reads source [B,S,d] -> [B,T,d]; `mask` hides the source's padding. With
+        a cache the source's keys and values are projected once and kept (`KVCache.cross`)."""
+        B, T, _ = x.shape
+        if cache is None:
+            k, v = self.project_kv(source)
         else:
-            heads = attention_fused(q, k, v, mask, dropout_p, is_causal=whole_window)
-        return self.z(heads.transpose(1, 2))  # [B,H,T,dh] -> [B,T,H,dh]
+            k, v = cache.cross(self.layer, lambda: self.project_kv(source))
+        q = self.split_heads(linear(x, self.W_Q, self.b_Q))  # queries from the target
+        q, k = self.normed(q, self.split_heads(k))
+        q, k, v = self.q(q), self.k(k), self.v(self.split_heads(v))
+        z = self.z(self.attend(q, k, v, mask, causal=False).transpose(1, 2))  # [B,T,H,dh]
+        return self.out(self.project_out(z.reshape(B, T, -1)))

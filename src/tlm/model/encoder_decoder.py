@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from tlm.config import ModelConfig
-from tlm.model.attention import MultiHeadAttention
+from tlm.model.attention import CrossAttention, MultiHeadAttention
 from tlm.model.hooks import HookPoint, name_hook_points
 from tlm.model.kv_cache import KVCache
 from tlm.model.layers import BLOCKS, Embedding, FeedForward, LayerNorm
@@ -54,7 +54,7 @@ class DecoderBlock(nn.Module):
         self.attn = MultiHeadAttention(config, layer)
         self.resid_mid = HookPoint()
         self.ln_cross = LayerNorm(d, eps, bias)
-        self.cross = MultiHeadAttention(config, layer)
+        self.cross = CrossAttention(config, layer)
         self.resid_cross = HookPoint()
         self.ln2 = LayerNorm(d, eps, bias)
         self.ffn = FeedForward(config)
@@ -72,12 +72,12 @@ class DecoderBlock(nn.Module):
         y = self.resid_pre(y)
         if self.pre_norm:  # x + Sublayer(LayerNorm(x)), as eq. 9.37-9.44
             t1 = self.resid_mid(y + self.drop(self.attn(self.ln1(y), positions, None, cache)))
-            read = self.cross(self.ln_cross(t1), None, memory_mask, cache, kv_source=memory)
+            read = self.cross(self.ln_cross(t1), memory, memory_mask, cache)
             t2 = self.resid_cross(t1 + self.drop(read))
             return self.resid_post(t2 + self.drop(self.ffn(self.ln2(t2))))
         # LayerNorm(x + Sublayer(x)), the paper's form (eq. 10.24-10.31 with a third sublayer)
         t1 = self.resid_mid(self.ln1(y + self.drop(self.attn(y, positions, None, cache))))
-        read = self.cross(t1, None, memory_mask, cache, kv_source=memory)
+        read = self.cross(t1, memory, memory_mask, cache)
         t2 = self.resid_cross(self.ln_cross(t1 + self.drop(read)))
         return self.resid_post(self.ln2(t2 + self.drop(self.ffn(t2))))
 

@@ -10,18 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tlm.model import blas
-
 
 def linear(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
-    """x @ W + b, with W stored [in, out] as the book writes it, in one BLAS call.
-
-    While a CPU decoding step runs (`blas.decoding`) the call goes to numpy's BLAS, which
-    reads W at the memory bandwidth; otherwise to torch's kernel, with autograd.
-    """
-    if blas.active() and x.dtype == torch.float32:
-        return blas.product(x, W, b)
-    return F.linear(x, W.t(), b)
+    """x @ W + b, with W stored [in, out] as the book writes it, in one BLAS call."""
+    return F.linear(x, W.t(), b)  # [...,in] @ [in,out] -> [...,out]
 
 
 def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Tensor:

@@ -1,23 +1,55 @@
-"""The KV cache (the textbook slides' "KV cache"): keys and values of every past position.
+"""The KV cache (the textbook slides' "KV cache"), and the small interface every cache keeps.
 
 In autoregressive decoding the keys and values of positions 1..t never change once computed
 (causal attention: they depend only on their own past). Keeping them turns each new token's
 forward pass from O(t) positions of work into O(1): the prompt is run once ("prefill"), then
 one token per step attends to the stored keys and values.
 
-The cache is a small explicit object passed through `TransformerLM.forward`; the model holds
-no hidden state. Its buffers are allocated once, for `capacity` positions (at most the
-context length; a generation that cannot grow longer needs no more).
+A cache is a small explicit object passed through `TransformerLM.forward`; the model holds
+no hidden state. The model talks to any cache through `Cache` alone: `KVCache` here (one
+length for the whole batch) and, for a server's rows that each keep their own length,
+`tlm.inference.SlotCache`'s passes. Attention never asks which kind it has.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from tlm.config import ModelConfig
+
+# attend(q, k, v, mask) -> heads: `MultiHeadAttention.attend`, for the keys a query may see
+Attend = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
+
+
+class Cache(Protocol):
+    """What the model asks of a cache during one forward pass of T new tokens."""
+
+    def positions(self, T: int, device: torch.device) -> Tensor:
+        """The absolute positions of the T new tokens: [T], or [B,T] if rows differ."""
+        ...
+
+    def end(self, T: int) -> int:
+        """The longest row's length once the T tokens are in (checked against the context)."""
+        ...
+
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, attend: Attend
+    ) -> Tensor:
+        """Store k, v [B,H,T,d_head] of `layer` and return attend(q, keys, values, mask) over
+        every key each query may see: heads [B,H,T,d_head]."""
+        ...
+
+    def advance(self, T: int) -> None:
+        """Every layer has stored its part of the pass: the rows are T tokens longer."""
+        ...
+
+    def last(self, x: Tensor) -> Tensor:
+        """Each row's last position of x [B,T,d]: the one that predicts its next token."""
+        ...
 
 
 class KVCache:
@@ -38,6 +70,21 @@ class KVCache:
         self.length = 0
         self.cross_kv: dict[int, tuple[Tensor, Tensor]] = {}  # layer -> the source's K, V
         self.cross_projections = 0  # how many times a source's K, V were computed
+
+    def positions(self, T: int, device: torch.device) -> Tensor:
+        return torch.arange(self.length, self.length + T, device=device)  # [T]
+
+    def end(self, T: int) -> int:
+        return self.length + T
+
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, attend: Attend
+    ) -> Tensor:
+        k, v = self.update(layer, k, v)  # [B,H,S,dh]: the stored positions, then these
+        return attend(q, k, v, mask)
+
+    def last(self, x: Tensor) -> Tensor:
+        return x[:, -1:]
 
     def cross(
         self, layer: int, project: Callable[[], tuple[Tensor, Tensor]]
@@ -69,11 +116,12 @@ class KVCache:
     def reorder(self, rows: Tensor) -> None:
         """Keep batch rows `rows` (with repeats), e.g. the surviving beams of beam search."""
         n = self.length  # the unfilled positions are never read: leave them behind
-        for name in ("k", "v"):
-            old = getattr(self, name)
+        kept = []
+        for old in (self.k, self.v):
             new = old.new_empty((old.shape[0], len(rows), *old.shape[2:]))
             new[:, :, :, :n] = old[:, :, :, :n].index_select(1, rows)
-            setattr(self, name, new)
+            kept.append(new)
+        self.k, self.v = kept
         for layer, (k, v) in self.cross_kv.items():
             self.cross_kv[layer] = (k.index_select(0, rows), v.index_select(0, rows))
 

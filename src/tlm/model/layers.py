@@ -14,9 +14,8 @@ from tlm.config import ModelConfig
 from tlm.model.attention import MultiHeadAttention
 from tlm.model.functional import ACTIVATIONS, linear
 from tlm.model.hooks import HookPoint
-from tlm.model.kv_cache import KVCache
+from tlm.model.kv_cache import Cache
 from tlm.model.positions import sinusoidal_table
-from tlm.model.slot_cache import Rows
 
 
 class Embedding(nn.Module):
@@ -36,8 +35,8 @@ class Embedding(nn.Module):
             self.P = None
 
     def tokens(self, input_ids: Tensor) -> Tensor:
-        """E[w]: row selection == one_hot(w) @ E (Fig. 9.11); [B,T] -> [B,T,d]. A method,
-        so that `model/packed.py` can look rows up in a smaller format."""
+        """E[w]: row selection == one_hot(w) @ E (Fig. 9.11); [B,T] -> [B,T,d]. A method, so
+        that a model built for inference (`tlm.inference`) can keep the rows in its format."""
         return F.embedding(input_ids, self.E)
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
@@ -66,9 +65,10 @@ class LayerNorm(nn.Module):
 class FeedForward(nn.Module):
     """FFN(x) = act(x W_1 + b_1) W_2 + b_2 (eq. 9.21), applied at each position.
 
-    The two products are methods (`up`, `down`) that `model/packed.py` may replace with
-    faster kernels for inference. Hook points (public names `blocks.l.mlp.*`): `pre` and
-    `post` the hidden layer before and after the activation [B,T,d_ff], `out` [B,T,d].
+    The two products are methods (`up`, `down`), which a model built for inference
+    (`tlm.inference`) runs through faster kernels. Hook points (public names
+    `blocks.l.mlp.*`): `pre` and `post` the hidden layer before and after the activation
+    [B,T,d_ff], `out` [B,T,d].
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -116,7 +116,7 @@ class PreNormBlock(nn.Module):
         x: Tensor,
         positions: Tensor,
         mask: Tensor | None = None,
-        cache: KVCache | Rows | None = None,
+        cache: Cache | None = None,
     ) -> Tensor:
         x = self.resid_pre(x)
         t2 = self.attn(self.ln1(x), positions, mask, cache, causal=self.causal)  # eq. 9.39-9.40
@@ -133,7 +133,7 @@ class PostNormBlock(PreNormBlock):
         x: Tensor,
         positions: Tensor,
         mask: Tensor | None = None,
-        cache: KVCache | Rows | None = None,
+        cache: Cache | None = None,
     ) -> Tensor:
         x = self.resid_pre(x)
         t1 = self.attn(x, positions, mask, cache, causal=self.causal)  # eq. 10.26

@@ -180,11 +180,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Me
                 "context_length_exceeded",
             )
         model = engine.slots.model
-        if model.inference_format not in (None, "float32"):  # its fp32 weights are released
+        fmt = getattr(model, "inference_format", None)
+        if fmt not in (None, "float32"):  # its fp32 weights are released
             raise ApiError(
                 400,
                 f"inspection reads the fp32 weights, which a server started with --dtype "
-                f"{model.inference_format} does not keep: start it with --dtype float32",
+                f"{fmt} does not keep: start it with --dtype float32",
                 code="unsupported_dtype",
             )
         job = engine.call(lambda: inspect_prompt(model, tokenizer, prompt))

@@ -8,8 +8,8 @@ the same x W + b through better kernels:
 | format   | weights held as                | kernel (CPU)                    | arithmetic      |
 |----------|--------------------------------|---------------------------------|-----------------|
 | float32  | the parameters themselves      | one row: numpy's BLAS           | fp32 (exact)    |
-|          | (+ a oneDNN layout, made at    | (`blas.decoding`); a decoding   |                 |
-|          | the first decoding step of     | step of more rows: `mkldnn.     |                 |
+|          | (+ a oneDNN layout, made at    | (`blas.py`); a decoding step    |                 |
+|          | the first decoding step of     | of more rows: `mkldnn.          |                 |
 |          | several rows)                  | _linear_pointwise`; a prompt:   |                 |
 |          |                                | torch's product                 |                 |
 | float16  | fp16, prepacked for fbgemm     | `quantized.linear_dynamic_fp16` | fp32            |
@@ -24,11 +24,12 @@ stays fp32. Memory follows the format: float16, bfloat16 and int8 keep the weigh
 matrices and the token embeddings only in their own format (the embedding rows a step looks
 up are widened to fp32), and the fp32 parameters they came from are released, so such a
 model can be neither trained nor read as fp32 again; load it anew for that. On a GPU,
-`bfloat16` and `float16` cast the whole model instead (`TransformerLM.for_inference`). A
-test holds each format against the plain fp32 model.
+`bfloat16` and `float16` cast the whole model instead (`prepare.for_inference`). A test
+holds each format against the plain fp32 model.
 
-`model/pack.py` puts these in a model: after loading (`for_inference`) or while reading
-the weights (`tlm.load_model(path, dtype=...)`).
+`modules.py` holds the model's modules that run these, and `prepare.py` builds them: from
+a loaded model (`for_inference`) or while reading the weights (`tlm.load_model(path,
+dtype=...)`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tlm.model import blas
+from tlm.inference import blas
 from tlm.model.functional import linear
 from tlm.tensor_files import LazyMatrix
 
@@ -86,11 +87,16 @@ class PackedLinear:
 
     @classmethod
     def side_by_side(
-        cls, maps: list[tuple[Tensor, Tensor | None]], fmt: str
+        cls,
+        maps: list[tuple[Tensor, Tensor | None]],
+        fmt: str,
+        route: Route | None = None,
+        layout: bool = True,
     ) -> PackedLinear | Float32Linear:
-        """The maps x W_i + b_i (W_i [in, out_i], as the model stores them) as one product."""
+        """The maps x W_i + b_i (W_i [in, out_i], as the model stores them) as one product
+        (`route` and `layout`: see `Float32Linear`)."""
         if fmt == "float32":
-            return Float32Linear(maps)
+            return Float32Linear(maps, route or Route(), layout)
         W_t = _stacked(maps)  # [sum out_i, in]
         biases = [b for _, b in maps]
         b = None if biases[0] is None else torch.cat([b.detach() for b in biases])
@@ -112,22 +118,37 @@ class PackedLinear:
         return torch.ops.quantized.linear_dynamic(x, self.weight, True)
 
 
-class Float32Linear:
-    """The fp32 maps x W_i + b_i. A decoding step of one row reads the parameters through
-    numpy's BLAS, and a prompt (read once) through torch's product, neither with a copy; a
-    decoding step of several rows runs them as one oneDNN product, laid out for 4 rows the
-    first time such a step comes (a copy of the weights, kept from then on)."""
+class Route:
+    """Which kernel a float32 product takes in the pass under way: `rows` is set by
+    `InferenceLM.decoding` for a pass that feeds one token to each of that many sequences,
+    and is 0 otherwise (a prompt, a score)."""
 
-    def __init__(self, maps: list[tuple[Tensor, Tensor | None]]) -> None:
-        self.maps, self.layout, self.b = maps, None, None
+    rows = 0
+
+
+class Float32Linear:
+    """The fp32 maps x W_i + b_i on the parameters themselves. A decoding step of one row
+    reads them through numpy's BLAS (`blas.py`), and a prompt (read once) through torch's
+    product, neither with a copy. With `layout`, a decoding step of several rows runs them
+    as one oneDNN product, laid out for 4 rows the first time such a step comes (a copy of
+    the weights, kept from then on); without it, torch's product."""
+
+    def __init__(
+        self, maps: list[tuple[Tensor, Tensor | None]], route: Route, layout: bool = True
+    ) -> None:
+        self.maps, self.route, self.use_layout = maps, route, layout
+        self.layout, self.b = None, None
         self.splits = [W.shape[1] for W, _ in maps]
 
     def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
-        if not blas.batched():  # one row: numpy's BLAS (`blas.active`); a prompt: torch's
-            y = tuple(linear(x, W, b) for W, b in self.maps)
-        else:
+        rows = 0 if torch.is_grad_enabled() else self.route.rows
+        if rows == 1:
+            y = tuple(blas.product(x, W, b) for W, b in self.maps)
+        elif rows > 1 and self.use_layout:
             y = self._onednn(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], sum(self.splits))
             y = y.split(self.splits, dim=-1)
+        else:
+            y = tuple(linear(x, W, b) for W, b in self.maps)
         return y if len(y) > 1 else y[0]
 
     def _onednn(self, x: Tensor) -> Tensor:

@@ -1,22 +1,26 @@
 """A KV cache with a length per row, for continuous batching.
 
-`KVCache` gives the whole batch one length: every row starts together and moves on
-together. A server's rows (slots) do not: a request joins while others are half done, and
-leaves when it ends. `SlotCache` holds K and V [L, slots, H, capacity, d_head] and one
+`tlm.model.KVCache` gives the whole batch one length: every row starts together and moves
+on together. A server's rows (slots) do not: a request joins while others are half done,
+and leaves when it ends. `SlotCache` holds K and V [L, slots, H, capacity, d_head] and one
 length per slot.
 
 One forward pass can serve any set of slots, each feeding its own number of new tokens: a
 new request's whole prompt beside one token of every row that is decoding.
-`cache.rows(slots, counts)` is the pass's cache, and its input is every fed token in one
-sequence, [1, N] with N = sum(counts), slot after slot. The products (Q, K, V, W^O, the
-FFN) run once over all N tokens, so the weights are read once per pass. Attention runs per
-group of rows, each group attending to its own keys:
+`cache.feed(slots, counts)` is the pass's cache (a `SlotPass`, which keeps the model's
+`Cache` interface), and its input is every fed token in one sequence, [1, N] with
+N = sum(counts), slot after slot. The products (Q, K, V, W^O, the FFN) run once over all N
+tokens, so the weights are read once per pass. Attention runs per group of rows, each group
+attending to its own keys:
 
-- a `Run`: neighbouring slots at one length, each feeding one count (a prompt, or the
+- a `Band`: neighbouring slots at one length, each feeding one count (a prompt, or the
   decoding rows of `generate`, which move on together): the usual causal rule, no mask;
-- `Steps`: the rows feeding one token each otherwise, as a server's decoding rows are,
+- `Ragged`: the rows feeding one token each otherwise, as a server's decoding rows are,
   each at its own length: one batched attention over their slot range with a mask per
   row. Slots of the range not in the group run along as dummies, whose output is dropped.
+
+q, k, v reach a group as [1,H,N,d_head] and each group sees its rows as a batch
+[rows,H,count,d_head].
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from torch import Tensor
 
 from tlm.config import ModelConfig
+from tlm.model.kv_cache import Attend
 
 
 class SlotCache:
@@ -40,23 +45,23 @@ class SlotCache:
     ) -> None:
         self.capacity = capacity or config.context_length
         shape = (config.n_layers, slots, config.n_heads, self.capacity, config.d_head)
-        # zeros, not empty: a `Steps` row's mask hides the positions past its length, but a
+        # zeros, not empty: a `Ragged` row's mask hides the positions past its length, but a
         # weight of 0 times a NaN left in never-written memory would still be NaN
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = [0] * slots
 
-    def rows(self, slots: list[int], counts: list[int]) -> Rows:
+    def feed(self, slots: list[int], counts: list[int]) -> SlotPass:
         """The cache of one pass in which slot slots[i] feeds counts[i] new tokens."""
-        return Rows(self, slots, counts)
+        return SlotPass(self, slots, counts)
 
     def clear(self, slot: int) -> None:
         self.lengths[slot] = 0
 
 
-class Run:
+class Band:
     """Slots lo..hi-1, all at one `length`, each feeding `count` tokens (tokens `offset`...
-    of the pass's input, slot after slot): `KVCache`'s interface for their attention."""
+    of the pass's input, slot after slot)."""
 
     mask = None
 
@@ -65,28 +70,28 @@ class Run:
         self.count, self.offset = count, offset
 
     def take(self, x: Tensor) -> Tensor:
-        """This group's part of x [1,N,...]: [hi-lo, count, ...] (a view)."""
-        n = (self.hi - self.lo) * self.count
-        return x[0, self.offset : self.offset + n].view(self.hi - self.lo, self.count, *x.shape[2:])
+        """This group's part of x [1,H,N,dh]: [hi-lo,H,count,dh] (a view)."""
+        n, H = (self.hi - self.lo) * self.count, x.shape[1]
+        part = x[0, :, self.offset : self.offset + n]  # [H,n,dh]
+        return part.view(H, self.hi - self.lo, self.count, -1).transpose(0, 1)
 
     def put(self, out: Tensor, z: Tensor) -> None:
-        """Write z [hi-lo, count, ...] into its place in out [N,...]."""
-        out[self.offset : self.offset + z.shape[0] * z.shape[1]] = z.flatten(0, 1)
+        """Write z [hi-lo,H,count,dh] into its place in out [1,H,N,dh]."""
+        n = z.shape[0] * z.shape[2]
+        out[0, :, self.offset : self.offset + n] = z.transpose(0, 1).flatten(1, 2)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v [hi-lo,H,count,d_head] after the filled positions; return every key and
         value the new queries may see, [hi-lo,H,start+count,d_head] (views, no copy)."""
         end = self.length + self.count
-        k_all, v_all = (
-            self.cache.k[layer, self.lo : self.hi],
-            self.cache.v[layer, self.lo : self.hi],
-        )
+        k_all = self.cache.k[layer, self.lo : self.hi]
+        v_all = self.cache.v[layer, self.lo : self.hi]
         k_all[:, :, self.length : end] = k
         v_all[:, :, self.length : end] = v
         return k_all[:, :, :end], v_all[:, :, :end]
 
 
-class Steps:
+class Ragged:
     """Slots feeding one token each, at their own lengths: one attention over the slot range
     lo..hi-1 with a mask per row (each row sees its own filled positions and its new one).
     A slot of the range outside the group is a dummy row: it repeats the group's first
@@ -118,14 +123,17 @@ class Steps:
         self.mask = mask  # [hi-lo,1,1,S]
 
     def take(self, x: Tensor) -> Tensor:
-        """This group's part of x [1,N,...]: [hi-lo, 1, ...]."""
+        """This group's part of x [1,H,N,dh]: [hi-lo,H,1,dh]."""
         if self.full:
-            return x[0, self.offset : self.offset + self.hi - self.lo].unsqueeze(1)
-        return x[0].index_select(0, self.source).unsqueeze(1)
+            part = x[0, :, self.offset : self.offset + self.hi - self.lo]  # [H,rows,dh]
+        else:
+            part = x[0].index_select(1, self.source)
+        return part.transpose(0, 1).unsqueeze(2)
 
     def put(self, out: Tensor, z: Tensor) -> None:
-        """Write the group's rows of z [hi-lo, 1, ...] into their places in out [N,...]."""
-        out.index_copy_(0, self.offsets, z[:, 0] if self.full else z[self.rows, 0])
+        """Write the group's rows of z [hi-lo,H,1,dh] into their places in out [1,H,N,dh]."""
+        rows = z[:, :, 0] if self.full else z[self.rows, :, 0]  # [rows,H,dh]
+        out[0].index_copy_(1, self.offsets, rows.transpose(0, 1))
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store each slot's k, v (rows of [hi-lo,H,1,d_head]) at its own length; return the
@@ -134,13 +142,13 @@ class Steps:
         for new, store in ((k, self.cache.k[layer]), (v, self.cache.v[layer])):
             new = new[:, :, 0] if self.full else new[self.rows, :, 0]  # [rows,H,d_head]
             store.view(-1, d_head).index_copy_(0, self.writes, new.reshape(-1, d_head))
-        return self.cache.k[layer, self.lo : self.hi, :, :S], self.cache.v[
-            layer, self.lo : self.hi, :, :S
-        ]
+        keys = self.cache.k[layer, self.lo : self.hi, :, :S]
+        return keys, self.cache.v[layer, self.lo : self.hi, :, :S]
 
 
-class Rows:
-    """The cache of one ragged pass: the attention `groups` of its rows."""
+class SlotPass:
+    """The cache of one ragged pass (the model's `Cache` interface): the attention groups
+    of its rows, each row's positions, and which fed token is each row's last."""
 
     def __init__(self, cache: SlotCache, slots: list[int], counts: list[int]) -> None:
         if len(slots) != len(counts) or not slots or min(counts) < 1:
@@ -151,36 +159,49 @@ class Rows:
         offsets = [sum(counts[:i]) for i in range(len(counts))]
         self.lasts = [o + c - 1 for o, c in zip(offsets, counts, strict=True)]  # each slot's last
         starts = [cache.lengths[s] for s in slots]
-        self.end = max(s + c for s, c in zip(starts, counts, strict=True))
-        if self.end > cache.capacity:
+        self.longest = max(s + c for s, c in zip(starts, counts, strict=True))
+        if self.longest > cache.capacity:
             raise ValueError(
-                f"KV cache holds {cache.capacity} positions; {self.end} were asked for"
+                f"KV cache holds {cache.capacity} positions; {self.longest} were asked for"
             )
-        runs: list[Run] = []
+        bands: list[Band] = []
         for slot, start, count, offset in zip(slots, starts, counts, offsets, strict=True):
-            run = runs[-1] if runs else None
-            if run and run.hi == slot and (run.length, run.count) == (start, count):
-                run.hi += 1
+            band = bands[-1] if bands else None
+            if band and band.hi == slot and (band.length, band.count) == (start, count):
+                band.hi += 1
             else:
-                runs.append(Run(cache, slot, start, count, offset))
-        steps = [r for r in runs if r.count == 1]
-        self.groups: list[Run | Steps] = [r for r in runs if r.count > 1]
-        if len(steps) == 1:  # neighbours at one length (or a single row): no mask needed
-            self.groups += steps
-        elif steps:
+                bands.append(Band(cache, slot, start, count, offset))
+        ones = [b for b in bands if b.count == 1]
+        self.groups: list[Band | Ragged] = [b for b in bands if b.count > 1]
+        if len(ones) == 1:  # neighbours at one length (or a single row): no mask needed
+            self.groups += ones
+        elif ones:
             one = [(s, o) for s, c, o in zip(slots, counts, offsets, strict=True) if c == 1]
-            self.groups.append(Steps(cache, *map(list, zip(*one, strict=True))))
-        self.positions = torch.tensor(  # [1,N]: each fed token's position in its own row
-            [
-                [
-                    start + i
-                    for start, count in zip(starts, counts, strict=True)
-                    for i in range(count)
-                ]
-            ],
-            device=cache.k.device,
-        )
+            self.groups.append(Ragged(cache, *map(list, zip(*one, strict=True))))
+        fed = [start + i for start, count in zip(starts, counts, strict=True) for i in range(count)]
+        self.fed_positions = torch.tensor([fed], device=cache.k.device)  # [1,N]
+
+    def positions(self, T: int, device: torch.device) -> Tensor:
+        return self.fed_positions  # [1,N]: each fed token's position in its own row
+
+    def end(self, T: int) -> int:
+        return self.longest
+
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, attend: Attend
+    ) -> Tensor:
+        """q, k, v [1,H,N,dh] -> heads [1,H,N,dh], each group attending to its own keys."""
+        if mask is not None:
+            raise ValueError("rows of a SlotCache have no padding: give no attention_mask")
+        out = torch.empty_like(q)
+        for group in self.groups:
+            keys, values = group.update(layer, group.take(k), group.take(v))
+            group.put(out, attend(group.take(q), keys, values, group.mask))
+        return out
 
     def advance(self, T: int) -> None:
         for slot, count in zip(self.slots, self.counts, strict=True):
             self.cache.lengths[slot] += count
+
+    def last(self, x: Tensor) -> Tensor:
+        return x[:, self.lasts]  # [1,rows,d]

@@ -1,0 +1,25 @@
+"""What makes a trained model fast: packed weight formats and their kernels, the BLAS route
+for one row, the slot cache of continuous batching, and the model built from them.
+
+The math (`tlm.model`) knows none of this: `for_inference` and `load_prepared` build an
+`InferenceLM` from a trained model (`modules.py` lists every method it overrides), and the
+slot cache keeps the model's `Cache` interface.
+"""
+
+from tlm.inference.kernels import FORMATS, check_format
+from tlm.inference.modules import InferenceLM, decoding_step
+from tlm.inference.prepare import for_decoding, for_inference, in_parts, load_prepared
+from tlm.inference.slot_cache import SlotCache, SlotPass
+
+__all__ = [
+    "FORMATS",
+    "InferenceLM",
+    "SlotCache",
+    "SlotPass",
+    "check_format",
+    "decoding_step",
+    "for_decoding",
+    "for_inference",
+    "in_parts",
+    "load_prepared",
+]

@@ -1,0 +1,142 @@
+"""The model's modules for inference: the same math, each product run through a kernel.
+
+Each class here subclasses a module of `tlm.model` and overrides only the method that
+computes one product (`project_qkv`, `project_out`, `up`, `down`, `tokens`, `unembed`), so
+a reader of `model/attention.py` sees all the math, and this file lists everything that
+changes for inference. `prepare.py` builds a model of these from a trained one (`derived`
+keeps the trained module's parameters, buffers and hook points; `swapped` replaces modules
+along a tree without touching the original tree) and sets the kernels (`kernels.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import Tensor, nn
+
+from tlm.inference.blas import torch_on_one_thread
+from tlm.inference.kernels import Route
+from tlm.model.attention import MultiHeadAttention
+from tlm.model.layers import Embedding, FeedForward
+from tlm.model.transformer import TransformerLM
+
+Kernel = Callable[[Tensor], Tensor | tuple[Tensor, ...]]  # x [..., in] -> y [..., out] (or parts)
+
+
+class FastAttention(MultiHeadAttention):
+    """Attention whose Q, K, V (one product) and W^O run through kernels."""
+
+    qkv_kernel: Kernel
+    out_kernel: Kernel
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.qkv_kernel(x)
+
+    def project_out(self, z: Tensor) -> Tensor:
+        return self.out_kernel(z)
+
+
+class FastFeedForward(FeedForward):
+    """The FFN whose x W_1 + b_1 and h W_2 + b_2 run through kernels."""
+
+    up_kernel: Kernel
+    down_kernel: Kernel
+
+    def up(self, x: Tensor) -> Tensor:
+        return self.up_kernel(x)
+
+    def down(self, h: Tensor) -> Tensor:
+        return self.down_kernel(h)
+
+
+class FastEmbedding(Embedding):
+    """Token embeddings looked up from rows kept in the inference format (or in the file)."""
+
+    lookup: Kernel | None = None  # None: E's own rows
+
+    def tokens(self, input_ids: Tensor) -> Tensor:
+        return super().tokens(input_ids) if self.lookup is None else self.lookup(input_ids)
+
+
+class InferenceLM(TransformerLM):
+    """A `TransformerLM` whose products run in `inference_format`, for generation and
+    scoring: hook points, caches and outputs are the trained model's; training is refused."""
+
+    inference_format = "float32"
+    head: Kernel
+    route: Route  # shared with its float32 products
+
+    def unembed(self, h: Tensor) -> Tensor:
+        return self.head(h)
+
+    def unembedding(self) -> Tensor:
+        if self.inference_format != "float32":
+            raise RuntimeError(f"the model keeps its weights in {self.inference_format} only")
+        return super().unembedding()
+
+    @contextmanager
+    def decoding(self, rows: int) -> Iterator[None]:
+        """No autograd, for a pass that feeds one token to each of `rows` sequences. In
+        float32 the products take their decoding route (`kernels.Route`); for one row torch
+        keeps one thread meanwhile, since numpy's BLAS has the cores (`blas.py`)."""
+        with torch.no_grad():
+            if self.route.rows or self.inference_format != "float32":  # nested, or packed
+                yield
+                return
+            self.route.rows = rows
+            try:
+                with torch_on_one_thread() if rows == 1 else nullcontext():
+                    yield
+            finally:
+                self.route.rows = 0
+
+    def train(self, mode: bool = True) -> InferenceLM:
+        if mode:
+            raise RuntimeError("this model was built for inference (for_inference); reload it")
+        return super().train(False)
+
+
+def derived(module: nn.Module, cls: type[nn.Module]) -> nn.Module:
+    """`module` as an object of its subclass `cls`: the same parameters, buffers, hook
+    points and settings, in mappings of its own, so that replacing a child or a parameter
+    of the new object leaves `module` as it was."""
+    if not isinstance(module, cls.__mro__[1]):
+        raise TypeError(f"{cls.__name__} is built from a {cls.__mro__[1].__name__}")
+    new = cls.__new__(cls)
+    new.__dict__.update(module.__dict__)
+    new._modules = dict(module._modules)
+    new._parameters = dict(module._parameters)
+    return new
+
+
+def swapped(module: nn.Module, swap: Mapping[type[nn.Module], type[nn.Module]]) -> nn.Module:
+    """A tree like `module` in which each module of a type in `swap` is `derived` as
+    swap[type]; the modules above a swapped one are shallow copies, the rest are shared."""
+    new = derived(module, swap[type(module)]) if type(module) in swap else None
+    children = {
+        name: None if child is None else swapped(child, swap)
+        for name, child in module._modules.items()
+    }
+    if new is None and all(children[n] is c for n, c in module._modules.items()):
+        return module
+    if new is None:
+        new = module.__class__.__new__(module.__class__)
+        new.__dict__.update(module.__dict__)
+    new._modules = children
+    return new
+
+
+SWAP = {
+    TransformerLM: InferenceLM,
+    MultiHeadAttention: FastAttention,
+    FeedForward: FastFeedForward,
+    Embedding: FastEmbedding,
+}
+
+
+def decoding_step(model: nn.Module, rows: int):
+    """The context of a pass that feeds one token to each of `rows` sequences of `model`:
+    `InferenceLM.decoding`, or no autograd for any other model."""
+    return model.decoding(rows) if isinstance(model, InferenceLM) else torch.no_grad()
