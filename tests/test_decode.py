@@ -115,7 +115,8 @@ def test_end_of_sequence_ends_rows_and_then_the_loop(make_model):
     for row, end in enumerate(ends):
         assert torch.equal(tokens[row, : end + 1], free[row, : end + 1])  # up to its end token
         assert not finished[row, :end].any() and finished[row, end:].all()
-        assert (tokens[row, end + 1 :] == eos[0]).all()  # then the first end token as padding
+        assert (tokens[row, end + 1 :] == tokens[row, end]).all()  # then its own end token
+    assert len({int(tokens[row, end]) for row, end in enumerate(ends)}) > 1  # not one pad id
     assert len(steps) == max(ends) + 1  # the loop stops once all rows ended, not before
 
 
@@ -212,3 +213,20 @@ def test_bad_settings_name_the_value(settings, message):
     with pytest.raises(GenerationError) as error:
         GenerationConfig(**settings)
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_temperature_zero_is_greedy_at_every_entry_point(make_model, use_cache):
+    """Sampling at temperature 0 is argmax decoding, whatever the seed; `GenerationConfig.of`
+    gives every setting left out (None) its one default."""
+    model = varied_model(make_model)
+    ids = torch.randint(0, 97, (2, 4), generator=torch.Generator().manual_seed(1))
+    greedy, _ = run(model, ids, max_new_tokens=10, use_cache=use_cache)
+    for seed in (0, 1):
+        cold, _ = run(model, ids, max_new_tokens=10, do_sample=True, temperature=0.0, seed=seed)
+        assert torch.equal(cold, greedy)
+    warm, _ = run(model, ids, max_new_tokens=10, do_sample=True, temperature=5.0, seed=0)
+    assert not torch.equal(warm, greedy)  # the test can tell sampling from argmax
+    assert GenerationConfig.of(temperature=None, top_k=None) == GenerationConfig()
+    with pytest.raises(GenerationError, match="no generation setting 'temp'"):
+        GenerationConfig.of(temp=0.5)

@@ -11,6 +11,7 @@ from tlm import load_model, load_tokenizer
 from tlm.cli import main
 from tlm.generate import GenerationConfig, complete, encode_prompts, stream_completion
 from tlm.inference import check_format, for_inference
+from tlm.tokenizer import InputTooLong
 
 TOL = 1e-6  # the CLI and the library run the same kernels: their log-probs agree to rounding
 
@@ -33,9 +34,8 @@ def test_prompts_are_left_padded_after_endoftext(run):
         tok.eot_id,
     ]
     assert mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]]
-    told = []
-    ids, mask = encode_prompts(tok, ["x" * 50], 32, lambda *a: told.append(a))
-    assert ids.shape == (1, 32) and mask is None and told == [(0, 51, 32)]
+    with pytest.raises(InputTooLong, match="^prompt 2 has 51 tokens; the model reads at most 32$"):
+        encode_prompts(tok, ["x", "x" * 50], 32)
 
 
 def test_stop_strings_cut_the_text_and_streaming_matches(run):
@@ -71,9 +71,12 @@ def test_generate_command_streams_and_reads_prompt_files(run, tmp_path, capsys):
     assert main(["generate", str(run), "--prompt", "The", "--max-new-tokens", "20"]) == 0
     assert capsys.readouterr().out == streamed and streamed.startswith("The")
     prompt = tmp_path / "p.txt"
-    prompt.write_text("x" * 40)
+    prompt.write_text("The ")
     assert main(["generate", str(run), "--prompt-file", str(prompt), "--max-new-tokens", "3"]) == 0
-    assert "prompt 1 has 41 tokens; keeping the last 32" in capsys.readouterr().err
+    assert capsys.readouterr().out.startswith("The ")
+    prompt.write_text("x" * 40)  # too long: refused, as by every command (tokenizer.within)
+    assert main(["generate", str(run), "--prompt-file", str(prompt), "--max-new-tokens", "3"]) == 2
+    assert "prompt 1 has 41 tokens; the model reads at most 32" in capsys.readouterr().err
     assert (
         main(["generate", str(run), "--max-new-tokens", "5"]) == 0
     )  # no prompt: after <|endoftext|>
@@ -123,7 +126,7 @@ def library(run, prompt, dtype="float32", prompt_logprobs=False, **settings):
 def test_generate_command_other_weight_formats(run, capsys, dtype):
     """--dtype reaches the model: the CLI scores as the library does in that format, and the
     format's scores differ from float32's by far more than the tolerance."""
-    prompt = "The for statement iterates over the items of a list."
+    prompt = "The for statement iterates over"  # 31 tokens with <|endoftext|>: the context fits
     args = ["--prompt", prompt, "--max-new-tokens", "8", "--prompt-logprobs"]
     (printed,) = generated(capsys, run, *args, "--dtype", dtype)
     expected = library(run, prompt, dtype, prompt_logprobs=True, max_new_tokens=8)
@@ -221,3 +224,17 @@ def test_stop_strings_keep_escapes_and_any_character():
     from tlm.cli.generate import _unescape
 
     assert _unescape("\\n") == "\n" and _unescape("é\\n") == "é\n" and _unescape("中") == "中"
+
+
+def test_beam_search_json_gives_each_tokens_logprob(run, capsys):
+    """`--num-beams` with `--json`: one log-probability per generated token, the model's."""
+    (beam,) = generated(
+        capsys, run, "--prompt", "The ", "--num-beams", "3", "--max-new-tokens", "8"
+    )
+    assert len(beam["logprobs"]) == len(beam["tokens"]) > 0
+    model, tok = load_model(run), load_tokenizer(run)
+    ids = torch.tensor([[tok.eot_id, *tok.encode("The "), *beam["tokens"]]])
+    n = len(beam["tokens"])
+    with torch.no_grad():
+        logp = model(ids[:, :-1]).log_softmax(-1)[0, -n:].gather(1, ids[0, -n:, None])[:, 0]
+    assert beam["logprobs"] == pytest.approx(logp.tolist(), abs=1e-4)

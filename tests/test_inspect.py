@@ -73,7 +73,7 @@ def test_inspect_writes_the_pictures_and_a_self_contained_page(report, run):
     "args, message",
     [
         (["--prompt", ""], "the clean prompt tokenizes to nothing"),
-        (["--prompt", "x" * 60], "the clean prompt has 61 tokens (with <|endoftext|>)"),
+        (["--prompt", "x" * 60], "the clean prompt has 61 tokens; the model reads at most 48"),
         (["--prompt", "ab", "--corrupted", "abc"], "the corrupted prompt has 4 tokens and"),
         (["--prompt", "ab", "--layer", "3"], "layer 3 is out of range: the model has layers 0..2"),
         (["--prompt", "ab", "--head", "9"], "head 9 is out of range: the model has heads 0..3"),

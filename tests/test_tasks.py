@@ -24,6 +24,7 @@ from tlm.tasks import (
     summarize,
 )
 from tlm.tasks.score import score_reference
+from tlm.tokenizer import InputTooLong
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,16 @@ def test_a_score_is_the_sum_of_one_forward_pass(run):
     assert not score(model, tok, "The for", [text[:-1] + ("q" if text[-1] != "q" else "z")])[
         0
     ].greedy
+
+
+def test_a_text_longer_than_the_context_is_refused_as_everywhere(run):
+    """The model reads 40 tokens: a context and continuation that fit exactly are scored,
+    one more is refused in one line (`tokenizer.within`), never cut short."""
+    model, tok = load_model(run), load_tokenizer(run)
+    fits = "The " * 9 + "Th"  # <|endoftext|> + 38 characters, then the continuation "e " (-1)
+    assert len(score(model, tok, fits, ["e "])) == 1
+    with pytest.raises(InputTooLong, match="has 41 tokens; the model reads at most 40"):
+        score(model, tok, fits + "e", ["e "])
 
 
 def test_the_contexts_trailing_space_belongs_to_the_continuation(bpe_tokenizer):
@@ -198,9 +209,9 @@ def test_answer_and_summarize_continue_their_prompt_formats(run):
     assert answer(model, tok, "What is a list?", max_new_tokens=12) == greedy_line(
         "Q: What is a list?\nA:"
     )
-    context = "Lists are sequences."
+    context = "Lists: seq."  # the whole prompt fits the 40 tokens the model reads
     assert answer(model, tok, "What is a list?", context, 12) == greedy_line(
-        "Lists are sequences.\n\nQ: What is a list?\nA:"
+        "Lists: seq.\n\nQ: What is a list?\nA:"
     )
     assert summarize(model, tok, "A long text.\n", 12) == greedy_line("A long text.\ntl;dr:")
 

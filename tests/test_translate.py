@@ -62,26 +62,28 @@ def greedy_reference(model, src, mask, limit):
 
 def beam_reference(model, src, limit, K, alpha):
     """The same beam search for one source, without a cache or batching: every live
-    hypothesis is scored from scratch at every step."""
+    hypothesis is scored from scratch at every step (the rule of `tlm.generate.beam`)."""
     live, finished = [(0.0, [])], []
-    for _ in range(limit):
+    for t in range(1, limit + 1):
         candidates = []
         for score, seq in live:
             logp = torch.log_softmax(model(src, torch.tensor([[EOT, *seq]]))[0, -1].double(), -1)
             candidates += [(score + float(lp), seq, t) for t, lp in enumerate(logp)]
         candidates.sort(key=lambda c: -c[0])
         live = []
-        for rank, (score, seq, t) in enumerate(candidates[: 2 * K]):
-            if len(finished) >= K:
+        for rank, (score, seq, token) in enumerate(candidates[: 2 * K]):
+            if len(live) == K:
                 break
-            if t == EOT:
+            if token == EOT:
                 if rank < K:  # its length counts the end token
                     finished.append((score / length_penalty(len(seq) + 1, alpha), seq))
-            elif len(live) < K:
-                live.append((score, [*seq, t]))
-        if len(finished) >= K:
+            else:
+                live.append((score, [*seq, token]))
+        finished = sorted(finished, key=lambda h: -h[0])[:K]
+        best_live = live[0][0] / length_penalty(t, alpha) if live else float("-inf")
+        if len(finished) == K and finished[-1][0] >= best_live:
             break
-    if len(finished) < K:
+    else:
         finished += [(s / length_penalty(len(q), alpha), q) for s, q in live]
     return max(finished, key=lambda h: h[0])[1]
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from tlm.data import CorpusError, count_eval_chunks, eval_windows, strided_windows
 from tlm.model.loss import window_nll
-from tlm.tokenizer import Tokenizer
+from tlm.tokenizer import Tokenizer, document_ids
 
 
 def evaluate_tokens(
@@ -97,7 +97,7 @@ def evaluate_text(
     `prepare` separates them, so every token of every document is predicted (and so is the
     end of each document but the last). Documents are encoded one by one, as `prepare` does."""
     documents = [text] if isinstance(text, str) else text
-    ids = [i for doc in documents for i in (tokenizer.eot_id, *tokenizer.encode(doc))]
+    ids = [i for doc in documents for i in document_ids(tokenizer, doc)]
     tokens = np.array(ids, dtype=np.int64)
     if len(tokens) - len(documents) < 2:
         n = len(tokens) - len(documents)

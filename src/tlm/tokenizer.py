@@ -26,6 +26,26 @@ class TokenizerError(UserError):
     """A tokenizer that cannot be built or loaded, or text it cannot encode."""
 
 
+class InputTooLong(TokenizerError):
+    """A text with more tokens than the model reads at once."""
+
+
+def within(ids: list[int], limit: int | None, name: str) -> list[int]:
+    """`ids` if the model reads them whole. The one policy of every command for a longer
+    input: it is refused, naming it, never cut short without a word."""
+    if limit is not None and len(ids) > limit:
+        raise InputTooLong(f"{name} has {len(ids)} tokens; the model reads at most {limit}")
+    return ids
+
+
+def document_ids(
+    tokenizer: Tokenizer, text: str, limit: int | None = None, name: str = "the text"
+) -> list[int]:
+    """A document's ids as `prepare` wrote them for training: <|endoftext|>, then the text's
+    tokens (so an empty text is a valid start); refused past `limit` tokens (`within`)."""
+    return within([tokenizer.eot_id, *tokenizer.encode(text)], limit, name)
+
+
 class CharTokenizer:
     """One id per character of the training corpus (sorted), then `<|endoftext|>`.
 

@@ -19,7 +19,7 @@ from tlm.generate import GenerationConfig, complete
 from tlm.inference import for_inference
 from tlm.interpret import attention_patterns, plot_attention
 from tlm.io import check_replaceable
-from tlm.tokenizer import load_tokenizer
+from tlm.tokenizer import document_ids, load_tokenizer
 from tlm.train import Trainer, new_run_configs
 
 EXAMPLE = """examples:
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = trainer.model.eval()
     print("[3/4] generate (temperature 0.8, top-k 40)")
-    sampling = GenerationConfig(
+    sampling = GenerationConfig.of(
         max_new_tokens=80,
         do_sample=True,
         temperature=0.8,
@@ -132,7 +132,7 @@ def _claim(folders: list[tuple[Path, tuple[str, ...], str]]) -> None:
 
 
 def _plot_attention(model, tokenizer, path: Path) -> None:
-    ids = [tokenizer.eot_id, *tokenizer.encode("for item in items:\n    print(item)")][:24]
+    ids = document_ids(tokenizer, "for item in items:\n    print(item)")[:24]
     patterns = attention_patterns(model, torch.tensor([ids]))
     tokens = [tokenizer.decode([i]) for i in ids]
     plot_attention(patterns, tokens, path)

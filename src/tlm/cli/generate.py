@@ -26,15 +26,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("run", help="run directory")
     parser.add_argument("--prompt", action="append", default=[], help="text to continue (repeat)")
     parser.add_argument("--prompt-file", action="append", default=[], help="a file, one prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=100)
+    defaults = GenerationConfig()  # the one set of defaults (tlm.generate.config)
+    parser.add_argument("--max-new-tokens", type=int, help=f"({defaults.max_new_tokens})")
     parser.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
-    parser.add_argument("--temperature", type=float, help="with --do-sample (1.0)")
+    parser.add_argument(
+        "--temperature", type=float, help=f"with --do-sample; 0 is greedy ({defaults.temperature})"
+    )
     parser.add_argument("--top-k", type=int, help="with --do-sample: keep the k likeliest")
     parser.add_argument("--top-p", type=float, help="with --do-sample: nucleus of mass p")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--num-beams", type=int, default=1, help="beam search with this many")
-    parser.add_argument("--length-penalty", type=float, default=1.0, help="for beam search")
-    parser.add_argument("-n", "--num-return-sequences", type=int, default=1, help="per prompt")
+    parser.add_argument("--repetition-penalty", type=float, help="(1.0: none)")
+    parser.add_argument("--num-beams", type=int, help="beam search with this many (1: none)")
+    parser.add_argument("--length-penalty", type=float, help="for beam search (1.0)")
+    parser.add_argument("-n", "--num-return-sequences", type=int, help="per prompt (1)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeat)")
     parser.add_argument("--no-eos", action="store_true", help="do not stop at <|endoftext|>")
@@ -56,14 +59,11 @@ def run(args: argparse.Namespace) -> int:
     prompts = args.prompt + [read_text_file(path) for path in args.prompt_file] or [""]
     if args.prompt_logprobs and not args.json:
         fail("--prompt-logprobs adds to the --json output: add --json")
-    if args.stream and (len(prompts) > 1 or args.num_return_sequences > 1 or args.num_beams > 1):
-        fail("--stream shows one completion: one prompt, -n 1 and --num-beams 1")
-    model = load_language_model(args.run, weights=args.weights, dtype=args.dtype)
     tokenizer = load_tokenizer(args.run)
-    config = GenerationConfig(
+    config = GenerationConfig.of(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
-        temperature=1.0 if args.temperature is None else args.temperature,
+        temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         repetition_penalty=args.repetition_penalty,
@@ -74,17 +74,20 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         use_cache=not args.no_cache,
     )
+    if args.stream and (
+        len(prompts) > 1 or config.num_return_sequences > 1 or config.num_beams > 1
+    ):
+        fail("--stream shows one completion: one prompt, -n 1 and --num-beams 1")
+    model = load_language_model(args.run, weights=args.weights, dtype=args.dtype)
     stop = tuple(_unescape(s) for s in args.stop)
     if args.stream:
         sys.stdout.write(prompts[0])
-        for text in stream_completion(model, tokenizer, prompts[0], config, stop, _truncated):
+        for text in stream_completion(model, tokenizer, prompts[0], config, stop):
             sys.stdout.write(text)
             sys.stdout.flush()
         sys.stdout.write("\n")
         return 0
-    completions = complete(
-        model, tokenizer, prompts, config, stop, _truncated, args.prompt_logprobs
-    )
+    completions = complete(model, tokenizer, prompts, config, stop, args.prompt_logprobs)
     if args.json:
         print(json.dumps({"completions": [vars(c) for c in completions]}))
     else:
@@ -93,10 +96,6 @@ def run(args: argparse.Namespace) -> int:
                 print(f"--- {i + 1}/{len(completions)} ({c.finish_reason})")
             print(c.prompt + c.text)
     return 0
-
-
-def _truncated(i: int, n: int, kept: int) -> None:
-    print(f"tlm: prompt {i + 1} has {n} tokens; keeping the last {kept}", file=sys.stderr)
 
 
 def _unescape(text: str) -> str:

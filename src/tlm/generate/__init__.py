@@ -1,20 +1,26 @@
-"""Decoding (J&M §10.8): pure functions on logits, the cached decoding loop, beam search, text.
+"""Decoding (J&M §10.8): pure functions on logits, the decoding loop, beam search, text.
 
 The model never sees text: `generate` takes token ids and yields token ids, step by step.
+One core serves every entry point: `GenerationConfig.of` builds the settings, `choose`
+picks the next token, `window_start` slides the context, `StopText` holds back stop
+strings, and `beam.search` is the one beam search (language model and translation).
 """
 
 from tlm.generate.beam import BeamResult, beam_search
-from tlm.generate.decode import Context, GenerationConfig, Step, generate
+from tlm.generate.config import GenerationConfig
+from tlm.generate.decode import DecodeState, Step, generate
 from tlm.generate.sampling import (
     GenerationError,
     apply_repetition_penalty,
     apply_temperature,
+    choose,
     greedy,
     process_logits,
     sample,
     top_k_filter,
     top_p_filter,
 )
+from tlm.generate.stops import StopText, first_stop
 from tlm.generate.text import (
     Completion,
     complete,
@@ -26,15 +32,18 @@ from tlm.generate.text import (
 __all__ = [
     "BeamResult",
     "Completion",
-    "Context",
+    "DecodeState",
     "GenerationConfig",
     "GenerationError",
     "Step",
+    "StopText",
     "apply_repetition_penalty",
     "apply_temperature",
     "beam_search",
+    "choose",
     "complete",
     "encode_prompts",
+    "first_stop",
     "generate",
     "greedy",
     "process_logits",

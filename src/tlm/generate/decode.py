@@ -2,9 +2,11 @@
 
 `generate` yields a `Step` (the next token of every row, its log-probability, which rows
 have ended) as soon as it is chosen; greedy decoding and sampling in the CLI and in
-`TransformerLM.generate` consume this iterator (beam search drives `Context` itself).
-With `use_cache=False` every step runs the whole window again: the slow reference that
-the tests hold the cached path equal to.
+`TransformerLM.generate` consume this iterator. The cached path runs on `Slots` (each row
+at its own length, as the server's rows). With `use_cache=False` every step runs the whole
+window again (`DecodeState`): the slow reference that the tests hold the cached path equal
+to. Both choose the next token with `sampling.choose` and slide the window by
+`window_start`.
 """
 
 from __future__ import annotations
@@ -15,80 +17,27 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tlm.generate.sampling import (
-    GenerationError,
-    apply_repetition_penalty,
-    greedy,
-    process_logits,
-    sample,
-)
-from tlm.generate.slots import Slots, random_seed, row_generator
+from tlm.generate.config import GenerationConfig
+from tlm.generate.sampling import GenerationError, choose
+from tlm.generate.slots import Slots, random_seed, row_generator, window_start
 from tlm.inference import decoding_step, for_decoding
 from tlm.model.kv_cache import KVCache
 
 
-@dataclass(frozen=True)
-class GenerationConfig:
-    """How to decode; the names are the ones the Hugging Face ecosystem uses."""
-
-    max_new_tokens: int = 100
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float = 1.0
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    num_return_sequences: int = 1
-    eos_token_id: int | tuple[int, ...] | None = None
-    seed: int | None = None
-    use_cache: bool = True
-
-    def __post_init__(self) -> None:
-        rules = {
-            "max_new_tokens": (self.max_new_tokens >= 0, ">= 0"),
-            "temperature": (self.temperature >= 0, ">= 0"),
-            "top_k": (self.top_k is None or self.top_k >= 1, ">= 1"),
-            "top_p": (self.top_p is None or 0 < self.top_p <= 1, "in (0, 1]"),
-            "repetition_penalty": (self.repetition_penalty > 0, "> 0"),
-            "num_beams": (self.num_beams >= 1, ">= 1"),
-            "num_return_sequences": (self.num_return_sequences >= 1, ">= 1"),
-        }
-        for name, (ok, allowed) in rules.items():
-            if not ok:
-                raise GenerationError(f"{name} must be {allowed}, got {getattr(self, name)}")
-        if self.num_beams > 1 and self.do_sample:
-            raise GenerationError("beam search is deterministic: use num_beams=1 to sample")
-        if self.num_beams > 1 and self.repetition_penalty != 1.0:
-            raise GenerationError("repetition_penalty applies to greedy decoding and sampling")
-        if self.num_beams > 1 and self.num_return_sequences > 1:
-            raise GenerationError("beam search returns one sequence per prompt")
-
-    @property
-    def pad_id(self) -> int:
-        """What an ended row repeats: its end token (0 when there is none)."""
-        return self.eos_ids[0] if self.eos_ids else 0
-
-    @property
-    def eos_ids(self) -> tuple[int, ...]:
-        if self.eos_token_id is None:
-            return ()
-        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else self.eos_token_id
-
-
 @dataclass
 class Step:
-    tokens: Tensor  # [B] the token chosen for each row (an ended row repeats the end token)
+    tokens: Tensor  # [B] the token chosen for each row (an ended row repeats its end token)
     logprobs: Tensor  # [B] log P(token | prefix) under the model, before any filtering
     finished: Tensor  # [B] bool: the row has produced an end-of-sequence token
 
 
-class Context:
-    """The tokens of every row so far, their padding mask, and their KV cache.
+class DecodeState:
+    """The tokens of every row so far, their padding mask, and their KV cache (or none).
 
     The cache (or, without one, the window each step runs) covers ids[:, start:]. When the
-    text outgrows the context window, the window slides: the cache is rebuilt from the last
-    context_length tokens, which is exactly what the uncached model sees at that step.
+    text outgrows the context window, the window slides (`window_start`): the cache is
+    rebuilt from the last context_length tokens, which is exactly what the uncached model
+    sees at that step.
     """
 
     def __init__(
@@ -112,31 +61,36 @@ class Context:
         """Logits [B,V] for the token after the last one of every row."""
         S = self.ids.shape[1]
         if self.cache is None:  # the reference: the whole (last) window, every step
-            lo = max(0, S - self.N)
-            return self.model(self.ids[:, lo:], attention_mask=self._mask(lo), last_only=True)[
-                :, -1
-            ]
-        if S - self.start > self.N:  # full: recompute the cache from the last N tokens
+            lo = window_start(S, self.N)
+            with torch.no_grad():
+                logits = self.model(self.ids[:, lo:], attention_mask=self._mask(lo), last_only=True)
+            return logits[:, -1]
+        if S - self.start > self.cache.capacity:  # full: recompute from the last N tokens
             self.cache.reset()
-            self.start = S - self.N
+            self.start = window_start(S, self.cache.capacity)
         new = self.ids[:, self.start + self.cache.length :]  # [B, prompt or 1]
         with decoding_step(self.model, len(new)) if new.shape[1] == 1 else torch.no_grad():
             return self.model(new, self.cache, self._mask(self.start), last_only=True)[:, -1]
+
+    def next_logprobs(self) -> Tensor:
+        return self.next_logits().float().log_softmax(dim=-1)
 
     def _mask(self, lo: int) -> Tensor | None:
         return None if self.mask is None else self.mask[:, lo:]
 
     def append(self, tokens: Tensor) -> None:
-        self.ids = torch.cat([self.ids, tokens[:, None]], dim=1)
+        self.ids = torch.cat([self.ids, tokens[:, None].to(self.ids.device)], dim=1)
         if self.mask is not None:
-            self.mask = torch.cat([self.mask, torch.ones_like(tokens)[:, None]], dim=1)
+            self.mask = torch.cat([self.mask, torch.ones_like(self.ids[:, -1:])], dim=1)
 
-    def reorder(self, rows: Tensor) -> None:
-        """Keep rows `rows` (beam search)."""
+    def keep(self, rows: Tensor, tokens: Tensor) -> None:
+        """Row i becomes old row rows[i] followed by tokens[i] (beam search)."""
+        rows = rows.to(self.ids.device)
         self.ids = self.ids[rows]
         self.mask = None if self.mask is None else self.mask[rows]
         if self.cache is not None:
             self.cache.reorder(rows)
+        self.append(tokens)
 
 
 def generate(
@@ -151,8 +105,7 @@ def generate(
     With `num_return_sequences` n, each prompt becomes n consecutive rows. Sample j of a
     prompt draws from its own generator, seeded by (seed, j): a sample does not depend on
     which other prompts share the batch. Stops when every row has ended or after
-    `max_new_tokens` steps. The cached path runs on `Slots` (each row at its own length);
-    `use_cache=False` runs the whole window of every row at every step, the reference.
+    `max_new_tokens` steps. A row that has ended repeats its end token.
     """
     config = config or GenerationConfig(**settings)
     if config.num_beams > 1:
@@ -163,7 +116,7 @@ def generate(
     if config.use_cache:
         yield from _decode_slots(model, ids, mask, config)
     else:
-        yield from _decode(model, Context(model, ids, mask, use_cache=False), config)
+        yield from _decode(DecodeState(model, ids, mask, use_cache=False), config)
 
 
 def _decode_slots(model: nn.Module, ids: Tensor, mask: Tensor | None, c: GenerationConfig):
@@ -178,72 +131,50 @@ def _decode_slots(model: nn.Module, ids: Tensor, mask: Tensor | None, c: Generat
         row.tolist() if mask is None else row[mask[r].bool()].tolist() for r, row in enumerate(ids)
     ]
     rows = {slots.add(prompt, c, r % n, seed): r for r, prompt in enumerate(prompts)}
+    tokens = torch.zeros(B, dtype=torch.long, device=ids.device)  # an ended row keeps its last
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
-    eos = torch.tensor(c.eos_ids, device=ids.device, dtype=torch.long)
     while not slots.idle():
-        tokens = torch.full((B,), c.pad_id, dtype=torch.long, device=ids.device)
         logprobs = torch.zeros(B, device=ids.device)  # 0 for a row that has ended
         for emitted in slots.step():
-            tokens[rows[emitted.sequence]] = emitted.token
-            logprobs[rows[emitted.sequence]] = emitted.logprob
-        finished = finished | torch.isin(tokens, eos)
-        yield Step(tokens, logprobs, finished)
+            r = rows[emitted.sequence]
+            tokens[r], logprobs[r] = emitted.token, emitted.logprob
+            finished[r] = emitted.sequence.finish_reason == "eos"
+        yield Step(tokens.clone(), logprobs, finished.clone())
 
 
-def _decode(model: nn.Module, context: Context, c: GenerationConfig) -> Iterator[Step]:
-    """The loop. Grad mode is switched off inside each step only (`_next_step`): between
-    steps the caller's code runs in its own mode, never in one this generator left on."""
-    B, V = context.ids.shape[0], model.config.vocab_size
-    device = context.ids.device
+def _decode(state: DecodeState, c: GenerationConfig) -> Iterator[Step]:
+    """The reference loop. Grad mode is switched off inside each step only: between steps
+    the caller's code runs in its own mode, never in one this generator left on."""
+    B, V = state.ids.shape[0], state.model.config.vocab_size
+    device = state.ids.device
     eos = torch.tensor(c.eos_ids, device=device, dtype=torch.long)
-    generators = _row_generators(c.seed, B, c.num_return_sequences, device) if c.do_sample else []
+    generators = _row_generators(c, B, device)
     seen = None
     if c.repetition_penalty != 1.0:
-        real = torch.ones_like(context.ids) if context.mask is None else context.mask.long()
+        real = torch.ones_like(state.ids) if state.mask is None else state.mask.long()
         counts = torch.zeros(B, V, dtype=torch.long, device=device)
-        seen = counts.scatter_add_(1, context.ids, real) > 0  # [B,V]: padding counts 0
+        seen = counts.scatter_add_(1, state.ids, real) > 0  # [B,V]: padding counts 0
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    last = torch.zeros(B, dtype=torch.long, device=device)
     for _ in range(c.max_new_tokens):
-        step = _next_step(context, c, generators, seen, finished, eos)
-        yield step
-        finished = step.finished
+        logits = state.next_logits().float()  # [B,V]
+        with torch.no_grad():
+            tokens = torch.where(finished, last, choose(logits, c, generators, seen))
+            logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
+        logprobs = torch.where(finished, 0.0, logprobs)
+        finished = finished | torch.isin(tokens, eos)
+        last = tokens
+        yield Step(tokens, logprobs, finished)
         if bool(finished.all()):
             return
-        context.append(step.tokens)
+        state.append(tokens)
         if seen is not None:
-            seen[torch.arange(B, device=device), step.tokens] = True
+            seen[torch.arange(B, device=device), tokens] = True
 
 
-@torch.no_grad()
-def _next_step(
-    context: Context,
-    c: GenerationConfig,
-    generators: list[torch.Generator],
-    seen: Tensor | None,
-    finished: Tensor,
-    eos: Tensor,
-) -> Step:
-    logits = context.next_logits().float()  # [B,V]
-    tokens = _choose(logits, c, generators, seen)
-    tokens = torch.where(finished, c.pad_id, tokens)
-    logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
-    return Step(tokens, logprobs, finished | torch.isin(tokens, eos))
-
-
-def _choose(
-    logits: Tensor, c: GenerationConfig, generators: list[torch.Generator], seen: Tensor | None
-) -> Tensor:
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, c.repetition_penalty)
-    if not c.do_sample:
-        return greedy(logits)
-    logits = process_logits(logits, c.temperature, c.top_k, c.top_p)
-    return torch.stack([sample(row, g) for row, g in zip(logits, generators, strict=True)])
-
-
-def _row_generators(
-    seed: int | None, rows: int, per_prompt: int, device: torch.device
-) -> list[torch.Generator]:
-    """Row r is sample r % per_prompt of its prompt; it draws from a generator of (seed, j)."""
-    seed = random_seed() if seed is None else seed
-    return [row_generator(seed, row % per_prompt, device) for row in range(rows)]
+def _row_generators(c: GenerationConfig, rows: int, device: torch.device) -> list | None:
+    """Row r is sample r % n of its prompt; it draws from a generator of (seed, r % n)."""
+    if c.greedy:
+        return None
+    seed = random_seed() if c.seed is None else c.seed
+    return [row_generator(seed, row % c.num_return_sequences, device) for row in range(rows)]

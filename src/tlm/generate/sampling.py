@@ -1,8 +1,9 @@
 """Decoding steps as pure functions on logits (J&M §10.8). Filtered entries become -inf.
 
-They compose in the order users of other toolkits expect: repetition penalty, then
-temperature, then top-k, then top-p; then argmax (greedy) or a draw from the softmax.
-Randomness is explicit: every draw takes a `torch.Generator`.
+They compose in the order users of other toolkits expect, and `choose` is the one place
+that composes them: repetition penalty, then temperature, then top-k, then top-p; then
+argmax (greedy, or temperature 0) or a draw from the softmax. Randomness is explicit:
+every draw takes a `torch.Generator`.
 """
 
 from __future__ import annotations
@@ -90,3 +91,21 @@ def sample(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
 def greedy(logits: Tensor) -> Tensor:
     """ŵ = argmax_w P(w | w<t) (eq. 10.46): [..., V] -> [...]."""
     return logits.argmax(dim=-1)
+
+
+def choose(
+    logits: Tensor,
+    config,
+    generators: list[torch.Generator | None] | None = None,
+    seen: Tensor | None = None,
+) -> Tensor:
+    """The next token of every row: logits [B,V] -> ids [B], as `config` (a
+    `GenerationConfig`) says; row b draws from generators[b] and `seen` [B,V] marks each
+    row's tokens so far for the repetition penalty."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
+    if config.greedy:
+        return greedy(logits)
+    logits = process_logits(logits, config.temperature, config.top_k, config.top_p)
+    return torch.stack([sample(row, g) for row, g in zip(logits, generators, strict=True)])

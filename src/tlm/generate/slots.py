@@ -29,13 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from tlm.generate.sampling import (
-    GenerationError,
-    apply_repetition_penalty,
-    greedy,
-    process_logits,
-    sample,
-)
+from tlm.generate.config import GenerationConfig
+from tlm.generate.sampling import GenerationError, choose
 from tlm.inference import SlotCache, decoding_step, for_decoding
 
 
@@ -44,7 +39,7 @@ class Sequence:
     """One row's prompt, settings and output so far."""
 
     prompt: list[int]
-    config: object  # GenerationConfig (decode.py imports this module)
+    config: GenerationConfig
     generator: torch.Generator | None
     seen: Tensor | None  # [V] bool, for the repetition penalty
     top_logprobs: int = 0
@@ -68,6 +63,13 @@ class Emitted:
     logprob: float  # log P(token | text) under the model, before any filtering
     top: list[tuple[int, float]]  # the `top_logprobs` likeliest tokens and their log P
     finished: bool
+
+
+def window_start(length: int, capacity: int) -> int:
+    """The first of `length` tokens a model that holds `capacity` positions reads: when the
+    text outgrows the context, the window slides and the oldest tokens fall out (the one
+    context-window policy of every decoding loop)."""
+    return max(0, length - capacity)
 
 
 def row_generator(seed: int, sample: int, device: torch.device | str) -> torch.Generator:
@@ -95,7 +97,12 @@ class Slots:
         self.waiting: deque[Sequence] = deque()
 
     def add(
-        self, prompt: list[int], config, sample: int = 0, seed: int | None = None, top_logprobs=0
+        self,
+        prompt: list[int],
+        config: GenerationConfig,
+        sample: int = 0,
+        seed: int | None = None,
+        top_logprobs: int = 0,
     ) -> Sequence:
         """Queue a sequence; it takes a row at the next step with one free. A prompt longer
         than the cache is seen through its last `capacity` tokens, as the window slides."""
@@ -106,7 +113,7 @@ class Slots:
         if not prompt:
             raise GenerationError("a prompt needs at least one token (<|endoftext|> will do)")
         generator = None
-        if config.do_sample:
+        if not config.greedy:
             generator = row_generator(random_seed() if seed is None else seed, sample, self.device)
         seen = None
         if config.repetition_penalty != 1.0:
@@ -140,7 +147,8 @@ class Slots:
             if sequence is None:
                 continue
             if sequence.fresh or self.cache.lengths[slot] + 1 > self.capacity:
-                feed = (sequence.prompt + sequence.tokens)[-self.capacity :]  # prompt or window
+                text = sequence.prompt + sequence.tokens  # the prompt, or the slid window
+                feed = text[window_start(len(text), self.capacity) :]
                 self.cache.clear(slot)
                 sequence.fresh = False
             else:
@@ -170,14 +178,8 @@ class Slots:
         c = sequence.config
         logits = logits.float()
         logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before any filter
-        chosen = logits[None]
-        if sequence.seen is not None:
-            chosen = apply_repetition_penalty(chosen, sequence.seen[None], c.repetition_penalty)
-        if c.do_sample:
-            chosen = process_logits(chosen, c.temperature, c.top_k, c.top_p)
-            token = int(sample(chosen[0], sequence.generator))
-        else:
-            token = int(greedy(chosen[0]))
+        seen = None if sequence.seen is None else sequence.seen[None]
+        token = int(choose(logits[None], c, [sequence.generator], seen)[0])
         top = []
         if sequence.top_logprobs:
             values, ids = logprobs.topk(min(sequence.top_logprobs, len(logprobs)))

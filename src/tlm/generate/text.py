@@ -1,21 +1,25 @@
 """Text in, text out: prompts to a left-padded batch, and token steps back to completions.
 
-Every prompt starts after `<|endoftext|>`, as documents do in training, so an empty prompt
-is a valid start. Stop strings end a completion at the first place its text contains one
-(the stop string itself is not returned); stop tokens end it at the token.
+Every prompt starts after `<|endoftext|>`, as documents do in training
+(`tokenizer.document_ids`), so an empty prompt is a valid start; a prompt longer than the
+context is refused. Stop strings end a completion at the first place its text contains one
+(the stop string itself is not returned, `stops.StopText`); stop tokens end it at the
+token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from tlm.generate.beam import beam_search
-from tlm.generate.decode import GenerationConfig, generate
-from tlm.tokenizer import TextStream, Tokenizer
+from tlm.generate.config import GenerationConfig
+from tlm.generate.decode import generate
+from tlm.generate.stops import StopText
+from tlm.tokenizer import Tokenizer, document_ids
 
 
 @dataclass
@@ -30,23 +34,14 @@ class Completion:
 
 
 def encode_prompts(
-    tokenizer: Tokenizer,
-    prompts: list[str],
-    context_length: int,
-    on_truncate: Callable[[int, int, int], None] | None = None,
+    tokenizer: Tokenizer, prompts: list[str], context_length: int
 ) -> tuple[Tensor, Tensor | None]:
     """Prompts -> ids [B,S] left-padded with <|endoftext|>, and a mask (None if no padding).
-
-    A prompt longer than the context keeps its last tokens; `on_truncate(i, n, kept)` is told.
-    """
-    rows = []
-    for i, prompt in enumerate(prompts):
-        ids = [tokenizer.eot_id, *tokenizer.encode(prompt)]
-        if len(ids) > context_length:
-            if on_truncate is not None:
-                on_truncate(i, len(ids), context_length)
-            ids = ids[-context_length:]
-        rows.append(ids)
+    A prompt longer than the context is refused (`tokenizer.within`)."""
+    rows = [
+        document_ids(tokenizer, prompt, context_length, f"prompt {i + 1}")
+        for i, prompt in enumerate(prompts)
+    ]
     width = max(len(ids) for ids in rows)
     batch = torch.full((len(rows), width), tokenizer.eot_id, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -62,12 +57,11 @@ def complete(
     prompts: list[str],
     config: GenerationConfig,
     stop: tuple[str, ...] = (),
-    on_truncate: Callable[[int, int, int], None] | None = None,
     prompt_logprobs: bool = False,
 ) -> list[Completion]:
     """Completions of every prompt (num_return_sequences each, prompt by prompt)."""
     device = next(model.parameters()).device
-    ids, mask = encode_prompts(tokenizer, prompts, model.config.context_length, on_truncate)
+    ids, mask = encode_prompts(tokenizer, prompts, model.config.context_length)
     ids, mask = ids.to(device), None if mask is None else mask.to(device)
     n = config.num_return_sequences
     out = [Completion(prompt) for prompt in prompts for _ in range(n)]
@@ -78,8 +72,10 @@ def complete(
     if config.num_beams > 1:
         result = beam_search(model, ids, config, mask)
         for row, completion in enumerate(out):
-            tokens = result.sequences[row, ids.shape[1] :].tolist()
-            _finish(completion, tokenizer, tokens, [], stop, config.eos_ids)
+            tokens = result.sequences[row, ids.shape[1] :].tolist()[
+                : len(result.token_logprobs[row])
+            ]
+            _finish(completion, tokenizer, tokens, result.token_logprobs[row], stop, config.eos_ids)
         return out
     steps = list(_until_stopped(generate(model, ids, config, mask), tokenizer, stop, len(out)))
     for row, completion in enumerate(out):
@@ -109,32 +105,24 @@ def stream_completion(
     prompt: str,
     config: GenerationConfig,
     stop: tuple[str, ...] = (),
-    on_truncate: Callable[[int, int, int], None] | None = None,
 ) -> Iterator[str]:
     """The text of one sampled completion, piece by piece as it is generated.
 
     Text that could be the start of a stop string is held back until it is not.
     """
     device = next(model.parameters()).device
-    ids, _ = encode_prompts(tokenizer, [prompt], model.config.context_length, on_truncate)
-    stream, shown, text = TextStream(tokenizer), 0, ""
-    hold = max((len(s) - 1 for s in stop), default=0)
+    ids, _ = encode_prompts(tokenizer, [prompt], model.config.context_length)
+    text = StopText(tokenizer, stop)
     for step in generate(model, ids.to(device), config):
         token = int(step.tokens[0])
         if token in config.eos_ids:
             break
-        text += stream.push([token])
-        cut = first_stop(text, stop)
-        if cut is not None:
-            yield text[shown:cut]
+        piece = text.push(token)
+        if piece:
+            yield piece
+        if text.stopped:
             return
-        safe = len(text) - hold
-        if safe > shown:
-            yield text[shown:safe]
-            shown = safe
-    text += stream.flush()
-    cut = first_stop(text, stop)
-    yield text[shown:cut]
+    yield text.finish()
 
 
 def _until_stopped(steps, tokenizer: Tokenizer, stop: tuple[str, ...], rows: int):
@@ -142,16 +130,15 @@ def _until_stopped(steps, tokenizer: Tokenizer, stop: tuple[str, ...], rows: int
     if not stop:
         yield from steps
         return
-    streams = [TextStream(tokenizer) for _ in range(rows)]  # no row is decoded twice
-    texts = [""] * rows
-    stopped = [False] * rows
+    texts = [StopText(tokenizer, stop) for _ in range(rows)]  # no row is decoded twice
+    ended = [False] * rows
     for step in steps:
         yield step
         for r in range(rows):
-            if not stopped[r]:
-                texts[r] += streams[r].push([int(step.tokens[r])])
-                stopped[r] = bool(step.finished[r]) or first_stop(texts[r], stop) is not None
-        if all(stopped):
+            if not ended[r]:
+                texts[r].push(int(step.tokens[r]))
+                ended[r] = bool(step.finished[r]) or texts[r].stopped
+        if all(ended):
             return
 
 
@@ -167,15 +154,10 @@ def _finish(
     end = next((i for i, t in enumerate(tokens) if t in eos), None)
     if end is not None:
         tokens, logprobs, completion.finish_reason = tokens[:end], logprobs[:end], "eos"
-    text = tokenizer.decode(tokens)
-    cut = first_stop(text, stop)
-    if cut is not None:
-        text, completion.finish_reason = text[:cut], "stop"
-        while tokens and len(tokenizer.decode(tokens[:-1])) >= cut:  # drop tokens past it
+    holder = StopText(tokenizer, stop)
+    text = "".join(holder.push(token) for token in tokens) + holder.finish()
+    if holder.stopped:
+        completion.finish_reason = "stop"
+        while tokens and len(tokenizer.decode(tokens[:-1])) >= len(text):  # drop those past it
             tokens, logprobs = tokens[:-1], logprobs[:-1]
     completion.text, completion.tokens, completion.logprobs = text, tokens, logprobs
-
-
-def first_stop(text: str, stop: tuple[str, ...]) -> int | None:
-    found = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return min(found) if found else None

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from tlm.interpret.hooks import run_with_cache
 from tlm.model import EncoderDecoder, TransformerLM
-from tlm.tokenizer import Tokenizer
+from tlm.tokenizer import Tokenizer, document_ids
 
 
 def attention_patterns(model: TransformerLM, input_ids: Tensor) -> Tensor:
@@ -40,7 +40,7 @@ def cross_attention_of(
     over `source` (as training fed them), with the target tokens (rows: row t read these,
     predicting token t+1) and the source tokens (columns)."""
     source_ids = [*tokenizer.encode(source), tokenizer.eot_id]
-    target_ids = [tokenizer.eot_id, *tokenizer.encode(translation)]
+    target_ids = document_ids(tokenizer, translation)
     patterns = cross_attention_patterns(
         model, torch.tensor([source_ids]), torch.tensor([target_ids])
     )

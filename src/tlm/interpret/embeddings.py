@@ -14,7 +14,7 @@ from torch import Tensor
 from tlm.interpret.hooks import HookError
 from tlm.interpret.lens import residual_stream
 from tlm.model import TransformerLM
-from tlm.tokenizer import Tokenizer
+from tlm.tokenizer import Tokenizer, document_ids
 
 
 def word_position(tokenizer: Tokenizer, text: str, word: str) -> tuple[list[int], int]:
@@ -23,7 +23,7 @@ def word_position(tokenizer: Tokenizer, text: str, word: str) -> tuple[list[int]
     at = text.find(word)
     if at < 0:
         raise HookError(f"{word!r} does not occur in {text!r}")
-    ids = [tokenizer.eot_id, *tokenizer.encode(text)]
+    ids = document_ids(tokenizer, text)
     return ids, len(tokenizer.encode(text[: at + len(word)]))  # eot shifts by one: last token
 
 

@@ -24,19 +24,14 @@ from tlm.interpret.plots import (
 )
 from tlm.io import write_text_atomic
 from tlm.model import TransformerLM
-from tlm.tokenizer import Tokenizer
+from tlm.tokenizer import Tokenizer, document_ids
 
 
 def encode_prompt(model: TransformerLM, tokenizer: Tokenizer, prompt: str, what: str) -> list[int]:
     """<|endoftext|> then the prompt's tokens; refused if empty or longer than the context."""
-    ids = [tokenizer.eot_id, *tokenizer.encode(prompt)]
+    ids = document_ids(tokenizer, prompt, model.config.context_length, f"the {what} prompt")
     if len(ids) == 1:
         raise HookError(f"the {what} prompt tokenizes to nothing; give some text")
-    if len(ids) > model.config.context_length:
-        raise HookError(
-            f"the {what} prompt has {len(ids)} tokens (with <|endoftext|>); the model's "
-            f"context is {model.config.context_length}"
-        )
     return ids
 
 

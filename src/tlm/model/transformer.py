@@ -142,7 +142,7 @@ class TransformerLM(nn.Module):
         """
         from tlm.generate import GenerationConfig, beam_search, generate  # the layer above
 
-        config = GenerationConfig(
+        config = GenerationConfig.of(
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
             temperature=temperature,

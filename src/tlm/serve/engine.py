@@ -2,7 +2,7 @@
 
 A `Job` is one prompt with its n samples. `Engine.submit` queues it (or refuses with
 `QueueFull` when the queue is at its bound); the engine thread adds its sequences to the
-batch at the next step, turns each chosen token into text as it arrives (`TextStream`,
+batch at the next step, turns each chosen token into text as it arrives (`StopText`,
 holding back text that could still become a stop string), and hands every piece to the
 job's `deliver` callback, from the engine thread. A job that ends early (a stop string,
 `cancel` when its client goes away) gives its rows back before the next step.
@@ -16,10 +16,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from tlm.generate import GenerationConfig
+from tlm.generate import GenerationConfig, StopText
 from tlm.generate.slots import Sequence, Slots
-from tlm.generate.text import first_stop
-from tlm.tokenizer import TextStream, Tokenizer
+from tlm.tokenizer import Tokenizer
 
 
 class QueueFull(Exception):
@@ -55,9 +54,7 @@ class _Choice:
     job: Job
     index: int
     sequence: Sequence
-    stream: TextStream
-    text: str = ""
-    shown: int = 0
+    text: StopText  # the choice's text so far, ended at a stop string
     last: float | None = None  # when its previous token came
 
 
@@ -154,7 +151,7 @@ class Engine:
         n = job.config.num_return_sequences
         for j in range(n):
             sequence = self.slots.add(job.prompt, job.config, j, job.seed, job.top_logprobs)
-            choice = _Choice(job, j, sequence, TextStream(self.tokenizer))
+            choice = _Choice(job, j, sequence, StopText(self.tokenizer, job.stop))
             job.choices.append(choice)
             self.choices[sequence] = choice
 
@@ -166,16 +163,11 @@ class Engine:
             self.on_token(first, gap)
         choice.last = now
         end = emitted.sequence.finish_reason
-        if end != "eos":
-            choice.text += choice.stream.push([emitted.token])
+        piece = "" if end == "eos" else choice.text.push(emitted.token)
+        if choice.text.stopped:
+            end = "stop"
         if end is not None:
-            choice.text += choice.stream.flush()
-        cut = first_stop(choice.text, choice.job.stop)
-        if cut is not None:
-            end, choice.text = "stop", choice.text[:cut]
-        hold = 0 if end else max((len(s) - 1 for s in choice.job.stop), default=0)
-        safe = max(choice.shown, len(choice.text) - hold)
-        piece, choice.shown = choice.text[choice.shown : safe], safe
+            piece += choice.text.finish()
         event = Event(choice.index, piece, emitted.token, emitted.logprob, emitted.top)
         if end is not None:
             event.finish_reason = "stop" if end in ("eos", "stop") else "length"

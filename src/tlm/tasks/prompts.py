@@ -33,7 +33,7 @@ def summary_prompt(text: str) -> str:
 def continue_line(
     model: TransformerLM, tokenizer: Tokenizer, prompt: str, max_new_tokens: int
 ) -> str:
-    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eot_id)
+    config = GenerationConfig.of(max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eot_id)
     (completion,) = complete(model, tokenizer, [prompt], config, stop=("\n",))
     return completion.text.strip()
 

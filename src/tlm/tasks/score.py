@@ -23,7 +23,7 @@ from torch import Tensor
 from tlm.errors import UserError
 from tlm.model import TransformerLM
 from tlm.model.kv_cache import KVCache
-from tlm.tokenizer import Tokenizer
+from tlm.tokenizer import Tokenizer, within
 
 
 class TaskError(UserError):
@@ -70,17 +70,15 @@ def score(
     if not continuations:
         raise TaskError("no continuations to score")
     pairs = [encode_pair(tokenizer, context, c) for c in continuations]
-    N = model.config.context_length
-    longest = max(len(cont) for _, cont in pairs)
-    if longest >= N:
-        raise TaskError(f"a continuation has {longest} tokens; the context window is {N}")
+    for ctx, cont in pairs:  # the last token is predicted, never read
+        within(ctx + cont[:-1], model.config.context_length, "the context with a continuation")
     device = next(model.parameters()).device
     groups: dict[tuple[int, ...], list[int]] = {}  # the contexts differ only if the split did
     for i, (ctx, _) in enumerate(pairs):
         groups.setdefault(tuple(ctx), []).append(i)
     out: list[Scored | None] = [None] * len(pairs)
     for ctx, rows in groups.items():
-        ctx = list(ctx)[-(N - longest) :]  # keep the context's last tokens so everything fits
+        ctx = list(ctx)
         conts = [pairs[i][1] for i in rows]
         for i, scored in zip(rows, _score_one_context(model, ctx, conts, device), strict=True):
             out[i] = Scored(continuations[i], *scored, len(tokenizer.decode(pairs[i][1]).encode()))

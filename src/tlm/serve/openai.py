@@ -1,5 +1,9 @@
-"""Request bodies of the OpenAI API, checked by hand so that every mistake gets the
-OpenAI error shape: {"error": {"message", "type", "param", "code"}} with its status.
+"""The OpenAI API's shapes: request bodies in, completion objects out.
+
+Request bodies are checked by hand so that every mistake gets the OpenAI error shape:
+{"error": {"message", "type", "param", "code"}} with its status. `Completions` and `Chat`
+turn the engine's events into the text_completion and chat.completion objects, whole or
+as server-sent chunks.
 
 The chat template (documented in docs/serve.md) renders messages to one plain prompt:
 
@@ -14,7 +18,13 @@ and the reply stops at "\\nUser:" (as well as at the end of text and the caller'
 
 from __future__ import annotations
 
+import json
+import time
+import uuid
 from dataclasses import dataclass
+
+from tlm.serve.engine import Event
+from tlm.serve.metrics import Metrics
 
 ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 CHAT_STOP = "\nUser:"
@@ -172,3 +182,119 @@ def chat_prompt(body: dict) -> str:
             )
         lines.append(f"{ROLES[message['role']]}: {message['content']}\n")
     return "".join(lines) + "Assistant:"
+
+
+class Completions:
+    """Events -> the text_completion object, whole or as chunks."""
+
+    object = chunk_object = "text_completion"
+    prompt_tokens = 0
+
+    def __init__(self, model, tokenizer, echo, s: Sampling, metrics: Metrics):
+        self.model, self.tokenizer, self.echo, self.s, self.metrics = (
+            model,
+            tokenizer,
+            echo,
+            s,
+            metrics,
+        )
+        self.id, self.created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        self.streaming = False
+
+    def opening(self, index: int, text: str) -> tuple[str, bool]:
+        """The text a choice starts with (the prompt, with echo), and whether it has started."""
+        return (self.echo[index // self.s.n] if self.echo is not None else "") + text, True
+
+    def _logprobs(self, events: list[Event], offset: int) -> dict | None:
+        if not self.s.logprobs:
+            return None
+        tokens = [self.tokenizer.decode([e.token]) for e in events]
+        top = [{self.tokenizer.decode([t]): lp for t, lp in e.top} for e in events]
+        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in events],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def choice(self, index: int, text: str, events: list[Event], offset: int) -> dict:
+        logprobs, finish = self._logprobs(events, offset), events[-1].finish_reason
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def body(self, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {
+            "id": self.id,
+            "object": self.chunk_object if self.streaming else self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    async def whole(self, events) -> dict:
+        got: dict[int, list[Event]] = {}
+        async for index, event in events:
+            got.setdefault(index, []).append(event)
+        choices = []
+        for index in sorted(got):
+            text, _ = self.opening(index, "".join(e.text for e in got[index]))
+            start = len(text) - sum(len(e.text) for e in got[index])  # the echoed prompt
+            choices.append(self.choice(index, text, got[index], start))
+        generated = sum(len(v) for v in got.values())
+        self.metrics.generated_tokens.inc(generated)
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": generated}
+        return self.body(choices, usage | {"total_tokens": self.prompt_tokens + generated})
+
+    async def stream(self, events):
+        self.streaming = True
+        started: set[int] = set()
+        offsets: dict[int, int] = {}  # text sent so far per choice
+        async for index, event in events:
+            self.metrics.generated_tokens.inc()
+            text = event.text
+            if index not in started:
+                text, begun = self.opening(index, text)
+                if begun:
+                    started.add(index)
+            chunk = self.body([self.choice(index, text, [event], offsets.get(index, 0))])
+            offsets[index] = offsets.get(index, 0) + len(text)
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+class Chat(Completions):
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, model, tokenizer, s: Sampling, metrics: Metrics):
+        super().__init__(model, tokenizer, None, s, metrics)
+        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+
+    def opening(self, index: int, text: str) -> tuple[str, bool]:
+        text = text.lstrip(" ")  # the template leaves a space after "Assistant:"
+        return text, bool(text)
+
+    def _logprobs(self, events: list[Event], offset: int) -> dict | None:
+        if not self.s.logprobs:
+            return None
+        decode = self.tokenizer.decode
+        return {
+            "content": [
+                {
+                    "token": decode([e.token]),
+                    "logprob": e.logprob,
+                    "top_logprobs": [{"token": decode([t]), "logprob": lp} for t, lp in e.top],
+                }
+                for e in events
+            ]
+        }
+
+    def choice(self, index: int, text: str, events: list[Event], offset: int) -> dict:
+        return {
+            "index": index,
+            "delta" if self.streaming else "message": {"role": "assistant", "content": text},
+            "logprobs": self._logprobs(events, offset),
+            "finish_reason": events[-1].finish_reason,
+        }

@@ -1,0 +1,69 @@
+"""How to decode: one `GenerationConfig`, built the same way from every entry point.
+
+The names are the ones the Hugging Face ecosystem uses. `GenerationConfig.of(...)` is the
+one conversion from a request (the command line, `TransformerLM.generate`, the HTTP API):
+a setting left out (None) takes the default here, so every entry point has one set of
+defaults, and temperature 0 means greedy wherever it is given (`greedy`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from tlm.generate.sampling import GenerationError
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 100
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float = 1.0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    num_return_sequences: int = 1
+    eos_token_id: int | tuple[int, ...] | None = None
+    seed: int | None = None
+    use_cache: bool = True
+
+    def __post_init__(self) -> None:
+        rules = {
+            "max_new_tokens": (self.max_new_tokens >= 0, ">= 0"),
+            "temperature": (self.temperature >= 0, ">= 0"),
+            "top_k": (self.top_k is None or self.top_k >= 1, ">= 1"),
+            "top_p": (self.top_p is None or 0 < self.top_p <= 1, "in (0, 1]"),
+            "repetition_penalty": (self.repetition_penalty > 0, "> 0"),
+            "num_beams": (self.num_beams >= 1, ">= 1"),
+            "num_return_sequences": (self.num_return_sequences >= 1, ">= 1"),
+        }
+        for name, (ok, allowed) in rules.items():
+            if not ok:
+                raise GenerationError(f"{name} must be {allowed}, got {getattr(self, name)}")
+        if self.num_beams > 1 and self.do_sample:
+            raise GenerationError("beam search is deterministic: use num_beams=1 to sample")
+        if self.num_beams > 1 and self.repetition_penalty != 1.0:
+            raise GenerationError("repetition_penalty applies to greedy decoding and sampling")
+        if self.num_beams > 1 and self.num_return_sequences > 1:
+            raise GenerationError("beam search returns one sequence per prompt")
+
+    @classmethod
+    def of(cls, **settings) -> GenerationConfig:
+        """The config of a request: a setting given as None takes its default."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise GenerationError(f"no generation setting {unknown[0]!r}")
+        return cls(**{name: value for name, value in settings.items() if value is not None})
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding: without sampling, or sampling at temperature 0 (its limit)."""
+        return not self.do_sample or self.temperature == 0
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else self.eos_token_id

@@ -1,0 +1,249 @@
+"""The HTTP routes (FastAPI): OpenAI-compatible completions and chat, health, models,
+metrics, the inspection endpoint and the page.
+
+Each handler is short: it reads its request (`openai.py` checks the body), turns the
+prompts into the engine's `Job`s (one per prompt, with its n samples), and hands the
+engine's events to the response shape (`openai.Completions`, `openai.Chat`). Events
+reach the request through an asyncio queue. A streamed response is server-sent events
+ending in `data: [DONE]`; when its client goes away the jobs are cancelled and their rows
+are free for the next step. The server's state lives in one `Server` object on the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from importlib import resources
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+
+from tlm.generate import GenerationConfig
+from tlm.interpret.report import inspect_prompt
+from tlm.serve.engine import Engine, Job, QueueFull
+from tlm.serve.metrics import Metrics
+from tlm.serve.openai import (
+    CHAT_STOP,
+    ApiError,
+    Chat,
+    Completions,
+    Sampling,
+    chat_prompt,
+    check_body,
+    prompts,
+    sampling,
+)
+from tlm.tokenizer import InputTooLong, document_ids
+
+
+@dataclass
+class Server:
+    """What every route reads: the engine, the model's name, the key, the metrics."""
+
+    engine: Engine
+    name: str
+    api_key: str | None
+    metrics: Metrics
+
+    @property
+    def context(self) -> int:
+        return self.engine.slots.model.config.context_length
+
+    @property
+    def max_n(self) -> int:
+        return len(self.engine.slots.rows) * 4
+
+
+def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Metrics) -> FastAPI:
+    app = FastAPI(title="tlm serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = Server(engine, model_name, api_key, metrics)
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(Exception, server_error)
+    app.include_router(router)
+    return app
+
+
+async def api_error(request: Request, error: ApiError) -> JSONResponse:
+    request.app.state.server.metrics.requests.labels(request.url.path, str(error.status)).inc()
+    headers = {"Retry-After": "1"} if error.status == 429 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def server_error(request: Request, error: Exception) -> JSONResponse:
+    request.app.state.server.metrics.requests.labels(request.url.path, "500").inc()
+    return JSONResponse(ApiError(500, f"internal error: {error}").body(), status_code=500)
+
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> dict:
+    server = request.app.state.server
+    engine = server.engine
+    slots = len(engine.slots.rows)
+    return {
+        "status": "ok",
+        "model": server.name,
+        "slots": slots,
+        "busy": engine.busy,
+        "queued": engine.queued,
+    }
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    server = authorized(request)
+    model = {"id": server.name, "object": "model", "created": 0, "owned_by": "tlm"}
+    return {"object": "list", "data": [model]}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    server, body = await read(request)
+    texts, s = prompts(body), sampling(body, max_n=server.max_n)
+    echo = texts if body.get("echo", False) is True else None
+    shape = Completions(server.name, server.engine.tokenizer, echo, s, server.metrics)
+    return await answer(request, texts, s, (), shape)
+
+
+@router.post("/v1/chat/completions")
+async def chat(request: Request):
+    server, body = await read(request)
+    s = sampling(body, max_n=server.max_n, default_max_tokens=256)
+    shape = Chat(server.name, server.engine.tokenizer, s, server.metrics)
+    return await answer(request, [chat_prompt(body)], s, (CHAT_STOP,), shape)
+
+
+@router.post("/v1/inspect")
+async def inspect(request: Request):
+    server, body = await read(request)
+    prompt, model = body.get("prompt"), server.engine.slots.model
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be a string", "prompt", "invalid_type")
+    ids(server, prompt, "the prompt")
+    fmt = getattr(model, "inference_format", None)
+    if fmt not in (None, "float32"):  # its fp32 weights are released
+        raise ApiError(
+            400,
+            f"inspection reads the fp32 weights, which a server started with --dtype {fmt} "
+            "does not keep: start it with --dtype float32",
+            code="unsupported_dtype",
+        )
+    tokenizer = server.engine.tokenizer
+    job = server.engine.call(lambda: inspect_prompt(model, tokenizer, prompt))
+    return JSONResponse(await asyncio.wrap_future(job))
+
+
+@router.get("/", response_class=HTMLResponse)
+async def page() -> str:
+    return resources.files("tlm.serve").joinpath("page.html").read_text(encoding="utf-8")
+
+
+@router.get("/explorer.html", response_class=HTMLResponse)
+async def explorer() -> str:  # the inspection page of `tlm inspect`, filled in by the page
+    return resources.files("tlm.interpret").joinpath("page.html").read_text(encoding="utf-8")
+
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> PlainTextResponse:
+    metrics = request.app.state.server.metrics
+    return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
+
+
+def authorized(request: Request) -> Server:
+    server = request.app.state.server
+    wanted = f"Bearer {server.api_key}"
+    if server.api_key is not None and request.headers.get("authorization") != wanted:
+        raise ApiError(
+            401, "a missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key"
+        )
+    return server
+
+
+async def read(request: Request) -> tuple[Server, dict]:
+    """The server and the request's JSON body, authorized and checked."""
+    server = authorized(request)
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
+    return server, check_body(body, server.name)
+
+
+def ids(server: Server, text: str, name: str) -> list[int]:
+    """The text as a document the model reads whole, or a 400 (`tokenizer.within`)."""
+    try:
+        return document_ids(server.engine.tokenizer, text, server.context, name)
+    except InputTooLong as error:
+        raise ApiError(400, str(error), "prompt", "context_length_exceeded") from None
+
+
+async def answer(request: Request, texts: list[str], s: Sampling, extra_stop, shape):
+    """Submit a job per prompt and answer with the shape: whole, or streamed as events."""
+    server = request.app.state.server
+    if s.n > server.engine.max_queue:  # could never be queued, however long the client waits
+        raise ApiError(
+            400, f"n must be <= {server.engine.max_queue} (--max-queue)", "n", "invalid_value"
+        )
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    started = jobs(server, texts, s, extra_stop, queue, loop)
+    submit(server.engine, started)
+    shape.prompt_tokens = sum(len(j.prompt) - 1 for j in started)  # after <|endoftext|>
+    server.metrics.prompt_tokens.inc(shape.prompt_tokens)
+    server.metrics.requests.labels(request.url.path, "200").inc()
+    events = _events(server.engine, started, queue, s.n)
+    if s.stream:
+        return StreamingResponse(shape.stream(events), media_type="text/event-stream")
+    return JSONResponse(await shape.whole(events))
+
+
+def jobs(server: Server, texts: list[str], s: Sampling, extra_stop, queue, loop) -> list[Job]:
+    config = GenerationConfig.of(  # OpenAI samples unless told otherwise; 0 is greedy
+        max_new_tokens=s.max_tokens,
+        do_sample=True,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        repetition_penalty=s.repetition_penalty,
+        num_return_sequences=s.n,
+        eos_token_id=None if s.ignore_eos else server.engine.tokenizer.eot_id,
+    )
+    out = []
+    for p, text in enumerate(texts):
+
+        def deliver(event, p=p):
+            loop.call_soon_threadsafe(queue.put_nowait, (p, event))
+
+        prompt = ids(server, text, f"prompt {p}")
+        out.append(Job(prompt, config, deliver, s.stop + extra_stop, s.seed, s.logprobs))
+    return out
+
+
+def submit(engine: Engine, started: list[Job]) -> None:
+    """All of a request's jobs are queued, or none (429)."""
+    submitted = []
+    try:
+        for job in started:
+            engine.submit(job)
+            submitted.append(job)
+    except QueueFull as full:
+        for job in submitted:
+            engine.cancel(job)
+        raise ApiError(429, f"the server is busy: {full}; retry later", code="queue_full") from None
+
+
+async def _events(engine: Engine, started: list[Job], queue: asyncio.Queue, n: int):
+    """(choice index, event) as they come, until every job has ended."""
+    open_jobs = len(started)
+    try:
+        while open_jobs:
+            p, event = await queue.get()
+            if event is None:
+                open_jobs -= 1
+            else:
+                yield p * n + event.index, event
+    finally:
+        for job in started:  # a client gone mid-stream: free its rows now
+            engine.cancel(job)
