@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from tlm.cli.args import add_command, add_weights_flag, fail, read_text_file
 from tlm.generate import GenerationConfig, complete, stream_completion
@@ -59,7 +60,6 @@ def run(args: argparse.Namespace) -> int:
     prompts = args.prompt + [read_text_file(path) for path in args.prompt_file] or [""]
     if args.prompt_logprobs and not args.json:
         fail("--prompt-logprobs adds to the --json output: add --json")
-    tokenizer = load_tokenizer(args.run)
     config = GenerationConfig.of(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
@@ -70,7 +70,6 @@ def run(args: argparse.Namespace) -> int:
         num_beams=args.num_beams,
         length_penalty=args.length_penalty,
         num_return_sequences=args.num_return_sequences,
-        eos_token_id=None if args.no_eos else tokenizer.eot_id,
         seed=args.seed,
         use_cache=not args.no_cache,
     )
@@ -79,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
     ):
         fail("--stream shows one completion: one prompt, -n 1 and --num-beams 1")
     model = load_language_model(args.run, weights=args.weights, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.run)
+    if not args.no_eos:
+        config = replace(config, eos_token_id=tokenizer.eot_id)
     stop = tuple(_unescape(s) for s in args.stop)
     if args.stream:
         sys.stdout.write(prompts[0])
