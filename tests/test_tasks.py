@@ -24,7 +24,7 @@ from tlm.tasks import (
     summarize,
 )
 from tlm.tasks.score import score_reference
-from tlm.tokenizer import InputTooLong
+from tlm.tokenizer import CharTokenizer, InputTooLong
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,17 @@ def test_a_text_longer_than_the_context_is_refused_as_everywhere(run):
     assert len(score(model, tok, fits, ["e "])) == 1
     with pytest.raises(InputTooLong, match="has 41 tokens; the model reads at most 40"):
         score(model, tok, fits + "e", ["e "])
+
+
+def test_classify_on_a_character_model_without_braces_in_its_vocabulary(make_model):
+    """The labels are checked after the template's end, never encoded with "{text}" in it:
+    a character model that cannot spell "{" classifies (it used to refuse every template)."""
+    tok = CharTokenizer("abcdefghijklmnopqrstuvwxyz .:")
+    model = make_model(vocab_size=tok.vocab_size)
+    results = classify(model, tok, ["a good day", "a bad day"], ["yes", "no"], "{text}. ok:")
+    assert [sorted(r.probabilities) for r in results] == [["no", "yes"]] * 2
+    with pytest.raises(TaskError, match="labels 'yes' and 'yes' tokenize to the same"):
+        classify(model, tok, ["a day"], ["yes", "yes"], "{text}. ok:")
 
 
 def test_the_contexts_trailing_space_belongs_to_the_continuation(bpe_tokenizer):

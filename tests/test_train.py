@@ -86,6 +86,18 @@ def test_train_writes_the_run_directory(docs_chars, tmp_path):
     )
 
 
+def test_progress_in_a_log_file_is_a_line_per_interval(docs_chars, tmp_path, capsys):
+    """`tlm train > log.txt`: no carriage-return refreshes of a bar, one line a log interval
+    (the bar is for terminals)."""
+    args = [a for a in TINY if a != "--quiet"]
+    run = ["train", "--data", str(docs_chars), "--out", str(tmp_path / "run"), *args]
+    assert main([*run, "--max-steps", "15"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 5/15", "step 10/15", "step 15/15"]
+
+
 def test_toml_config_and_overrides(docs_chars, tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text('max_steps = 10\n[model]\nd_ff = 48\nposition = "rope"\n[train]\nlr = 3e-3\n')

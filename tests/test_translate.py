@@ -162,7 +162,9 @@ WORDS = ["cat", "dog", "sun", "red", "big", "run", "sky", "hat", "cup", "pen"]
 
 def test_a_small_model_learns_to_translate_a_toy_language(tmp_path, capsys, gpt2_dir):
     """Source: words; target: each word reversed, in reverse order. Trained through
-    `tlm prepare --task translate` and `tlm train`, the run translates held-out sentences."""
+    `tlm prepare --task translate` and `tlm train`, the run translates held-out sentences.
+    700 steps: seeds 0-5 with 1 and 2 threads all translate 4/4 (chrF 100); at 400 steps one
+    of them fell to chrF 85.8 here and another host saw 60.7."""
     rng = random.Random(0)
     src, tgt = [], []
     for _ in range(600):
@@ -177,7 +179,7 @@ def test_a_small_model_learns_to_translate_a_toy_language(tmp_path, capsys, gpt2
     assert main(prepare) == 0
     args = ["--d-model", "64", "--n-heads", "4", "--n-layers", "2", "--d-ff", "128"]
     args += ["--context-length", "16", "--batch-tokens", "256", "--lr", "0.3", "--warmup-steps"]
-    args += ["60", "--max-steps", "400", "--dropout", "0", "--eval-interval", "200", "--quiet"]
+    args += ["60", "--max-steps", "700", "--dropout", "0", "--eval-interval", "350", "--quiet"]
     assert main(["train", "--data", str(data), "--out", str(run), *args]) == 0
     model, tok = load_model(run), load_tokenizer(run)
     held_out = ["sun dog", "cup red pen", "hat", "sky big"]

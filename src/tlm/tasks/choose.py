@@ -59,8 +59,9 @@ def check_labels(tokenizer: Tokenizer, labels: list[str], template: str) -> None
     if len(labels) < 2:
         raise TaskError(f"give at least two labels, got {labels!r}")
     seen: dict[tuple[int, ...], str] = {}
+    after = template.rsplit("{text}", 1)[1]  # what a label follows: the template's end
     for label in labels:
-        ids = tuple(encode_pair(tokenizer, template, " " + label)[1]) if label.strip() else ()
+        ids = tuple(encode_pair(tokenizer, after, " " + label)[1]) if label.strip() else ()
         if not ids:
             raise TaskError(f"label {label!r} tokenizes to nothing")
         if ids in seen:

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch.nn.utils import clip_grad_norm_
-from tqdm import tqdm
 
 from tlm.checkpoint import (
     BEST,
@@ -41,7 +40,7 @@ from tlm.model import build_model
 from tlm.model.loss import cross_entropy, window_nll
 from tlm.train.distributed import Runtime
 from tlm.train.optim import build_optimizer, learning_rate
-from tlm.train.report import Metrics, plot_losses, write_model_card
+from tlm.train.report import Metrics, ProgressReport, plot_losses, write_model_card
 from tlm.train.run import RunError, pick_dtype
 
 VAL_BATCH = 32  # validation windows per forward pass (and per rank's share of the split)
@@ -236,7 +235,7 @@ class Trainer:
         """
         c, s = self.config, self.state
         self.model.train()
-        bar = tqdm(total=c.max_steps, initial=s.step, unit="step", disable=not self.progress_bar)
+        bar = ProgressReport(c.max_steps, s.step, self.progress_bar)
         started, base = time.perf_counter(), s.elapsed
         with DeferredInterrupt() as interrupt:
             while s.step < c.max_steps:
@@ -251,7 +250,7 @@ class Trainer:
                 last = s.step == c.max_steps
                 if s.step % c.log_interval == 0 or last:
                     self._log(bar)
-                bar.update(1)
+                bar.step()
                 if s.step % c.eval_interval == 0 or last:
                     self._evaluate()
                     started, base = time.perf_counter(), s.elapsed  # eval time is not training
@@ -264,7 +263,7 @@ class Trainer:
         bar.close()
         return self.finish()
 
-    def _log(self, bar: tqdm) -> None:
+    def _log(self, bar: ProgressReport) -> None:
         s = self.state
         mean = sum(s.window) / len(s.window)
         norm = sum(s.norms) / len(s.norms) if s.norms else None
@@ -276,7 +275,7 @@ class Trainer:
         row["tokens_per_s"] = round(s.tokens / max(s.elapsed, 1e-9))
         if self.metrics is not None:
             self.metrics.log(row)
-        bar.set_postfix(loss=f"{mean:.4f}", tok_s=f"{row['tokens_per_s']:,}")
+        bar.log(s.step, mean, row["tokens_per_s"])
 
     def _evaluate(self) -> None:
         val = self.validation_loss()  # every rank takes part (FSDP gathers its shards)

@@ -1,14 +1,44 @@
-"""What a run leaves for people: metrics.jsonl, plots/loss.png and MODEL_CARD.md."""
+"""What a run leaves for people: its progress as it trains, metrics.jsonl, plots/loss.png
+and MODEL_CARD.md."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from tqdm import tqdm
 
 from tlm.config import ModelConfig, TrainConfig
 from tlm.io import atomic_path, write_text_atomic
 from tlm.model.counts import parameter_counts
+
+
+class ProgressReport:
+    """Training progress: a bar on a terminal; in a file or a pipe (`tlm train > log.txt`) a
+    line per logging interval, since a log wants lines, not carriage-return refreshes."""
+
+    def __init__(self, total: int, initial: int, shown: bool, stream: IO[str] | None = None):
+        self.stream, self.total, self.shown = stream or sys.stderr, total, shown
+        self.terminal = self.stream.isatty()
+        self.bar = tqdm(
+            total=total, initial=initial, unit="step", file=self.stream,
+            disable=not (shown and self.terminal),
+        )  # fmt: skip
+
+    def step(self) -> None:
+        self.bar.update(1)
+
+    def log(self, step: int, loss: float, tokens_per_s: int) -> None:
+        if self.terminal:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,}")
+        elif self.shown:
+            line = f"step {step}/{self.total}: train loss {loss:.4f}, {tokens_per_s:,} tok/s"
+            print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class Metrics:
