@@ -18,7 +18,7 @@ from tlm.data import (
 )
 from tlm.data import corpus as corpus_module
 from tlm.data import encode as encode_module
-from tlm.data.prepare import token_dtype
+from tlm.data.tokens import id_dtype
 from tlm.tokenizer import load_tokenizer
 from tlm.train.report import _cleaning
 
@@ -53,7 +53,7 @@ def test_prepare_joins_documents_with_eot(corpus, tmp_path):
     docs = ["first document\nwith two lines\n", "third", "fourth", "second document ✓\n"]
     expected = [i for doc in docs for i in [*tok.encode(doc), tok.eot_id]]
     assert stream.tolist() == expected
-    assert meta["documents"] == 4 and meta["dtype"] == "uint16"
+    assert meta["documents"] == 4 and meta["id_dtype"] == "uint16"
     assert meta["splits"]["val"]["tokens"] == round(len(expected) * 0.25)
     total_bytes = sum(len(d.encode()) for d in docs)
     assert meta["splits"]["train"]["bytes"] + meta["splits"]["val"]["bytes"] == total_bytes
@@ -64,6 +64,9 @@ def test_prepare_joins_documents_with_eot(corpus, tmp_path):
         for path, data in zip(files, raw, strict=True)
     ]
     assert json.loads((tmp_path / "out" / "meta.json").read_text()) == meta
+    old = {k if k != "id_dtype" else "dtype": v for k, v in meta.items()}  # an older folder
+    (tmp_path / "out" / "meta.json").write_text(json.dumps(old))
+    assert TokenData(tmp_path / "out").split("train").tolist() == data.split("train").tolist()
 
 
 def test_line_docs_make_one_document_per_line(tmp_path):
@@ -145,8 +148,8 @@ def test_existing_output_needs_force(corpus, tmp_path):
     assert TokenData(tmp_path / "out").meta["documents"] == 1
 
 
-def test_token_dtype():
-    assert token_dtype(65535) == np.uint16 and token_dtype(65536) == np.uint32
+def test_id_dtype():
+    assert id_dtype(65535) == np.uint16 and id_dtype(65536) == np.uint32
 
 
 def test_random_windows_are_shifted_and_reproducible():

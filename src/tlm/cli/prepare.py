@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{args.out}: {meta['tokenizer']} tokenizer, vocabulary {meta['vocab_size']}, "
         f"{meta['documents']:,} documents, {splits['train']['tokens']:,} train + "
-        f"{splits['val']['tokens']:,} val tokens ({meta['dtype']})"
+        f"{splits['val']['tokens']:,} val tokens ({meta['id_dtype']})"
     )
     if "cleaning" in meta:
         counts = meta["cleaning"]["counts"]

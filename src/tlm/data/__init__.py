@@ -1,10 +1,12 @@
-"""Data: corpora read as streams of documents, tokenized, packed into memmapped token files."""
+"""Data: corpora read as streams of documents, tokenized and packed into token files
+(`prepare`, `pairs`), which `tokens` reads back, memory-mapped."""
 
 from pathlib import Path
 
 from tlm.data.corpus import CorpusError, Source, documents, resolve_sources
-from tlm.data.pairs import PairData, prepare_pairs
-from tlm.data.prepare import TokenData, prepare, read_meta
+from tlm.data.pairs import prepare_pairs
+from tlm.data.prepare import prepare
+from tlm.data.tokens import PairData, TokenData, read_meta
 
 __all__ = [
     "CorpusError",

@@ -10,8 +10,8 @@ shared vocabulary of Vaswani et al. §3.4) and writes, per split:
 
 A pair with an empty side is skipped and counted (meta.json "skipped"); files of
 different lengths are refused, naming the line where they diverge. The validation split
-is a second pair of files, or the last `val_fraction` of the pairs. `PairData` reads the
-folder; `token_batches` groups pairs of similar length into batches of at most
+is a second pair of files, or the last `val_fraction` of the pairs. `tokens.PairData`
+reads the folder; `token_batches` groups pairs of similar length into batches of at most
 `max_tokens` tokens a side (padding included).
 """
 
@@ -29,11 +29,10 @@ import numpy as np
 
 from tlm._version import __version__
 from tlm.data.corpus import CorpusError
-from tlm.data.prepare import fingerprint
+from tlm.data.tokens import SIDES, id_dtype
 from tlm.io import atomic_path, check_replaceable, write_text_atomic
 from tlm.tokenizer import KINDS, Tokenizer, load_tokenizer, train_tokenizer
 
-SIDES = ("src", "tgt")
 FILES = ("meta.json", "tokenizer.json", "*.src.bin", "*.tgt.bin", "*.src.idx", "*.tgt.idx")
 
 
@@ -119,7 +118,7 @@ def prepare_pairs(
             "tokenizer": tok.kind,
             "vocab_size": tok.vocab_size,
             "eot_id": tok.eot_id,
-            "dtype": np.dtype(_dtype(tok.vocab_size)).name,
+            "id_dtype": np.dtype(id_dtype(tok.vocab_size)).name,
             "splits": splits,
             "sources": [_describe(Path(f)) for f in files],
             "tlm": __version__,
@@ -137,64 +136,14 @@ def _write_side(folder: Path, split: str, side: str, texts: list[str], tok: Toke
         lengths.append(len(encoded) + 1)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    np.asarray(ids, dtype=_dtype(tok.vocab_size)).tofile(folder / f"{split}.{side}.bin")
+    np.asarray(ids, dtype=id_dtype(tok.vocab_size)).tofile(folder / f"{split}.{side}.bin")
     offsets.tofile(folder / f"{split}.{side}.idx")
     return len(ids)
-
-
-def _dtype(vocab_size: int) -> type[np.unsignedinteger]:
-    return np.uint16 if vocab_size <= 65535 else np.uint32
 
 
 def _describe(path: Path) -> dict[str, Any]:
     data = path.read_bytes()
     return {"name": str(path), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-class Pairs:
-    """One split: sentence i's source and target ids (each ending in <|endoftext|>)."""
-
-    def __init__(self, folder: Path, split: str, dtype: np.dtype) -> None:
-        self.ids, self.offsets = {}, {}
-        for side in SIDES:
-            offsets = np.fromfile(folder / f"{split}.{side}.idx", dtype=np.int64)
-            ids = np.fromfile(folder / f"{split}.{side}.bin", dtype=dtype)
-            if len(offsets) == 0 or offsets[-1] != len(ids):
-                raise CorpusError(f"{folder}: {split}.{side} files disagree; prepare again")
-            self.ids[side], self.offsets[side] = ids, offsets
-        if len(self.offsets["src"]) != len(self.offsets["tgt"]):
-            raise CorpusError(f"{folder}: {split} sides hold different pair counts")
-
-    def __len__(self) -> int:
-        return len(self.offsets["src"]) - 1
-
-    def lengths(self, side: str) -> np.ndarray:
-        return np.diff(self.offsets[side])
-
-    def sentence(self, side: str, i: int) -> np.ndarray:
-        o = self.offsets[side]
-        return self.ids[side][o[i] : o[i + 1]]
-
-
-class PairData:
-    """A folder written by `prepare_pairs`: its meta, tokenizer and splits."""
-
-    def __init__(self, folder: str | Path, meta: dict[str, Any]) -> None:
-        self.folder, self.meta = Path(folder), meta
-        self.vocab_size: int = meta["vocab_size"]
-        self.dtype = np.dtype(meta["dtype"])
-
-    def split(self, name: str) -> Pairs:
-        if name not in ("train", "val"):
-            raise CorpusError(f"unknown split {name!r}; choose train or val")
-        return Pairs(self.folder, name, self.dtype)
-
-    def fingerprint(self) -> dict[str, Any]:
-        """As `TokenData.fingerprint`: what a run records and a resume compares."""
-        splits = self.meta["splits"]
-        pairs = {name: splits[name]["pairs"] for name in splits}
-        tokens = {name: splits[name]["src_tokens"] + splits[name]["tgt_tokens"] for name in splits}
-        return fingerprint(self.folder, self.meta, pairs, tokens)
 
 
 def token_batches(

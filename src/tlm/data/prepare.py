@@ -15,7 +15,6 @@ It is built under a temporary name and renamed at the end, so a failure leaves n
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from collections.abc import Iterator
@@ -30,18 +29,14 @@ from tlm._version import __version__
 from tlm.data.clean import CleanConfig, Cleaner
 from tlm.data.corpus import CorpusError, Piece, Source, resolve_sources
 from tlm.data.encode import encoded, segments
-from tlm.data.shards import ShardedTokens, write_shards
+from tlm.data.shards import write_shards
+from tlm.data.tokens import SPLITS, id_dtype, meta_id_dtype
 from tlm.io import atomic_path, check_replaceable, write_text_atomic
 from tlm.tokenizer import KINDS, Tokenizer, TokenizerError, load_tokenizer, train_tokenizer
 
-SPLITS = ("train", "val")
 FILES = ("meta.json", "tokenizer.json", "train.bin", "val.bin", "train-*.bin", "val-*.bin")
 FILES += (".tlm-demo",)
 EMPTY = "corpus is empty: no document has any text"
-
-
-def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
-    return np.uint16 if vocab_size <= 65535 else np.uint32
 
 
 def prepare(
@@ -184,30 +179,30 @@ def _write_tokens(
     total_bytes: int,
     workers: int = 1,
 ) -> dict[str, Any]:
-    dtype = token_dtype(tok.vocab_size)
+    ids_as = id_dtype(tok.vocab_size)
     tok.save(folder / "tokenizer.json")  # for the workers (and the folder)
     stream = folder / "tokens.bin"
     bar = _bar(progress, total_bytes, "encoding")
     documents = 0
     with open(stream, "wb") as f:
         for ids, ended in encoded(source.pieces(bar), tok, workers, folder / "tokenizer.json"):
-            np.asarray(ids, dtype=dtype).tofile(f)
+            np.asarray(ids, dtype=ids_as).tofile(f)
             documents += ended
     bar.close()
-    n_total = stream.stat().st_size // np.dtype(dtype).itemsize
+    n_total = stream.stat().st_size // np.dtype(ids_as).itemsize
     n_val = round(n_total * val_fraction)
-    _cut(stream, n_total - n_val, folder / "train.bin", folder / "val.bin", dtype)
+    _cut(stream, n_total - n_val, folder / "train.bin", folder / "val.bin", ids_as)
     token_bytes = tok.token_bytes()
     splits = {}
     for name in SPLITS:
         path = folder / f"{name}.bin"
         n = n_total - n_val if name == "train" else n_val
-        splits[name] = {"file": path.name, "tokens": n, "bytes": _bytes(path, dtype, token_bytes)}
+        splits[name] = {"file": path.name, "tokens": n, "bytes": _bytes(path, ids_as, token_bytes)}
     return {
         "tokenizer": tok.kind,
         "vocab_size": tok.vocab_size,
         "eot_id": tok.eot_id,
-        "dtype": np.dtype(dtype).name,
+        "id_dtype": np.dtype(ids_as).name,
         "documents": documents,
         "val_fraction": val_fraction,
         "splits": splits,
@@ -224,14 +219,14 @@ def _shard(folder: Path, meta: dict[str, Any], shard_tokens: int) -> None:
         path = folder / info.pop("file")
         with open(path, "rb") as stream:
             info["shards"] = write_shards(
-                stream, info["tokens"], np.dtype(meta["dtype"]), shard_tokens, name, folder
+                stream, info["tokens"], meta_id_dtype(meta), shard_tokens, name, folder
             )
         path.unlink()
 
 
-def _cut(stream: Path, n_train: int, train: Path, val: Path, dtype: type) -> None:
+def _cut(stream: Path, n_train: int, train: Path, val: Path, ids_as: type) -> None:
     """Move the stream's tail (from token `n_train`) into `val`, the head becomes `train`."""
-    offset = n_train * np.dtype(dtype).itemsize
+    offset = n_train * np.dtype(ids_as).itemsize
     with open(stream, "r+b") as src, open(val, "wb") as dst:
         src.seek(offset)
         shutil.copyfileobj(src, dst, 1 << 24)
@@ -239,13 +234,13 @@ def _cut(stream: Path, n_train: int, train: Path, val: Path, dtype: type) -> Non
     stream.rename(train)
 
 
-def _bytes(path: Path, dtype: type, token_bytes: np.ndarray) -> int:
+def _bytes(path: Path, ids_as: type, token_bytes: np.ndarray) -> int:
     """UTF-8 bytes the tokens of file `path` spell (<|endoftext|> spells none), read a
     million tokens at a time: memory stays a few MB whatever the corpus (a memory map of
     the split, and a 16M-token slice of it, once cost hundreds)."""
     counts = np.zeros(len(token_bytes), dtype=np.int64)
     with open(path, "rb") as f:
-        while (chunk := np.fromfile(f, dtype=dtype, count=1 << 20)).size:
+        while (chunk := np.fromfile(f, dtype=ids_as, count=1 << 20)).size:
             counts += np.bincount(chunk, minlength=len(token_bytes))
     return int(counts @ token_bytes)
 
@@ -254,94 +249,3 @@ def _bar(progress: bool, total: int, what: str) -> tqdm:
     return tqdm(
         total=total or None, desc=what, unit="B", unit_scale=True, disable=not progress, leave=False
     )
-
-
-def read_meta(folder: Path) -> dict[str, Any]:
-    path = folder / "meta.json"
-    if not path.is_file():
-        raise CorpusError(f"{folder} is not a prepared data folder (no meta.json); run tlm prepare")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CorpusError(f"{path} is not valid JSON: {exc}") from None
-
-
-class TokenData:
-    """A folder written by `prepare`: its meta, tokenizer and memory-mapped splits."""
-
-    def __init__(self, folder: str | Path) -> None:
-        self.folder = Path(folder)
-        self.meta = read_meta(self.folder)
-        if self.meta.get("task") == "translate":
-            raise CorpusError(
-                f"{folder} holds sentence pairs (tlm prepare --task translate), not one text "
-                "stream: train an encoder-decoder on it, or translate with it"
-            )
-        self.vocab_size: int = self.meta["vocab_size"]
-        self.dtype = np.dtype(self.meta["dtype"])
-
-    def fingerprint(self) -> dict[str, Any]:
-        """What the tokens are made of: each source's size and sha256, the tokenizer (its
-        file's sha256) and the token counts. A run records it; a resume compares it."""
-        tokens = {name: self.meta["splits"][name]["tokens"] for name in SPLITS}
-        return fingerprint(self.folder, self.meta, self.meta["documents"], tokens)
-
-    def split(self, name: str) -> np.ndarray:
-        """The token ids of split `name` ("train" or "val"), memory-mapped read-only."""
-        if name not in SPLITS:
-            raise CorpusError(f"unknown split {name!r}; choose train or val")
-        info = self.meta["splits"][name]
-        if "shards" in info:
-            return ShardedTokens([self._file(s["file"], s["tokens"]) for s in info["shards"]])
-        return self._file(info["file"], info["tokens"])
-
-    def _file(self, name: str, tokens: int) -> np.ndarray:
-        path = self.folder / name
-        if tokens and not path.is_file():
-            raise CorpusError(f"{path} is missing; prepare the data again")
-        if tokens and path.stat().st_size != tokens * self.dtype.itemsize:
-            raise CorpusError(
-                f"{path} holds {path.stat().st_size:,} bytes, not the {tokens:,} tokens "
-                "meta.json lists; prepare the data again"
-            )
-        return read_tokens(path, self.dtype, tokens)
-
-
-def fingerprint(folder: Path, meta: dict[str, Any], documents: Any, tokens: Any) -> dict[str, Any]:
-    """What a prepared folder's tokens are made of (`TokenData.fingerprint`)."""
-    tokenizer = hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
-    return {
-        "sources": [{k: s[k] for k in ("name", "bytes", "sha256")} for s in meta["sources"]],
-        "tokenizer": meta["tokenizer"],
-        "tokenizer_sha256": tokenizer,
-        "vocab_size": meta["vocab_size"],
-        "documents": documents,
-        "tokens": tokens,
-    }
-
-
-def fingerprint_differences(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """How the data behind two fingerprints differ, one phrase each ("" when they agree)."""
-    if len(then["sources"]) != len(now["sources"]):
-        return [f"{len(then['sources'])} sources then, {len(now['sources'])} now"]
-    found = []
-    for i, (a, b) in enumerate(zip(then["sources"], now["sources"], strict=True)):
-        for key in ("bytes", "sha256"):
-            if a[key] != b[key]:
-                old, new = _short(a[key]), _short(b[key])
-                found.append(f"source {i + 1} ({b['name']}) {key} {old} then, {new} now")
-    for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "documents", "tokens"):
-        if then[key] != now[key]:
-            found.append(f"{key} {_short(then[key])} then, {_short(now[key])} now")
-    return found
-
-
-def _short(value: Any) -> str:
-    return f"{value[:12]}…" if isinstance(value, str) and len(value) == 64 else f"{value}"
-
-
-def read_tokens(path: Path, dtype: np.dtype | type, n: int) -> np.ndarray:
-    """`n` token ids from `path`, memory-mapped read-only (an empty array when n is 0)."""
-    if n == 0:
-        return np.empty(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(n,))

@@ -11,7 +11,7 @@ import torch
 from tlm.checkpoint import LOCK, check_unlocked, latest_checkpoint, read_config
 from tlm.config import ConfigError, ModelConfig, TrainConfig, from_dict
 from tlm.data import PairData, TokenData, open_data
-from tlm.data.prepare import fingerprint_differences
+from tlm.data.tokens import fingerprint_differences
 from tlm.errors import UserError
 from tlm.load import load_tokenizer, model_config
 

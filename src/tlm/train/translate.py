@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tlm.data.pairs import Pairs, token_batches
+from tlm.data.pairs import token_batches
+from tlm.data.tokens import Pairs
 from tlm.io import write_text_atomic
 from tlm.model.loss import IGNORE, label_smoothed_cross_entropy
 from tlm.train.loop import Trainer
