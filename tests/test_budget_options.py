@@ -115,6 +115,7 @@ def test_muon_state_saves_and_loads_through_a_checkpoint(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_small_budget_run_with_all_three_options_learns(docs_chars, tmp_path):
     args = ["train", "--data", str(docs_chars), "--out", str(tmp_path / "run"), "--quiet"]
     args += ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--context-length", "32"]

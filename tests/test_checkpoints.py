@@ -57,6 +57,7 @@ def metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_nonfinite_gradient_is_skipped_counted_and_never_saved(docs_chars, tmp_path):
     trainer = trainer_for(docs_chars, tmp_path / "run")
     poison_gradient_at(trainer, bad_step=3)
@@ -166,6 +167,7 @@ def test_a_crash_at_any_point_of_a_save_leaves_a_complete_checkpoint(
     assert crash_at > 3  # the loop did crash the save at several points
 
 
+@pytest.mark.slow
 def test_resume_refuses_data_prepared_again_from_other_text(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)

@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tlm import load_model
 from tlm.cli import main
 
@@ -34,6 +36,7 @@ def test_bad_config_is_one_line_and_exit_2(capsys):
     assert "position" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_python_dash_m_entry_point():
     result = subprocess.run(
         [sys.executable, "-m", "tlm", "info", "--help"], capture_output=True, text=True
@@ -48,6 +51,7 @@ def test_info_reads_a_hugging_face_directory(gpt2_dir, capsys):
     assert printed["parameters"]["total"] == load_model(gpt2_dir).num_parameters()
 
 
+@pytest.mark.slow
 def test_help_lists_every_command_and_a_typo_names_them(capsys):
     from tlm.cli import COMMANDS
 

@@ -57,6 +57,7 @@ def test_shipped_text_is_the_original_file(name):
     assert hashlib.sha256(shipped_text(name)).digest() == hashlib.sha256(original).digest()
 
 
+@pytest.mark.slow
 @needs_shared
 @pytest.mark.parametrize(
     "name, settings",

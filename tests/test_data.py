@@ -288,6 +288,7 @@ def test_shards_read_as_the_single_stream(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "train-00003.bin is missing" in err
 
 
+@pytest.mark.slow
 def test_workers_give_the_same_tokens(tmp_path, monkeypatch):
     monkeypatch.setattr(encode_module, "ENCODE_BATCH_CHARS", 50_000)  # 23 batches to share out
     common = {"tokenizer": "char", "progress": False, "line_docs": True}

@@ -3,9 +3,12 @@ import json
 import shlex
 from pydoc_data.topics import topics
 
+import pytest
+
 from tlm.cli import main
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end_and_replaces_only_its_own_folders(tmp_path, capsys):
     data, out = tmp_path / "data", tmp_path / "run"
     args = ["demo", "--data", str(data), "--out", str(out), "--max-steps", "20", "--quiet"]
@@ -32,6 +35,7 @@ def test_demo_runs_end_to_end_and_replaces_only_its_own_folders(tmp_path, capsys
     assert (mine / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_demo_trains_on_the_files_it_is_given(tmp_path, capsys):
     corpus = tmp_path / "topics.txt"
     corpus.write_text("\n\n".join(list(topics.values())[:20]), encoding="utf-8")

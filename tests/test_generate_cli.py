@@ -25,6 +25,7 @@ def run(docs_chars, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_prompts_are_left_padded_after_endoftext(run):
     tok = load_tokenizer(run)
     ids, mask = encode_prompts(tok, ["ab", "abcd", ""], 32)

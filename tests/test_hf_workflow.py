@@ -75,6 +75,7 @@ def gpt2_data(gpt2_dir, tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_fine_tune_from_a_hugging_face_directory(gpt2_dir, gpt2_data, docs_chars, tmp_path, capsys):
     run, lr = tmp_path / "tuned", 1e-3
     args = ["train", "--data", str(gpt2_data), "--out", str(run), "--init-from", str(gpt2_dir)]
@@ -103,6 +104,7 @@ def test_fine_tune_from_a_hugging_face_directory(gpt2_dir, gpt2_data, docs_chars
     assert f"prepare it again with --tokenizer {gpt2_dir}" in err
 
 
+@pytest.mark.slow
 def test_a_trained_run_exports_with_equal_logits(gpt2_data, tmp_path):
     run, out = tmp_path / "run", tmp_path / "hf"
     args = ["train", "--data", str(gpt2_data), "--out", str(run), "--n-layers", "2"]

@@ -38,6 +38,7 @@ def page_data(report):
     return json.loads(inline.group(1))
 
 
+@pytest.mark.slow
 def test_inspect_writes_the_pictures_and_a_self_contained_page(report, run):
     names = sorted(p.name for p in report.iterdir())
     assert names == [
@@ -140,6 +141,7 @@ def test_a_javascript_error_would_fail_the_page_test(browser, report, tmp_path):
     assert any("drawGird" in message for message in console_errors(browser))
 
 
+@pytest.mark.slow
 def test_inspect_reads_a_hugging_face_gpt2_directory(gpt2_dir, tmp_path):
     out = tmp_path / "out"
     args = ["inspect", str(gpt2_dir), "--prompt", "The for statement", "--out", str(out)]

@@ -61,6 +61,7 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_best_is_written_only_when_the_loss_improves(docs_chars, tmp_path, scripted):
     run = tmp_path / "run"
     scripted["losses"] = [nan, 3.0, 2.0, 2.5, 1.5, 1.8]  # evaluations at steps 2, 4, ..., 12
@@ -81,6 +82,7 @@ def test_best_is_written_only_when_the_loss_improves(docs_chars, tmp_path, scrip
     assert f"tlm generate {run} --weights best" in card
 
 
+@pytest.mark.slow
 def test_resume_keeps_comparing_against_the_best(docs_chars, tmp_path, scripted):
     run = tmp_path / "run"
     scripted["losses"] = [3.0, 2.0, 2.5]  # steps 2, 4, 6: the best is step 4
@@ -128,6 +130,7 @@ def test_a_hugging_face_directory_has_no_best(gpt2_dir):
     assert load_model(gpt2_dir, weights="latest") is not None
 
 
+@pytest.mark.slow
 def test_commands_read_the_best_weights(docs_chars, tmp_path, scripted, capsys):
     """`tlm train --keep-best` (the flag alone); generate, eval and export-hf --weights best."""
     run = tmp_path / "run"

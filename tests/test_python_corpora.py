@@ -10,6 +10,8 @@ import sysconfig
 from pathlib import Path
 from pydoc_data.topics import topics
 
+import pytest
+
 from tlm.data import corpus, documents, resolve_sources
 from tlm.data import python_corpora as pc
 
@@ -39,6 +41,7 @@ def test_blank_texts_count_in_bytes_and_give_no_document(monkeypatch):
     assert read("python-docs") == (["one", "two"], len(raw), hashlib.sha256(raw).hexdigest())
 
 
+@pytest.mark.slow
 def test_python_stdlib_is_the_modules_then_the_topics():
     docs, size, sha256 = read("python-stdlib")
     modules = pc.stdlib_documents(STDLIB)
@@ -57,6 +60,7 @@ def test_stdlib_holds_a_module_docstring_read_from_its_file():
     assert "\n\nSerialize ``obj`` to a JSON formatted ``str``." in text  # json.dumps's
 
 
+@pytest.mark.slow
 def test_two_reads_are_equal_and_in_sorted_path_order(monkeypatch):
     first = pc.stdlib_documents(STDLIB)  # read once per session, then cached
     walk = os.walk  # the disk's order of names, reversed: the text must not change
@@ -117,6 +121,7 @@ def test_docstrings_come_cleaned_in_source_order(tmp_path):
     assert text == "Shapes.\n\nA square.\n\nFour equal sides.\n\nIts area.\n\nDraw them.\n"
 
 
+@pytest.mark.slow
 def test_reading_the_stdlib_imports_none_of_its_modules():
     """Importing runs a module (`antigravity` opens a browser); reading must not import."""
     code = (

@@ -61,6 +61,7 @@ def assert_same_end(run, reference):
     assert all(torch.equal(weights[k], ref_weights[k]) for k in weights)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_final_loss(docs_chars, uninterrupted, tmp_path):
     run = tmp_path / "killed"
     proc = start(docs_chars, run)
@@ -73,6 +74,7 @@ def test_killed_run_resumes_to_the_same_final_loss(docs_chars, uninterrupted, tm
     assert_same_end(run, uninterrupted)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_resumes_to_the_same_final_loss(docs_chars, uninterrupted, tmp_path):
     run = tmp_path / "interrupted"
     proc = start(docs_chars, run)
@@ -86,6 +88,7 @@ def test_ctrl_c_saves_and_resumes_to_the_same_final_loss(docs_chars, uninterrupt
     assert_same_end(run, uninterrupted)
 
 
+@pytest.mark.slow
 def test_fine_tune_from_a_run(docs_chars, uninterrupted, tmp_path, capsys):
     text = tmp_path / "more.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 200)

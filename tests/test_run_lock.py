@@ -34,6 +34,7 @@ def wait_for(condition, proc, timeout=120):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_holder(docs_chars, tmp_path, capsys):
     run = tmp_path / "run"
     proc = start(
@@ -67,6 +68,7 @@ def test_a_second_writer_is_refused_naming_the_holder(docs_chars, tmp_path, caps
     assert steps == sorted(set(steps))  # one writer: no line written twice
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_one_wins(docs_chars, tmp_path):
     run = tmp_path / "run"
     procs = [start(docs_chars, run, "--max-steps", "30") for _ in range(2)]
@@ -81,6 +83,7 @@ def test_two_runs_started_together_one_wins(docs_chars, tmp_path):
     assert [r["step"] for r in rows if "train_loss" in r] == list(range(10, 31, 10))
 
 
+@pytest.mark.slow
 def test_readers_see_only_complete_checkpoints_while_a_run_trains(docs_chars, tmp_path):
     run = tmp_path / "run"
     proc = start(docs_chars, run, "--max-steps", "3000", "--checkpoint-interval", "1")

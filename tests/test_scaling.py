@@ -51,6 +51,7 @@ def synthetic(seed, noise=0.01, truth=TRUTH):
     return N, D, truth(N, D) * np.exp(rng.normal(0, noise, N.size)), truth
 
 
+@pytest.mark.slow
 def test_the_joint_law_is_recovered_and_the_bootstrap_covers_it():
     N, D, L, truth = synthetic(seed=1, noise=0.0)
     exact = fit_all(N, D, L).joint  # without noise: the constants themselves
@@ -91,6 +92,7 @@ def rows(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_and_runs_each_run_once(docs_chars, tmp_path):
     out = tmp_path / "sweep"
     command = [sys.executable, "-m", "tlm", "scaling", "sweep", "--data", str(docs_chars)]
@@ -138,6 +140,7 @@ def write_sweep(folder, N, D, L):
     return path
 
 
+@pytest.mark.slow
 def test_fit_command_writes_the_picture_and_predicts_the_held_out_run(tmp_path, capsys):
     N, D, L, truth = synthetic(seed=2, noise=0.005)
     path = write_sweep(tmp_path, N, D, L)
@@ -150,6 +153,7 @@ def test_fit_command_writes_the_picture_and_predicts_the_held_out_run(tmp_path, 
     assert json.loads((tmp_path / "fit.json").read_text())["runs"] == len(L) - 1
 
 
+@pytest.mark.slow
 def test_runs_from_a_budget_up_are_held_out_and_predicted(tmp_path, capsys):
     N, D, L, truth = synthetic(seed=3, noise=0.005)
     path = write_sweep(tmp_path, N, D, L)

@@ -20,6 +20,8 @@ from tlm.generate import GenerationConfig, complete
 from tlm.inference import for_inference
 from tlm.load import load_model, load_tokenizer
 
+pytestmark = pytest.mark.slow  # every test here starts processes or a server
+
 KEY = "test-key"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "out" / "test-artifacts"  # screenshots
 CHAT = (  # three turns: the model learns to write "\nUser:" after a reply

@@ -96,6 +96,7 @@ def test_scores_equal_transformers_on_a_gpt2_directory(gpt2_dir):
         assert torch.allclose(torch.tensor(s.logprobs), expected, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_classify_picks_the_label_with_the_higher_probability(run):
     model, tok = load_model(run), load_tokenizer(run)
     template, labels = 'The word "{text}" is', ["good", "bad", "odd"]
@@ -110,6 +111,7 @@ def test_classify_picks_the_label_with_the_higher_probability(run):
         assert list(result.probabilities.values()) == pytest.approx(probs.tolist(), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_classify_command_accuracy_and_confusion_on_a_hand_made_file(run, tmp_path, capsys):
     model, tok = load_model(run), load_tokenizer(run)
     template, labels = "{text} is", ["good", "bad"]

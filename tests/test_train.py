@@ -58,6 +58,7 @@ def test_no_weight_decay_on_biases_norms_and_embeddings():
     assert no_decay["weight_decay"] == 0.0
 
 
+@pytest.mark.slow
 def test_train_writes_the_run_directory(docs_chars, tmp_path):
     run = tmp_path / "run"
     assert train(docs_chars, run, "--max-steps", "40", "--eval-interval", "20") == 0
@@ -98,6 +99,7 @@ def test_progress_in_a_log_file_is_a_line_per_interval(docs_chars, tmp_path, cap
     assert [line.split(":")[0] for line in lines] == ["step 5/15", "step 10/15", "step 15/15"]
 
 
+@pytest.mark.slow
 def test_toml_config_and_overrides(docs_chars, tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text('max_steps = 10\n[model]\nd_ff = 48\nposition = "rope"\n[train]\nlr = 3e-3\n')
@@ -111,6 +113,7 @@ def test_toml_config_and_overrides(docs_chars, tmp_path, capsys):
     assert "unknown config key 'd_modle'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bad_runs_are_refused_with_one_line(docs_chars, tmp_path, capsys):
     run = tmp_path / "run"
     assert train(docs_chars, run, "--max-steps", "5") == 0
@@ -135,6 +138,7 @@ def test_tiny_corpus_shorter_than_a_window(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(docs_chars, tmp_path):
     values = {
         "data": str(docs_chars),
@@ -170,6 +174,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(docs_chars, tmp_path)
     assert all(math.isfinite(v.sum().item()) for v in after.values())
 
 
+@pytest.mark.slow
 def test_generate_and_eval_commands(docs_chars, tmp_path, capsys):
     run = tmp_path / "run"
     assert train(docs_chars, run, "--max-steps", "30") == 0
@@ -240,6 +245,7 @@ def test_gradient_accumulation_equals_one_big_batch(docs_chars, tmp_path):
         assert torch.allclose(seen[name], param.grad, atol=1e-6), name
 
 
+@pytest.mark.slow
 def test_eval_refuses_data_from_another_tokenizer(docs_chars, tmp_path, capsys):
     run = tmp_path / "run"
     assert train(docs_chars, run, "--max-steps", "2") == 0

@@ -107,6 +107,7 @@ def test_beam_one_is_greedy():
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("alpha", [0.6, 2.0])
 def test_batched_cached_beam_search_equals_the_reference_per_source(seed, alpha):
@@ -160,6 +161,7 @@ def test_the_schedule_is_the_papers_formula():
 WORDS = ["cat", "dog", "sun", "red", "big", "run", "sky", "hat", "cup", "pen"]
 
 
+@pytest.mark.slow
 def test_a_small_model_learns_to_translate_a_toy_language(tmp_path, capsys, gpt2_dir):
     """Source: words; target: each word reversed, in reverse order. Trained through
     `tlm prepare --task translate` and `tlm train`, the run translates held-out sentences.
@@ -239,6 +241,7 @@ def check_refusals(run, data, tmp_path, capsys, language_model):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_a_resumed_translation_run_equals_an_uninterrupted_one(tmp_path):
     """Token-count batches are found again after a resume, across a pass over the data:
     6 steps, a resume, 6 more give the weights of 12 steps in one go."""

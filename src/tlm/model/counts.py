@@ -57,3 +57,14 @@ def flops_per_token(config: ModelConfig, seq_len: int | None = None, training: b
         forward += 2 * L_enc * (4 * d * d_attn + 2 * d * d_ff) + L_enc * 4 * T * d_attn
         forward += 2 * L * 4 * d * d_attn + L * 4 * T * d_attn
     return 3 * forward if training else forward
+
+
+def training_compute(n_params, tokens):
+    """C ≈ 6ND (Kaplan et al. 2020, §2.1): training N parameters on D tokens costs about 2N
+    FLOPs a token forward and 4N backward. Numbers or numpy arrays."""
+    return 6 * n_params * tokens
+
+
+def tokens_for_compute(compute, n_params):
+    """D = C / 6N: the tokens a budget of C FLOPs buys a model of N parameters."""
+    return compute / (6 * n_params)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tlm.errors import UserError
+from tlm.model.counts import tokens_for_compute, training_compute
 
 
 class FitError(UserError):
@@ -60,7 +61,7 @@ class Joint:
         a, b = self.alpha, self.beta
         G = (a * self.A / (b * self.B)) ** (1 / (a + b))
         N = G * (C / 6) ** (b / (a + b))
-        return N, C / (6 * N)
+        return N, tokens_for_compute(C, N)
 
 
 @dataclass
@@ -173,7 +174,7 @@ def _minimise(p: torch.Tensor, logN, logD, logL) -> float:
 
 def fit_all(N: np.ndarray, D: np.ndarray, L: np.ndarray, start: Joint | None = None) -> Fits:
     check_rows(N, D, L)
-    C = 6 * N * D
+    C = training_compute(N, D)
     return Fits(
         N=power_law(*best_per(N, L)),
         D=power_law(*best_per(D, L)),

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from tlm.io import atomic_path
+from tlm.model.counts import training_compute
 from tlm.scaling.fit import Fits, best_per, frontier
 
 
@@ -25,13 +26,13 @@ def plot_scaling(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    C = 6 * N * D
+    C = training_compute(N, D)
     n, d, loss = held_out if held_out is not None else (np.array([]),) * 3
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), constrained_layout=True)
     panels = [
         (axes[0], N, n, best_per(N, L), fits.N, "N (non-embedding parameters)", "α_N"),
         (axes[1], D, d, best_per(D, L), fits.D, "D (training tokens)", "α_D"),
-        (axes[2], C, 6 * n * d, frontier(C, L), fits.C, "C = 6ND (FLOPs)", "α_C"),
+        (axes[2], C, training_compute(n, d), frontier(C, L), fits.C, "C = 6ND (FLOPs)", "α_C"),
     ]
     for ax, X, X_held, (xs, ls), law, label, name in panels:
         ax.scatter(X, L, s=14, color="0.65", label="every run")

@@ -31,7 +31,7 @@ from tlm.data import TokenData
 from tlm.errors import UserError
 from tlm.evaluate import evaluate_tokens
 from tlm.io import write_text_atomic
-from tlm.model.counts import parameter_counts
+from tlm.model.counts import parameter_counts, tokens_for_compute, training_compute
 from tlm.tokenizer import load_tokenizer
 from tlm.train import Trainer, new_run_configs, resume_run_configs
 
@@ -123,7 +123,7 @@ def plan_budgets(
         fitting = []
         for layers, width in LADDER:
             N = non_embedding(layers, width, vocab, context)
-            if low <= C / (6 * N) / N <= high:
+            if low <= tokens_for_compute(C, N) / N <= high:
                 fitting.append((layers, width, N))
         if len(fitting) < 2:
             raise SweepError(
@@ -134,7 +134,7 @@ def plan_budgets(
             fitting[i] for i in sorted({round(j * (len(fitting) - 1) / (k - 1)) for j in range(k)})
         ]
         for layers, width, N in picks:
-            steps = max(1, round(C / (6 * N) / (batch * context)))
+            steps = max(1, round(tokens_for_compute(C, N) / (batch * context)))
             plans.append(Plan(layers, width, steps))
     return list(dict.fromkeys(plans))
 
@@ -231,7 +231,7 @@ def _train_one(
         "n_heads": plan.heads(),
         "N": N,
         "D": D,
-        "C": 6 * N * D,
+        "C": training_compute(N, D),
         "steps": plan.steps,
         "val_loss": val["loss"],
         "train_loss": results["train_loss"],
