@@ -346,6 +346,8 @@ def test_an_int8_server_decodes_and_refuses_inspection_in_one_line(run, browser)
         )
         assert error.startswith("400: ") and "--dtype float32" in error
         assert error.count("\n") == 0
+        logged = console_errors(browser)  # read, so that the next page test starts clean
+        assert len(logged) == 1 and "/v1/inspect" in logged[0] and "400" in logged[0]
     finally:
         proc.terminate()
         proc.wait(timeout=10)
