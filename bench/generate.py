@@ -126,7 +126,7 @@ def part_dtypes(rounds: int, work: Path) -> None:
 def small_model(work: Path):
     """A 4-layer model trained briefly on python-docs (made once, then reused)."""
     from tlm.data import TokenData, prepare
-    from tlm.train import Trainer, new_run_configs
+    from tlm.train import new_run_configs, open_run
 
     data_dir, run = work / "data" / "python-docs-bpe", work / "runs" / "decode_small"
     if not (data_dir / "meta.json").is_file():
@@ -136,7 +136,7 @@ def small_model(work: Path):
         values = {"data": str(data_dir), "out": str(run), "max_steps": 400, "batch_size": 16}
         model_config, train_config, data = new_run_configs(shape, values)
         tokenizer = (data_dir / "tokenizer.json").read_text()
-        Trainer(model_config, train_config, data, tokenizer, progress_bar=False).fit()
+        open_run(model_config, train_config, data, tokenizer, progress_bar=False).fit()
     return run, TokenData(data_dir)
 
 

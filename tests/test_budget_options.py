@@ -14,7 +14,7 @@ from tlm.config import TrainConfig
 from tlm.model import TransformerLM
 from tlm.model.functional import ACTIVATIONS
 from tlm.model.kv_cache import KVCache
-from tlm.train import RunError, Runtime, Trainer, new_run_configs
+from tlm.train import RunError, Runtime, new_run_configs, open_run
 from tlm.train.muon import Muon, orthogonalize
 from tlm.train.optim import Combined, build_optimizer
 
@@ -137,7 +137,7 @@ def test_muon_refuses_fsdp(docs_chars, tmp_path):
     )
     runtime = Runtime(0, 1, 0, torch.device("cpu"), fsdp=True)
     with pytest.raises(RunError, match="use DDP, not --fsdp"):
-        Trainer(model_config, train_config, data, "{}", runtime=runtime)
+        open_run(model_config, train_config, data, "{}", runtime=runtime)
     assert not (tmp_path / "run").exists()
 
 

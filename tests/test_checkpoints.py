@@ -17,7 +17,7 @@ from tlm.checkpoint import (
 )
 from tlm.cli import main
 from tlm.data import prepare
-from tlm.train import Diverged, Trainer, new_run_configs
+from tlm.train import Diverged, new_run_configs, open_run
 
 SHAPE = {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}
 
@@ -27,7 +27,7 @@ def trainer_for(docs_chars, run, **train):
     values |= {"checkpoint_interval": 1, "eval_interval": 100, "log_interval": 1, **train}
     model_config, train_config, data = new_run_configs(SHAPE, values)
     tokenizer_json = (docs_chars / "tokenizer.json").read_text()
-    return Trainer(model_config, train_config, data, tokenizer_json, progress_bar=False)
+    return open_run(model_config, train_config, data, tokenizer_json, progress_bar=False)
 
 
 def poison_gradient_at(trainer, bad_step):

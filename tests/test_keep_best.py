@@ -19,7 +19,7 @@ from tlm.generate import GenerationConfig, complete
 from tlm.interop.gpt2 import state_to_gpt2
 from tlm.model.loss import cross_entropy_reference
 from tlm.tokenizer import load_tokenizer
-from tlm.train import Trainer
+from tlm.train import Trainer, open_run
 
 SHAPE = {"n_layers": 2, "d_model": 64, "n_heads": 2, "context_length": 16}
 
@@ -54,7 +54,7 @@ def trainer(docs_chars, run, max_steps, resume=False, **train) -> Trainer:
     values |= {"batch_size": 4, "eval_interval": 2, "keep_best": True, **train}
     model_config = ModelConfig(vocab_size=data.vocab_size, **SHAPE)
     tokenizer_json = (docs_chars / "tokenizer.json").read_text()
-    return Trainer(model_config, TrainConfig(**values), data, tokenizer_json, resume, False)
+    return open_run(model_config, TrainConfig(**values), data, tokenizer_json, resume, False)
 
 
 def same(a: dict, b: dict) -> bool:
@@ -178,12 +178,10 @@ def test_commands_read_the_best_weights(docs_chars, tmp_path, scripted, capsys):
 
 
 def test_a_translation_run_keeps_its_best(tmp_path, scripted, monkeypatch, capsys):
-    """The TranslationTrainer keeps the best too; `tlm translate --weights best` reads it."""
+    """A translation run keeps the best too; `tlm translate --weights best` reads it."""
     from tlm.data import prepare_pairs
     from tlm.generate.translate import translate
-    from tlm.train.translate import TranslationTrainer
 
-    monkeypatch.setattr(TranslationTrainer, "validation_loss", Trainer.validation_loss)
     words = ["sun", "dog", "cup", "red", "pen", "hat", "sky", "big"]
     src = [" ".join(words[i % 8 : i % 8 + 1 + i % 3]) for i in range(120)]
     (tmp_path / "a.src").write_text("\n".join(src) + "\n")
@@ -197,7 +195,7 @@ def test_a_translation_run_keeps_its_best(tmp_path, scripted, monkeypatch, capsy
     config = TrainConfig(**values, batch_tokens=128, keep_best=True, lr=0.3)
     tokenizer_json = (data / "tokenizer.json").read_text()
     scripted["losses"] = [1.0, 2.0]
-    TranslationTrainer(model_config, config, pairs, tokenizer_json, progress_bar=False).fit()
+    open_run(model_config, config, pairs, tokenizer_json, progress_bar=False).fit()
     assert scripted["best_writes"] == [2]
     best = load_model(run, weights="best")
     assert same(best.state_dict(), scripted["weights"][2])

@@ -16,7 +16,7 @@ from tlm.generate import GenerationConfig, complete
 from tlm.model import TransformerLM
 from tlm.model.loss import cross_entropy, cross_entropy_reference
 from tlm.tokenizer import load_tokenizer
-from tlm.train import Diverged, Trainer, new_run_configs
+from tlm.train import Diverged, Trainer, new_run_configs, open_run
 from tlm.train.optim import learning_rate, parameter_groups
 
 TINY = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--context-length", "32"]
@@ -152,7 +152,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(docs_chars, tmp_path)
         {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}, values
     )
     tokenizer_json = (docs_chars / "tokenizer.json").read_text()
-    trainer = Trainer(
+    trainer = open_run(
         model_config,
         train_config.__class__.from_dict({**values, "max_steps": 5}),
         token_data,
@@ -161,7 +161,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(docs_chars, tmp_path)
     )
     trainer.fit()
     good = load_model(tmp_path / "run").state_dict()
-    resumed = Trainer(
+    resumed = open_run(
         model_config, train_config, token_data, tokenizer_json, resume=True, progress_bar=False
     )
     with torch.no_grad():
@@ -220,7 +220,7 @@ def first_step_gradients(docs_chars, tmp_path, **train):
     shape = {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}
     model_config, train_config, token_data = new_run_configs(shape, values)
     tokenizer_json = (docs_chars / "tokenizer.json").read_text()
-    trainer = Trainer(model_config, train_config, token_data, tokenizer_json, progress_bar=False)
+    trainer = open_run(model_config, train_config, token_data, tokenizer_json, progress_bar=False)
     reference = TransformerLM(model_config)
     reference.load_state_dict(trainer.model.state_dict())
     seen, step = {}, trainer.optimizer.step
@@ -278,10 +278,29 @@ def test_eval_tokens_zero_validates_on_the_whole_split(docs_chars, tmp_path):
     shape = {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}
     model_config, train_config, token_data = new_run_configs(shape, {**values, "eval_tokens": 0})
     tokenizer_json = (docs_chars / "tokenizer.json").read_text()
-    trainer = Trainer(model_config, train_config, token_data, tokenizer_json, progress_bar=False)
+    trainer = open_run(model_config, train_config, token_data, tokenizer_json, progress_bar=False)
     val = token_data.split("val")
-    assert sum(b[:, 1:].numel() for b in trainer.val_batches) == len(val) - 1 > 1 << 15
+    assert sum(b[:, 1:].numel() for b in trainer.batches.val_batches) == len(val) - 1 > 1 << 15
     whole = evaluate_tokens(trainer.model.eval(), val, load_tokenizer(docs_chars).token_bytes())
     assert trainer.validation_loss() == pytest.approx(whole["loss"], rel=1e-6)
     with pytest.raises(ConfigError, match="eval_tokens must be an integer >= 0"):
         TrainConfig(eval_tokens=-1)
+
+
+def test_a_trainer_is_built_without_io_and_open_run_does_it(docs_chars, tmp_path):
+    """`open_run` seeds and writes the run's files; building a `Trainer` from the parts
+    touches neither the disk nor the global random state."""
+    values = {"data": str(docs_chars), "out": str(tmp_path / "run"), "max_steps": 1}
+    shape = {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}
+    model_config, train_config, token_data = new_run_configs(shape, values | {"batch_size": 4})
+    tokenizer_json = (docs_chars / "tokenizer.json").read_text()
+    torch.manual_seed(99)
+    opened = open_run(model_config, train_config, token_data, tokenizer_json, progress_bar=False)
+    assert torch.initial_seed() == train_config.seed  # open_run seeds
+    assert (tmp_path / "run" / "config.json").is_file()
+    assert (tmp_path / "run" / "tokenizer.json").is_file()
+    files, rng = sorted(tmp_path.rglob("*")), torch.random.get_rng_state()
+    parts = (opened.batches, opened.model, opened.wrapped, opened.optimizer, opened.runtime)
+    built = Trainer(model_config, train_config, *parts)
+    assert sorted(tmp_path.rglob("*")) == files and torch.equal(torch.random.get_rng_state(), rng)
+    assert built.model is opened.model and built.state.step == 0

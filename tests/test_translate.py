@@ -248,8 +248,8 @@ def test_a_resumed_translation_run_equals_an_uninterrupted_one(tmp_path):
     import dataclasses
 
     from tlm.data import prepare_pairs
+    from tlm.train import open_run
     from tlm.train.run import new_run_configs
-    from tlm.train.translate import TranslationTrainer
 
     rng = random.Random(1)
     src = [" ".join(rng.choices(WORDS, k=rng.randint(1, 3))) for _ in range(200)]
@@ -269,11 +269,11 @@ def test_a_resumed_translation_run_equals_an_uninterrupted_one(tmp_path):
         model_config, config, pairs = made
         config = dataclasses.replace(config, max_steps=steps)
         tok = (data / "tokenizer.json").read_text()
-        return TranslationTrainer(model_config, config, pairs, tok, resume, progress_bar=False)
+        return open_run(model_config, config, pairs, tok, resume, progress_bar=False)
 
     whole = trainer(configs(tmp_path / "whole"), 12)
     whole.fit()
-    assert whole.epoch >= 1  # the 48 micro-batches went past one pass over the data
+    assert whole.batches.epoch >= 1  # the 48 micro-batches went past one pass over the data
     parts = configs(tmp_path / "parts")
     trainer(parts, 6).fit()
     second = trainer(parts, 12, resume=True)

@@ -20,7 +20,7 @@ from tlm.inference import for_inference
 from tlm.interpret import attention_patterns, plot_attention
 from tlm.io import check_replaceable
 from tlm.tokenizer import document_ids, load_tokenizer
-from tlm.train import Trainer, new_run_configs
+from tlm.train import new_run_configs, open_run
 
 EXAMPLE = """examples:
   tlm demo                                  # python-stdlib, about two minutes on a laptop CPU
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     model_config, train_config, data = new_run_configs(MODEL, train_values)
     tokenizer = load_tokenizer(data_dir)
     with lock_run(out):
-        trainer = Trainer(
+        trainer = open_run(
             model_config, train_config, data, tokenizer.to_json(), progress_bar=not args.quiet
         )
         (out / MARKER).touch()

@@ -10,18 +10,16 @@ from pathlib import Path
 from tlm.checkpoint import lock_run
 from tlm.cli.args import add_command, add_config_flags, config_overrides, fail
 from tlm.config import ModelConfig, TrainConfig, load_toml, split_fields
-from tlm.data import PairData
 from tlm.tokenizer import load_tokenizer
 from tlm.train import (
     Diverged,
     Interrupted,
     Runtime,
-    Trainer,
     check_new_run,
     new_run_configs,
+    open_run,
     resume_run_configs,
 )
-from tlm.train.translate import TranslationTrainer
 
 EXAMPLE = """example:
   tlm prepare tinyshakespeare --tokenizer char --out data/shakespeare_char
@@ -77,8 +75,7 @@ def _train(args, model_values, train_values, runtime: Runtime) -> int:
     with lock_run(out) if main else contextlib.nullcontext():  # one writer per run
         if not args.resume and main:
             check_new_run(out, probe_lock=False)  # nobody wrote into it in the meantime
-        kind = TranslationTrainer if isinstance(data, PairData) else Trainer
-        trainer = kind(
+        trainer = open_run(
             model_config,
             train_config,
             data,
@@ -91,7 +88,7 @@ def _train(args, model_values, train_values, runtime: Runtime) -> int:
         ranks = f" x {runtime.world_size} processes" if runtime.distributed else ""
         if main:
             print(
-                f"training {params:,} parameters on {trainer.device}{ranks} ({trainer.dtype}) "
+                f"training {params:,} parameters on {trainer.device}{ranks} ({trainer.precision}) "
                 f"for {train_config.max_steps:,} steps -> {out}",
                 file=sys.stderr,
             )

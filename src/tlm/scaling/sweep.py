@@ -33,7 +33,7 @@ from tlm.evaluate import evaluate_tokens
 from tlm.io import write_text_atomic
 from tlm.model.counts import parameter_counts, tokens_for_compute, training_compute
 from tlm.tokenizer import load_tokenizer
-from tlm.train import Trainer, new_run_configs, resume_run_configs
+from tlm.train import new_run_configs, open_run, resume_run_configs
 
 # (layers, d_model), smallest first; heads of width 32 (at least 2)
 LADDER = [
@@ -217,7 +217,7 @@ def _train_one(
     else:
         model_config, train_config, data = new_run_configs(model_values, train_values)
     tokenizer = load_tokenizer(data.folder)
-    trainer = Trainer(
+    trainer = open_run(
         model_config, train_config, data, tokenizer.to_json(), resume=resume, progress_bar=False
     )
     results = trainer.fit()

@@ -2,6 +2,7 @@
 
 from tlm.train.distributed import Runtime
 from tlm.train.loop import Diverged, Interrupted, Trainer
+from tlm.train.opening import open_run
 from tlm.train.run import RunError, check_new_run, new_run_configs, resume_run_configs
 
 __all__ = [
@@ -12,5 +13,6 @@ __all__ = [
     "Trainer",
     "check_new_run",
     "new_run_configs",
+    "open_run",
     "resume_run_configs",
 ]

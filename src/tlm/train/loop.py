@@ -18,32 +18,23 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 from torch.nn.utils import clip_grad_norm_
 
 from tlm.checkpoint import (
     BEST,
     NonFiniteWeights,
-    latest_checkpoint,
-    load_checkpoint,
     save_checkpoint,
     save_weights,
-    write_config,
 )
 from tlm.config import ModelConfig, TrainConfig
-from tlm.data import TokenData, eval_windows, step_starts, windows_at
-from tlm.io import write_text_atomic
-from tlm.load import load_model
-from tlm.model import build_model
-from tlm.model.loss import cross_entropy, window_nll
 from tlm.train.distributed import Runtime
-from tlm.train.optim import build_optimizer, learning_rate
-from tlm.train.report import Metrics, ProgressReport, plot_losses, write_model_card
-from tlm.train.run import RunError, pick_dtype
-
-VAL_BATCH = 32  # validation windows per forward pass (and per rank's share of the split)
+from tlm.train.optim import learning_rate
+from tlm.train.report import Metrics, ProgressReport, plot_losses
+from tlm.train.run import pick_dtype
 
 
 class Diverged(RuntimeError):
@@ -90,103 +81,48 @@ class DeferredInterrupt:
 
 
 class Trainer:
+    """The training loop over a built model, its optimizer and a batch source.
+
+    Construction only stores what it is given: `opening.open_run` builds the parts (the
+    seeded model, a resumed checkpoint, the run's files, DDP or FSDP, the optimizer) and
+    the batch source, the language model's `windows.TokenWindows` or translation's
+    `translate.PairBatches`, which gives each step's loss, the validation loss and the
+    model card.
+    """
+
     def __init__(
         self,
         model_config: ModelConfig,
         config: TrainConfig,
-        data: TokenData,
-        tokenizer_json: str,
-        resume: bool = False,
+        batches: Batches,
+        model: nn.Module,
+        wrapped: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        runtime: Runtime,
+        state: Progress | None = None,
+        metrics: Metrics | None = None,
         progress_bar: bool = True,
-        runtime: Runtime | None = None,
     ) -> None:
-        self.config, self.model_config, self.data = config, model_config, data
-        self.runtime = rt = runtime or Runtime.from_env(config.device)
-        self.run = Path(config.out)
-        self.device = rt.device
-        self.dtype = pick_dtype(config.dtype, self.device)
-        self.global_batch = config.batch_size * config.grad_accum  # windows per step, all ranks
-        if self.global_batch % rt.world_size:
-            raise RunError(
-                f"the global batch of {self.global_batch} windows (--batch-size x --grad-accum) "
-                f"does not split evenly over {rt.world_size} processes"
-            )
-        if rt.fsdp and config.optimizer == "muon":  # Newton-Schulz needs a whole matrix
-            raise RunError("--optimizer muon needs whole weight matrices: use DDP, not --fsdp")
-        torch.manual_seed(config.seed)
-        self.model = build_model(model_config, init=False)
-        self.model.reset_parameters(seed=config.seed)  # resume / init_from overwrite it below
-        self.model.to(self.device)
-        self.progress_bar = progress_bar and rt.is_main
-        self.state = Progress()
-        self._load_data()
-        saved = None
-        if resume:  # the weights now, whole; the optimizer once it is built (maybe sharded)
-            saved = load_checkpoint(latest_checkpoint(self.run), self.model, None)
-            fields = Progress.__dataclass_fields__  # runs saved before a field existed lack it
-            self.state = Progress(**{k: saved[k] for k in fields if k in saved})
-        elif config.init_from:  # fine-tuning: start from a trained model's weights
-            self.model.load_state_dict(_initial_weights(config.init_from, model_config))
-        if not resume and rt.is_main:
-            self.run.mkdir(parents=True, exist_ok=True)
-            write_config(self.run, model_config, config.to_dict(), data.fingerprint())
-            write_text_atomic(self.run / "tokenizer.json", tokenizer_json)
-        if rt.rank:  # rank 0 keeps the seeded (or resumed) stream; the others differ from it
-            torch.manual_seed(config.seed + rt.rank)  # (dropout masks)
-        self.wrapped = rt.wrap(self.model)  # DDP, or FSDP2 sharding in place
-        self.optimizer = build_optimizer(self.model, config)
-        if saved is not None:
-            rt.load_optimizer(self.model, self.optimizer, saved["optimizer"])
+        self.config, self.model_config, self.batches = config, model_config, batches
+        self.model, self.optimizer, self.runtime = model, optimizer, runtime
+        self.wrapped = wrapped  # what a step calls: DDP, FSDP2's sharded model, or the model
         self.forward = torch.compile(self.wrapped) if config.compile else self.wrapped
-        self.metrics = None  # written by the main rank only
-        if rt.is_main:
-            self.metrics = Metrics(self.run / "metrics.jsonl", self.state.step if resume else None)
-
-    def _load_data(self) -> None:
-        """The training split and the validation batches (`TranslationTrainer`: pairs)."""
-        self.tokens_per_step = self.global_batch * self.model_config.context_length  # all ranks'
-        self.train_tokens = self.data.split("train")  # memory-mapped once
-        self.val_batches = self._val_batches()
-
-    def _val_batches(self) -> list[torch.Tensor]:
-        """The validation windows in batches of VAL_BATCH, the unit a rank scores: the first
-        `eval_tokens` targets of the split, or every one with `eval_tokens` 0."""
-        val = self.data.split("val")
-        if len(val) < 2:
-            return []
-        limit = self.config.eval_tokens or None  # None: eval_windows takes the whole split
-        chunks = eval_windows(val, self.model_config.context_length, limit)
-        return [w[i : i + VAL_BATCH] for w in chunks for i in range(0, len(w), VAL_BATCH)]
+        self.state = state or Progress()
+        self.metrics = metrics  # written by the main rank only
+        self.run, self.device = Path(config.out), runtime.device
+        self.precision = pick_dtype(config.dtype, self.device)
+        self.progress_bar = progress_bar and runtime.is_main
 
     def autocast(self):
-        if self.dtype == torch.float32:
+        """The training precision's autocast (fp32: none)."""
+        if self.precision == torch.float32:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        return torch.autocast(self.device.type, dtype=self.precision)
 
     def train_step(self, step: int) -> tuple[float, float]:
-        """One optimizer step; returns the mean training loss of its windows and the
-        gradient norm (before clipping). A non-finite norm makes no update.
-
-        The step's global batch (`step_starts`) is the same on any number of processes;
-        each rank takes its slice and runs it in micro-batches of at most --batch-size
-        windows. Each micro-batch's mean loss is weighted by its share of the rank's slice,
-        and DDP averages the ranks' gradients: the gradient of the global batch's mean loss.
-        """
-        c, T, rt = self.config, self.model_config.context_length, self.runtime
-        tokens = self.train_tokens
-        starts = step_starts(len(tokens), T, c.seed, step, c.batch_size, c.grad_accum)
-        share = self.global_batch // rt.world_size
-        mine = starts[rt.rank * share : (rt.rank + 1) * share]
-        micros = [mine[i : i + c.batch_size] for i in range(0, share, c.batch_size)]
-        total = 0.0
-        for i, micro in enumerate(micros):
-            x, y = windows_at(tokens, micro, T)
-            with rt.sync(self.wrapped, last=i == len(micros) - 1):
-                with self.autocast():
-                    loss = cross_entropy(self.forward(x.to(self.device)), y.to(self.device))
-                (loss / (share / len(micro))).backward()
-            total += loss.item() / (share / len(micro))
-        return self.update(step, rt.all_reduce_mean(total))  # every rank judges one loss
+        """One optimizer step; returns the mean training loss of its batch and the gradient
+        norm (before clipping). A non-finite norm makes no update."""
+        return self.update(step, self.batches.step_loss(self, step))
 
     def update(self, step: int, loss: float) -> tuple[float, float]:
         """After the step's backward passes: stop on a non-finite loss, clip the gradient,
@@ -208,24 +144,12 @@ class Trainer:
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:
-        """The mean loss of every validation target. Under torchrun rank r scores batches
-        r, r + K, ... and the sums are all-reduced; a rank whose batches ran out scores the
-        first again and drops it, so every rank runs as many forward passes (FSDP gathers
-        each block's shards in step across the ranks)."""
-        batches, rt = self.val_batches, self.runtime
-        if not batches:
-            return None
-        rounds = -(-len(batches) // rt.world_size)  # forward passes on every rank
-        total = count = 0.0
+        """The batch source's validation loss, with the model in eval mode."""
         self.model.eval()
-        with self.autocast():
-            for i in range(rt.rank, rounds * rt.world_size, rt.world_size):
-                mine = i < len(batches)
-                nll = window_nll(self.forward, batches[i if mine else 0], VAL_BATCH)
-                if mine:
-                    total, count = total + nll.double().sum().item(), count + nll.numel()
-        self.model.train()
-        return rt.all_reduce_mean(total) / rt.all_reduce_mean(count)
+        try:
+            return self.batches.validation_loss(self)
+        finally:
+            self.model.train()
 
     def fit(self) -> dict[str, Any]:
         """Train to `max_steps`; returns the final results (also in MODEL_CARD.md).
@@ -245,7 +169,7 @@ class Trainer:
                     s.norms.append(norm)
                 else:
                     s.skipped += 1
-                s.step, s.tokens = s.step + 1, s.tokens + self.tokens_per_step
+                s.step, s.tokens = s.step + 1, s.tokens + self.batches.tokens_per_step
                 s.elapsed = base + time.perf_counter() - started
                 last = s.step == c.max_steps
                 if s.step % c.log_interval == 0 or last:
@@ -338,12 +262,18 @@ class Trainer:
         return results
 
     def write_card(self, results: dict[str, Any]) -> None:
-        write_model_card(self.run, self.model_config, self.config, self.data.meta, results)
+        self.batches.write_card(self, results)
 
 
-def _initial_weights(source: str, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The weights of `--init-from`, learned positions cut to this run's context length."""
-    state = load_model(source).state_dict()
-    if "embedding.P" in state:
-        state["embedding.P"] = state["embedding.P"][: config.context_length]  # [N, d] -> [T, d]
-    return state
+class Batches(Protocol):
+    """What a step trains on (`windows.TokenWindows`, `translate.PairBatches`)."""
+
+    tokens_per_step: int  # tokens the last step trained on, for the counts and tok/s
+
+    def step_loss(self, trainer: Trainer, step: int) -> float:
+        """Run the step's forward and backward passes; its mean loss."""
+        ...
+
+    def validation_loss(self, trainer: Trainer) -> float | None: ...
+
+    def write_card(self, trainer: Trainer, results: dict[str, Any]) -> None: ...

@@ -1,8 +1,9 @@
 """Training the encoder-decoder on sentence pairs (Vaswani et al. 2017 §5).
 
-`TranslationTrainer` is the language-model `Trainer` with another kind of batch: pairs of
-similar length, at most `batch_tokens` tokens a side (padding included), `grad_accum` of
-them a step, in a new order each pass over the data (`token_batches`). The decoder is fed
+`PairBatches` is the `Trainer`'s batch source for sentence pairs (the language model's is
+`windows.TokenWindows`): pairs of similar length, at most `batch_tokens` tokens a side
+(padding included), `grad_accum` of them a step, in a new order each pass over the data
+(`token_batches`). The decoder is fed
 the target shifted right behind <|endoftext|> (teacher forcing) and learns the target
 followed by <|endoftext|>; the loss is label-smoothed (`label_smoothing`). Checkpoints,
 resume, metrics, plots and the model card are the `Trainer`'s. Pairs longer than the
@@ -13,19 +14,23 @@ cross-entropy per target token (no smoothing), so it reads as a log-perplexity.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from tlm.config import ModelConfig, TrainConfig
 from tlm.data.pairs import token_batches
-from tlm.data.tokens import Pairs
+from tlm.data.tokens import PairData, Pairs
 from tlm.io import write_text_atomic
 from tlm.model.loss import IGNORE, label_smoothed_cross_entropy
-from tlm.train.loop import Trainer
+from tlm.train.distributed import Runtime
 from tlm.train.report import best_row, best_usage
 from tlm.train.run import RunError
+
+if TYPE_CHECKING:
+    from tlm.train.loop import Trainer
 
 Batch = tuple[Tensor, Tensor, Tensor, Tensor]  # source, source mask, decoder input, labels
 
@@ -52,19 +57,22 @@ def fitting(pairs: Pairs, context_length: int) -> np.ndarray:
     return np.flatnonzero(fits)
 
 
-class TranslationTrainer(Trainer):
-    """The `Trainer` on a `PairData` folder with an encoder-decoder model."""
+class PairBatches:
+    """The pairs of a `PairData` folder, for an encoder-decoder, as a `Trainer`'s batches."""
 
-    def _load_data(self) -> None:
-        c, T = self.config, self.model_config.context_length
-        if self.model_config.model_type != "encoder-decoder":
+    def __init__(
+        self, data: PairData, model_config: ModelConfig, config: TrainConfig, rt: Runtime
+    ) -> None:
+        T = model_config.context_length
+        if model_config.model_type != "encoder-decoder":
             raise RunError("sentence pairs train an encoder-decoder: --model-type encoder-decoder")
-        if self.runtime.distributed:
+        if rt.distributed:
             raise RunError("translation runs train on one process (torchrun is for LM runs)")
-        if c.batch_tokens is None:
+        if config.batch_tokens is None:
             raise RunError("translation batches by token count: give --batch-tokens N (4096)")
-        self.start_id = self.data.meta["eot_id"]
-        self.train_pairs = self.data.split("train")
+        self.data, self.config, self.context_length = data, config, T
+        self.start_id = data.meta["eot_id"]
+        self.train_pairs = data.split("train")
         self.keep = fitting(self.train_pairs, T)
         self.skipped_long = len(self.train_pairs) - len(self.keep)
         if len(self.keep) == 0:
@@ -72,11 +80,13 @@ class TranslationTrainer(Trainer):
         lengths = (self.train_pairs.lengths("src"), self.train_pairs.lengths("tgt"))
         self.lengths = tuple(x[self.keep] for x in lengths)
         self.epoch, self.epoch_batches, self.epoch_start = -1, [], 0  # micro-batches so far
-        val = self.data.split("val")
+        val = data.split("val")
         rows = fitting(val, T)
-        order = token_batches(val.lengths("src")[rows], val.lengths("tgt")[rows], c.batch_tokens)
+        order = token_batches(
+            val.lengths("src")[rows], val.lengths("tgt")[rows], config.batch_tokens
+        )
         self.val_batches = [collate(val, rows[b], self.start_id) for b in order]
-        self.tokens_per_step = 0
+        self.tokens_per_step = 0  # target tokens of the last step
 
     def _micro_batch(self, m: int) -> np.ndarray:
         """Pair indices of micro-batch `m` of the run: pass e over the data has its own
@@ -90,7 +100,9 @@ class TranslationTrainer(Trainer):
             self.epoch_batches = token_batches(*self.lengths, self.config.batch_tokens, seed)
         return self.keep[self.epoch_batches[m - self.epoch_start]]
 
-    def train_step(self, step: int) -> tuple[float, float]:
+    def step_loss(self, trainer: Trainer, step: int) -> float:
+        """The step's `grad_accum` batches, each loss weighted by its share of the step's
+        target tokens; returns the step's mean label-smoothed loss."""
         c = self.config
         batches = [
             collate(self.train_pairs, self._micro_batch(step * c.grad_accum + j), self.start_id)
@@ -99,39 +111,36 @@ class TranslationTrainer(Trainer):
         counts = [int((labels != IGNORE).sum()) for *_, labels in batches]
         total, loss_sum = sum(counts), 0.0
         for (src, mask, inputs, labels), n in zip(batches, counts, strict=True):
-            src, mask, inputs, labels = (t.to(self.device) for t in (src, mask, inputs, labels))
-            with self.autocast():
-                logits = self.forward(src, inputs, mask)
+            src, mask, inputs, labels = (t.to(trainer.device) for t in (src, mask, inputs, labels))
+            with trainer.autocast():
+                logits = trainer.forward(src, inputs, mask)
                 loss = label_smoothed_cross_entropy(logits, labels, c.label_smoothing)
             (loss * n / total).backward()  # the step's mean over its target tokens
             loss_sum += loss.item() * n / total
         self.tokens_per_step = total
-        return self.update(step, loss_sum)
+        return loss_sum
 
     @torch.no_grad()
-    def validation_loss(self) -> float | None:
+    def validation_loss(self, trainer: Trainer) -> float | None:
         """Cross-entropy per target token of the validation pairs (no smoothing)."""
         if not self.val_batches:
             return None
-        self.model.eval()
-        total, count = 0.0, 0
-        with self.autocast():
+        total, count, device = 0.0, 0, trainer.device
+        with trainer.autocast():
             for src, mask, inputs, labels in self.val_batches:
-                logits = self.model(
-                    src.to(self.device), inputs.to(self.device), mask.to(self.device)
-                )
-                labels = labels.to(self.device)
+                logits = trainer.model(src.to(device), inputs.to(device), mask.to(device))
+                labels = labels.to(device)
                 n = int((labels != IGNORE).sum())
                 total += label_smoothed_cross_entropy(logits, labels, 0.0).item() * n
                 count += n
-        self.model.train()
         return total / count
 
-    def write_card(self, results: dict[str, Any]) -> None:
+    def write_card(self, trainer: Trainer, results: dict[str, Any]) -> None:
+        run = trainer.run
         meta, splits = self.data.meta, self.data.meta["splits"]
         val = results.get("val_loss")
         best = best_row(results, "nats/target token")
-        card = f"""# Model card: `{self.run.name}`
+        card = f"""# Model card: `{run.name}`
 
 An encoder-decoder transformer (Vaswani et al. 2017) trained with tlm to translate: the
 source sentence in, the target sentence out, one shared {meta["vocab_size"]}-token BPE.
@@ -140,15 +149,15 @@ source sentence in, the target sentence out, one shared {meta["vocab_size"]}-tok
 
 {", ".join(f"`{s['name']}`" for s in meta["sources"])}: {splits["train"]["pairs"]:,} training
 pairs ({splits["train"]["skipped_empty"]:,} skipped for an empty side, {self.skipped_long:,}
-left out as longer than {self.model_config.context_length} tokens), {splits["val"]["pairs"]:,}
+left out as longer than {self.context_length} tokens), {splits["val"]["pairs"]:,}
 validation pairs.
 
 ## Model and training
 
-{self.model.num_parameters():,} parameters.
+{trainer.model.num_parameters():,} parameters.
 
 ```json
-{json.dumps({"model": self.model_config.to_dict(), "train": self.config.to_dict()}, indent=2)}
+{json.dumps({"model": trainer.model_config.to_dict(), "train": self.config.to_dict()}, indent=2)}
 ```
 
 ## Results
@@ -164,8 +173,8 @@ validation pairs.
 ## How to use
 
 ```
-tlm translate {self.run} "A man rides a bike."
-tlm eval {self.run} --task translate{best_usage(f"tlm translate {self.run}", results)}
+tlm translate {run} "A man rides a bike."
+tlm eval {run} --task translate{best_usage(f"tlm translate {run}", results)}
 ```
 
 ## Limits
@@ -174,4 +183,4 @@ It translates sentences like its training pairs (short image captions for Multi3
 nothing else well; it can drop, repeat or invent content, and it reproduces the biases of
 its data.
 """
-        write_text_atomic(self.run / "MODEL_CARD.md", card)
+        write_text_atomic(run / "MODEL_CARD.md", card)

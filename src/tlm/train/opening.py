@@ -1,0 +1,96 @@
+"""Opening a run: everything the `Trainer` needs, built with the I/O it takes.
+
+`open_run` seeds, builds the model (GPT-2's initialisation, a resumed checkpoint, or
+--init-from's weights), writes the new run's config.json and tokenizer.json, wraps the
+model for DDP or FSDP, builds the optimizer (and loads a resumed one), opens the batch
+source for the data's kind and the metrics file, then hands them to the `Trainer`, whose
+construction does none of this.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tlm.checkpoint import latest_checkpoint, load_checkpoint, write_config
+from tlm.config import ModelConfig, TrainConfig
+from tlm.data import PairData, TokenData
+from tlm.io import write_text_atomic
+from tlm.load import load_model
+from tlm.model import build_model
+from tlm.train.distributed import Runtime
+from tlm.train.loop import Progress, Trainer
+from tlm.train.optim import build_optimizer
+from tlm.train.report import Metrics
+from tlm.train.run import RunError
+from tlm.train.translate import PairBatches
+from tlm.train.windows import TokenWindows
+
+
+def open_run(
+    model_config: ModelConfig,
+    config: TrainConfig,
+    data: TokenData | PairData,
+    tokenizer_json: str,
+    resume: bool = False,
+    progress_bar: bool = True,
+    runtime: Runtime | None = None,
+) -> Trainer:
+    """A `Trainer` for a new run at config.out, or, with `resume`, for the run there."""
+    rt = runtime or Runtime.from_env(config.device)
+    _check_batch(config, rt)
+    run = Path(config.out)
+    torch.manual_seed(config.seed)
+    model = build_model(model_config, init=False)
+    model.reset_parameters(seed=config.seed)  # resume / init_from overwrite it below
+    model.to(rt.device)
+    batches = _batches(data, model_config, config, rt)
+    state, saved = Progress(), None
+    if resume:  # the weights now, whole; the optimizer once it is built (maybe sharded)
+        saved = load_checkpoint(latest_checkpoint(run), model, None)
+        fields = Progress.__dataclass_fields__  # runs saved before a field existed lack it
+        state = Progress(**{k: saved[k] for k in fields if k in saved})
+    elif config.init_from:  # fine-tuning: start from a trained model's weights
+        model.load_state_dict(_initial_weights(config.init_from, model_config))
+    if not resume and rt.is_main:
+        run.mkdir(parents=True, exist_ok=True)
+        write_config(run, model_config, config.to_dict(), data.fingerprint())
+        write_text_atomic(run / "tokenizer.json", tokenizer_json)
+    if rt.rank:  # rank 0 keeps the seeded (or resumed) stream; the others differ from it
+        torch.manual_seed(config.seed + rt.rank)  # (dropout masks)
+    wrapped = rt.wrap(model)  # DDP, or FSDP2 sharding in place
+    optimizer = build_optimizer(model, config)
+    if saved is not None:
+        rt.load_optimizer(model, optimizer, saved["optimizer"])
+    metrics = None
+    if rt.is_main:
+        metrics = Metrics(run / "metrics.jsonl", state.step if resume else None)
+    parts = (batches, model, wrapped, optimizer, rt, state, metrics, progress_bar)
+    return Trainer(model_config, config, *parts)
+
+
+def _check_batch(config: TrainConfig, rt: Runtime) -> None:
+    global_batch = config.batch_size * config.grad_accum  # windows per step, all ranks
+    if global_batch % rt.world_size:
+        raise RunError(
+            f"the global batch of {global_batch} windows (--batch-size x --grad-accum) "
+            f"does not split evenly over {rt.world_size} processes"
+        )
+    if rt.fsdp and config.optimizer == "muon":  # Newton-Schulz needs a whole matrix
+        raise RunError("--optimizer muon needs whole weight matrices: use DDP, not --fsdp")
+
+
+def _batches(data, model_config: ModelConfig, config: TrainConfig, rt: Runtime):
+    """The batch source of the data's kind: token windows, or translation pairs."""
+    if isinstance(data, PairData):
+        return PairBatches(data, model_config, config, rt)
+    return TokenWindows(data, model_config, config, rt.world_size)
+
+
+def _initial_weights(source: str, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The weights of `--init-from`, learned positions cut to this run's context length."""
+    state = load_model(source).state_dict()
+    if "embedding.P" in state:
+        state["embedding.P"] = state["embedding.P"][: config.context_length]  # [N, d] -> [T, d]
+    return state
