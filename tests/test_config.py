@@ -66,3 +66,23 @@ def test_an_older_runs_attention_impl_is_ignored():
     assert ModelConfig.from_dict(old) == ModelConfig(d_model=48, n_heads=3)
     with pytest.raises(TypeError, match="attention_impl"):
         ModelConfig(attention_impl="fused")  # not a field any more
+
+
+def test_the_training_precision_keeps_its_older_name_as_an_alias():
+    """TrainConfig.precision was `dtype`: old runs' config.json, TOML files and the
+    `--dtype` flag (nanoGPT's name) still set it."""
+    import argparse
+
+    from tlm.cli.args import add_config_flags, config_overrides
+    from tlm.config import TrainConfig, split_fields
+
+    assert TrainConfig.from_dict({"dtype": "float32"}).precision == "float32"
+    assert split_fields({"dtype": "bfloat16"})[1] == {"precision": "bfloat16"}
+    assert split_fields({"train": {"dtype": "bfloat16"}})[1] == {"precision": "bfloat16"}
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, TrainConfig, "training")
+    for flag in ("--dtype", "--precision"):
+        args = parser.parse_args([flag, "float32"])
+        assert config_overrides(args, TrainConfig) == {"precision": "float32"}
+    with pytest.raises(ConfigError, match="precision must be one of"):
+        TrainConfig(precision="float16")

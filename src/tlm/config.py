@@ -220,7 +220,7 @@ def _parse_string(name: str, text: str, kinds: tuple[type, ...]) -> Any:
 
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
-DTYPES = ("auto", "float32", "bfloat16")
+PRECISIONS = ("auto", "float32", "bfloat16")  # the training precision (autocast)
 BAD_GRADIENT = ("skip", "stop")
 SCHEDULES = ("cosine", "inverse-sqrt")
 OPTIMIZERS = ("adamw", "muon")
@@ -277,7 +277,7 @@ class TrainConfig:
     checkpoint_interval: int | None = None
     seed: int = 1337
     device: str = "auto"
-    dtype: str = "auto"
+    precision: str = "auto"  # --dtype on the command line: float32, or bf16 autocast
     compile: bool = False
     init_from: str | None = None
     schedule: str = "cosine"
@@ -321,21 +321,30 @@ class TrainConfig:
         if self.batch_tokens is not None:
             _check_positive("batch_tokens", self.batch_tokens)
         _check_choice("device", self.device, DEVICES)
-        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("precision", self.precision, PRECISIONS)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        return from_dict(cls, values)
+        return from_dict(cls, renamed(values))
+
+
+RENAMED = {"dtype": "precision"}  # TrainConfig keys of older runs and TOML files
+
+
+def renamed(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with the older names of TrainConfig keys replaced by today's."""
+    return {RENAMED.get(key, key): value for key, value in values.items()}
 
 
 def split_fields(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Sort flat keys (or [model] / [train] tables, as in a TOML file) into the two configs."""
     values = dict(values)
     model = dict(values.pop("model", {}) or {})
-    train = dict(values.pop("train", {}) or {})
+    train = renamed(dict(values.pop("train", {}) or {}))
+    values = renamed(values)
     model_names = {f.name for f in dataclasses.fields(ModelConfig)}
     train_names = {f.name for f in dataclasses.fields(TrainConfig)}
     for key, value in values.items():

@@ -33,6 +33,9 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+ALIASES = {"precision": ("--dtype",)}  # the flag a user of nanoGPT knows for it
+
+
 def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
     """One `--kebab-case` flag per field of dataclass `cls`; unset flags stay None. A bool
     field's flag alone means true (`--keep-best`), and still takes a value (`--bias false`)."""
@@ -45,6 +48,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> 
         switch = {"nargs": "?", "const": "true"} if kinds == (bool,) else {}
         group.add_argument(
             flag(field.name),
+            *ALIASES.get(field.name, ()),
             dest=field.name,
             default=None,
             metavar=kind.upper(),

@@ -34,7 +34,7 @@ from tlm.config import ModelConfig, TrainConfig
 from tlm.train.distributed import Runtime
 from tlm.train.optim import learning_rate
 from tlm.train.report import Metrics, ProgressReport, plot_losses
-from tlm.train.run import pick_dtype
+from tlm.train.run import pick_precision
 
 
 class Diverged(RuntimeError):
@@ -110,7 +110,7 @@ class Trainer:
         self.state = state or Progress()
         self.metrics = metrics  # written by the main rank only
         self.run, self.device = Path(config.out), runtime.device
-        self.precision = pick_dtype(config.dtype, self.device)
+        self.precision = pick_precision(config.precision, self.device)
         self.progress_bar = progress_bar and runtime.is_main
 
     def autocast(self):

@@ -146,7 +146,7 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+def pick_precision(name: str, device: torch.device) -> torch.dtype:
     """fp32 on CPU, bf16 autocast on CUDA, unless asked otherwise."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
