@@ -117,10 +117,12 @@ def test_muon_state_saves_and_loads_through_a_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_a_small_budget_run_with_all_three_options_learns(docs_chars, tmp_path):
+    """100 steps: the loss falls by 1.22-1.32 over seeds 1337, 1 and 2 (1 and 2 threads
+    alike); at 60 steps it fell by 0.94-1.00, on the threshold."""
     args = ["train", "--data", str(docs_chars), "--out", str(tmp_path / "run"), "--quiet"]
     args += ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--context-length", "32"]
-    args += ["--batch-size", "8", "--max-steps", "60", "--warmup-steps", "5", "--lr", "0.01"]
-    args += ["--optimizer", "muon", "--qk-norm", "--activation", "relu2", "--eval-interval", "60"]
+    args += ["--batch-size", "8", "--max-steps", "100", "--warmup-steps", "5", "--lr", "0.01"]
+    args += ["--optimizer", "muon", "--qk-norm", "--activation", "relu2", "--eval-interval", "100"]
     assert main(args) == 0
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
