@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tlm.data import TokenData
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # the built-in corpus: the same text, and the same tokens, as tinyshakespeare.txt
@@ -113,7 +115,7 @@ def part_throughput(work: Path, blocks: int = 8, steps: int = 15) -> None:
     from _peers import build_pair, matmul_peak
 
     prepared(work)
-    tokens = np.fromfile(work / "data" / "shakespeare_char" / "train.bin", dtype=np.uint16)
+    tokens = np.asarray(TokenData(work / "data" / "shakespeare_char").split("train"))
     peak = matmul_peak()
     print(f"fp32 matmul peak (4096^3, {torch.get_num_threads()} threads): {peak / 1e9:.1f} GFLOP/s")
     for activation in ("gelu_tanh", "gelu"):

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tlm.data.corpus import Piece
+from tlm.data.tokens import id_dtype
 from tlm.tokenizer import Tokenizer, load_tokenizer
 
 ENCODE_BATCH_CHARS = 1 << 20  # text handed to the tokenizer at once (BPE encodes in parallel)
@@ -109,5 +110,5 @@ def _start_worker(tokenizer_json: str) -> None:
 
 def _encode_in_worker(batch: Batch) -> tuple[np.ndarray, int]:
     ids, ended = _encode_batch(batch, _worker_tokenizer)
-    dtype = np.uint16 if _worker_tokenizer.vocab_size <= 65535 else np.uint32
-    return np.asarray(ids, dtype=dtype), ended  # an array pickles far smaller than a list
+    ids_as = id_dtype(_worker_tokenizer.vocab_size)
+    return np.asarray(ids, dtype=ids_as), ended  # an array pickles far smaller than a list
