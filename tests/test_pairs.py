@@ -1,6 +1,7 @@
 """Translation pairs: reading two aligned files, packing them, batching by token count."""
 
 import gzip
+import json
 
 import numpy as np
 import pytest
@@ -54,6 +55,10 @@ def test_prepared_pairs_decode_to_their_lines(tmp_path):
     assert train.lengths("src").sum() == meta["splits"]["train"]["src_tokens"]
     with pytest.raises(CorpusError, match="holds sentence pairs"):
         TokenData(tmp_path / "data")
+    old = {k if k != "id_dtype" else "dtype": v for k, v in meta.items()}  # an older folder
+    (tmp_path / "data" / "meta.json").write_text(json.dumps(old))
+    again = open_data(tmp_path / "data").split("train")
+    assert again.sentence("tgt", 10).tolist() == train.sentence("tgt", 10).tolist()
 
 
 def test_token_batches_hold_every_pair_once_within_the_budget():
