@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,6 +23,27 @@ from tlm.train.optim import build_optimizer
 
 SHAPE = {"n_layers": 4, "n_heads": 4, "d_model": 128, "context_length": 64}
 BATCH = 12
+
+
+def host() -> str:
+    """The host in one line: CPU model, cores and the instruction sets that change kernels
+    (figures from different hosts compare only through ratios taken in one run)."""
+    import os
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("", platform.machine()):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    wanted = ["avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"]
+    present = " ".join(flag for flag in wanted if flag in flags) or "flags unknown"
+    return f"{model}, {os.cpu_count()} cores, {present}; torch {torch.__version__}"
 
 
 def matmul_peak(n: int = 4096, repeats: int = 5) -> float:

@@ -7,6 +7,7 @@
     python bench/generate.py --part imported   # a GPT-2 checkpoint directory, read by both
     python bench/generate.py --part limit      # batch 1 against the read-bandwidth limit
     python bench/generate.py --part memory     # peak resident memory, tlm beside transformers
+    python bench/generate.py --part ggml --ggml PATH   # beside ggml's GPT-2 example (C++)
 
 Random weights of the GPT-2 124M shape, fp32, greedy decoding of a 32-token prompt with no
 early stop, in one process; the two sides alternate, and medians are reported. The dtype
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from _peers import host
 
 from tlm import ModelConfig, TransformerLM, load_model
 from tlm.generate import GenerationConfig, generate
@@ -48,8 +50,10 @@ def hf_gpt2():
     return GPT2LMHeadModel(GPT2Config(**gpt2_config(config, None))).eval()
 
 
-def tlm_rate(model: TransformerLM, batch: int, new: int, use_cache: bool = True) -> float:
-    ids = torch.randint(0, GPT2["vocab_size"], (batch, PROMPT))
+def tlm_rate(
+    model: TransformerLM, batch: int, new: int, use_cache: bool = True, prompt: int = PROMPT
+) -> float:
+    ids = torch.randint(0, GPT2["vocab_size"], (batch, prompt))
     config = GenerationConfig(max_new_tokens=new, use_cache=use_cache)
     started = time.perf_counter()
     steps = sum(1 for _ in generate(model, ids, config))
@@ -171,13 +175,22 @@ def part_imported(rounds: int, work: Path) -> None:
         print(f"  batch {batch}, 128 new: {alternate(ours, theirs, batch, 128, rounds)}")
 
 
-def read_bandwidth(big: torch.Tensor) -> float:
-    """Bytes/s that summing a 256 MB tensor reads: decoding reads weights, it copies nothing."""
-    big.sum()
-    started = time.perf_counter()
-    for _ in range(4):
+def read_bandwidth(threads: int, repeats: int = 8) -> float:
+    """Bytes/s of reading memory the way decoding does: every byte once, nothing written
+    back. torch.sum of a 256 MB fp32 tensor on `threads` threads, best of `repeats`: one
+    figure, measured once, that divides every format's weight bytes."""
+    big, previous = torch.randn(64 * 1024 * 1024), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
         big.sum()
-    return 4 * big.numel() * big.element_size() / (time.perf_counter() - started)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            big.sum()
+            times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+    return big.numel() * big.element_size() / min(times)
 
 
 def weight_bytes(config: ModelConfig, fmt: str) -> int:
@@ -189,45 +202,86 @@ def weight_bytes(config: ModelConfig, fmt: str) -> int:
     return matrices * size + 4 * L * (4 * d + config.d_ff + d + 4 * d)
 
 
-def part_limit(rounds: int, work: Path) -> None:
-    """Batch-1 tok/s as a share of (read bandwidth ÷ weight bytes), the bandwidth measured
-    just before each block of decoding so that both see the machine in the same state.
-    The models are what a user gets: `load_model(path)` and `load_model(path, dtype=...)`
-    of a Hugging Face directory."""
-    from tlm import load_model
+def user_models(folder: Path) -> dict[str, TransformerLM]:
+    """What a user gets: `load_model(path)` (fp32, no for_inference call) and
+    `load_model(path, dtype=...)` of a Hugging Face directory."""
+    models = {"float32": load_model(folder)}
+    return models | {fmt: load_model(folder, dtype=fmt) for fmt in ("float16", "int8")}
 
-    big, folder = torch.randn(64 * 1024 * 1024), saved_gpt2(work)
-    models = {"float32": load_model(folder)}  # no for_inference call
-    models |= {fmt: load_model(folder, dtype=fmt) for fmt in ("float16", "int8")}
-    peer = hf_gpt2()
-    print("GPT-2 124M shape, greedy, prompt 32, 64 new tokens; median of rounds")
-    print("'kernels': the step's products alone, run back to back, as a share of the limit")
+
+def part_limit(rounds: int, work: Path) -> None:
+    """Batch-1 decoding against the read-bandwidth limit, and the time between products:
+    a step (1 / tok/s of `generate`, everything included) less its weight products run
+    alone, back to back (`products_only`)."""
+    threads = torch.get_num_threads()
+    bandwidth = read_bandwidth(threads)
     print(
-        "format    weights MB  batch 1 tok/s  limit tok/s  share  kernels"
-        "  batch 8  batch 32  step@1024"
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch.sum of 256 MB fp32, {threads} "
+        f"threads, best of 8): limit = bandwidth / weight bytes"
     )
-    for fmt, model in models.items():
+    print("GPT-2 124M shape, greedy, prompt 32, 64 new tokens; median of rounds")
+    print(
+        "format    weights MB  limit tok/s  batch 1 tok/s  share  step ms  products ms"
+        "  between  batch 8  batch 32  step@1024"
+    )
+    for fmt, model in user_models(saved_gpt2(work)).items():
         tlm_rate(model, 1, 4)
-        nbytes, rates, shares, kernels = weight_bytes(model.config, fmt), [], [], []
+        rates, products = [], []
         for _ in range(rounds):
-            limit = read_bandwidth(big) / nbytes
             rates.append(tlm_rate(model, 1, 64))
-            shares.append(rates[-1] / limit)
-            kernels.append(1 / products_only(model) / limit)
+            products.append(products_only(model))
         eight, many = tlm_rate(model, 8, 32), tlm_rate(model, 32, 32)
-        step = step_at(model, 1024)
-        rate, share = statistics.median(rates), statistics.median(shares)
+        rate, alone = statistics.median(rates), statistics.median(products)
+        nbytes, step = weight_bytes(model.config, fmt), 1 / rate
         print(
-            f"{fmt:9s} {nbytes / 1e6:10.0f} {rate:14.1f} {rate / share:12.1f} {share:6.0%}"
-            f" {statistics.median(kernels):8.0%} {eight:8.1f} {many:9.1f} {step * 1e3:8.1f} ms"
+            f"{fmt:9s} {nbytes / 1e6:10.0f} {bandwidth / nbytes:12.1f} {rate:14.1f}"
+            f" {rate * nbytes / bandwidth:6.0%} {step * 1e3:8.2f} {alone * 1e3:12.2f}"
+            f" {(step - alone) / step:8.0%} {eight:8.1f} {many:9.1f}"
+            f" {step_at(model, 1024) * 1e3:8.1f} ms"
         )
-    hf = statistics.median(hf_rate(peer, 1, 64) for _ in range(rounds))
+    hf = statistics.median(hf_rate(hf_gpt2(), 1, 64) for _ in range(rounds))
     print(f"transformers fp32 batch 1: {hf:.1f} tok/s")
+
+
+def part_ggml(rounds: int, work: Path, source: Path | None) -> None:
+    """tlm beside ggml's GPT-2 example (C++) on the same random GPT-2 124M checkpoint,
+    f32 / f16 / q8_0 against tlm's float32 / float16 / int8: batch 1, greedy, a 1-token
+    prompt and 128 new tokens, the two alternating, best of `rounds`. ggml is built from
+    the checkout at `source` (--ggml) and the checkpoint converted, once (kept in --work)."""
+    import _ggml
+
+    if source is None:
+        raise SystemExit("--part ggml needs --ggml PATH, a checkout of ggml-org/ggml")
+    binaries, folder = _ggml.build(source, work), saved_gpt2(work)
+    files = {fmt: _ggml.convert(folder, work / f"ggml-{fmt}.bin", fmt) for fmt in ("f32", "f16")}
+    files["q8_0"] = _ggml.quantize(binaries, files["f32"], work / "ggml-q8_0.bin")
+    threads, new = torch.get_num_threads(), 128
+    print(
+        f"ggml {_ggml.commit(source)[:10]}, gpt-2-backend -t {threads}; tlm load_model(path"
+        ", dtype=...) + generate; batch 1, greedy, 1-token prompt, 128 new; tok/s, best of "
+        f"{rounds}"
+    )
+    ids = torch.tensor([[ord("a")]])
+    same = _ggml.greedy_tokens(binaries, files["f32"], 16, "a") == (
+        load_model(folder).generate(ids, max_new_tokens=16)[0, 1:].tolist()
+    )
+    print(f"the same 16 greedy tokens from both, fp32: {'yes' if same else 'NO'}")
+    print("tlm format   ggml type   tlm tok/s   ggml tok/s   tlm / ggml")
+    pairs = {"float32": "f32", "float16": "f16", "int8": "q8_0"}
+    for fmt, model in user_models(folder).items():
+        ours, theirs = [], []
+        tlm_rate(model, 1, 4, prompt=1)
+        for _ in range(rounds):
+            theirs.append(_ggml.rate(binaries, files[pairs[fmt]], threads, new, "a"))
+            ours.append(tlm_rate(model, 1, new, prompt=1))
+        mine, peer = max(ours), max(theirs)
+        print(f"{fmt:12s} {pairs[fmt]:9s} {mine:11.1f} {peer:12.1f} {mine / peer:11.2f}x")
 
 
 def products_only(model: TransformerLM) -> float:
     """Seconds for one row through every product of a decoding step and nothing else (no
-    attention, LayerNorm or loop): the most the kernels allow (best of 5)."""
+    attention, LayerNorm or loop), in the step's order: the most the kernels allow (best
+    of 5)."""
     model = for_decoding(model)
     x, h = torch.randn(1, 1, model.config.d_model), torch.randn(1, 1, model.config.d_ff)
     times = []
@@ -315,7 +369,7 @@ def part_memory(work: Path) -> None:
         print(f"{name:43s} {peak:7.0f} {goal:9.0f}")
 
 
-PARTS = ["peer", "cache", "dtypes", "imported", "limit", "memory"]
+PARTS = ["peer", "cache", "dtypes", "imported", "limit", "memory", "ggml"]
 
 
 def main() -> None:
@@ -323,9 +377,11 @@ def main() -> None:
     parser.add_argument("--part", default="all", choices=["all", *PARTS])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work", default=str(ROOT / "out" / "bench"))
+    parser.add_argument("--ggml", type=Path, help="a checkout of ggml-org/ggml (--part ggml)")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
-    for part in PARTS if args.part == "all" else [args.part]:
+    print(f"{host()}, {torch.get_num_threads()} threads")
+    chosen = [p for p in PARTS if p != "ggml" or args.ggml] if args.part == "all" else [args.part]
+    for part in chosen:
         if part == "peer":
             part_peer(args.rounds)
         elif part == "cache":
@@ -336,6 +392,8 @@ def main() -> None:
             part_limit(args.rounds, Path(args.work))
         elif part == "memory":
             part_memory(Path(args.work))
+        elif part == "ggml":
+            part_ggml(args.rounds, Path(args.work), args.ggml)
         else:
             part_dtypes(args.rounds, Path(args.work))
 
