@@ -16,9 +16,11 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor, nn
 
+from tlm.inference import step
 from tlm.inference.blas import torch_on_one_thread
 from tlm.inference.kernels import Route
 from tlm.model.attention import MultiHeadAttention
+from tlm.model.kv_cache import Cache, KVCache
 from tlm.model.layers import Embedding, FeedForward
 from tlm.model.transformer import TransformerLM
 
@@ -68,6 +70,21 @@ class InferenceLM(TransformerLM):
     head: Kernel
     route: Route  # shared with its float32 products
 
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: Cache | None = None,
+        attention_mask: Tensor | None = None,
+        last_only: bool = False,
+    ) -> Tensor:
+        """`TransformerLM.forward`; a decoding pass (inside `decoding`, each row feeding one
+        token) takes `step.step` when it means the same (`step.can_step`)."""
+        one_each = self.route.rows and last_only and step.rows_of(cache, input_ids) is not None
+        if one_each and step.can_step(self, cache, attention_mask):
+            logits = step.step(self, input_ids, cache)  # [R,V]
+            return logits[:, None] if isinstance(cache, KVCache) else logits[None]
+        return super().forward(input_ids, cache, attention_mask, last_only)
+
     def unembed(self, h: Tensor) -> Tensor:
         return self.head(h)
 
@@ -78,16 +95,18 @@ class InferenceLM(TransformerLM):
 
     @contextmanager
     def decoding(self, rows: int) -> Iterator[None]:
-        """No autograd, for a pass that feeds one token to each of `rows` sequences. In
-        float32 the products take their decoding route (`kernels.Route`); for one row torch
-        keeps one thread meanwhile, since numpy's BLAS has the cores (`blas.py`)."""
+        """No autograd, for a pass that feeds one token to each of `rows` sequences: the
+        forward pass may take `step.step`, and in float32 the products take their decoding
+        route (`kernels.Route`); for one row torch keeps one thread meanwhile, since numpy's
+        BLAS has the cores (`blas.py`)."""
         with torch.no_grad():
-            if self.route.rows or self.inference_format != "float32":  # nested, or packed
+            if self.route.rows:  # nested
                 yield
                 return
             self.route.rows = rows
+            one_thread = rows == 1 and self.inference_format == "float32"
             try:
-                with torch_on_one_thread() if rows == 1 else nullcontext():
+                with torch_on_one_thread() if one_thread else nullcontext():
                     yield
             finally:
                 self.route.rows = 0

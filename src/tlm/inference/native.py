@@ -1,0 +1,94 @@
+"""`step.c`, compiled for this machine at first use and called through ctypes.
+
+The C file holds the work between a decoding step's weight products (`step.py`). It is
+compiled once per machine with the system's C compiler (`$CC`, else `cc`) for the host's
+own instruction set (-march=native), into tlm's cache folder (`$TLM_CACHE`, else
+~/.cache/tlm), under a name made of the source, the flags, the compiler and the CPU, so
+that a changed file or another host compiles anew; the compiler writes to a temporary
+name that is renamed when done. It takes about a second, and needs no torch headers.
+
+Where no compiler works, or `TLM_NATIVE=0`, `library()` is None and decoding runs the
+model's own forward pass, as before; one line on stderr says so, once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("step.c")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
+
+i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+SIGNATURES = {
+    "add_norm": [ptr, ptr, ptr, ptr, ptr, i64, i64, f32],
+    "attend_one": [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, ptr, ptr, ptr],
+}
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled `step.c`, or None (with one line on stderr) where it cannot be had."""
+    if os.environ.get("TLM_NATIVE", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_compiled()))
+    except (OSError, subprocess.SubprocessError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"tlm: decoding without its C step ({reason})", file=sys.stderr)
+        return None
+    for name, arguments in SIGNATURES.items():
+        getattr(lib, name).argtypes = arguments
+        getattr(lib, name).restype = None
+    return lib
+
+
+def _compiled() -> Path:
+    compiler = os.environ.get("CC", "cc")
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu()):
+        key.update(part)
+    folder = Path(os.environ.get("TLM_CACHE", Path.home() / ".cache" / "tlm")) / "native"
+    target = folder / f"step-{key.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=folder, suffix=".so.part")
+    os.close(handle)
+    try:
+        command = [compiler, *FLAGS, str(SOURCE), "-o", temporary, "-lm"]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if run.returncode != 0:
+            raise OSError(f"{compiler} failed: {run.stderr.strip()[:200]}")
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return target
+
+
+def _cpu() -> bytes:
+    """What -march=native depends on: the CPU's model and flags (or the machine type)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine().encode()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted).encode()
+
+
+def address(t: Tensor | None) -> int | None:
+    """A tensor's data pointer for a C argument (None stays NULL)."""
+    return None if t is None else t.data_ptr()

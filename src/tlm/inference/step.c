@@ -1,0 +1,116 @@
+/* The work of a decoding step between its weight products, for rows that feed one token
+ * each (tlm/inference/native.py compiles this file and calls it; step.py runs the step).
+ *
+ * A step of a GPT-2-sized model reads 50-500 MB of weights in a few products per layer;
+ * between them come a dozen small operations on vectors of width d (LayerNorm, the
+ * residual add, attention of one query over the cached keys). Done one torch operation at
+ * a time they cost more than the products they sit between. Here each stretch between two
+ * products is one call. The arithmetic is the model's (model/attention.py, layers.py,
+ * positions.py), in fp32, and tests hold the two equal.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* x += a (when a is given), then h = gamma * (x - mu) / sqrt(var + eps) + beta (eq. 9.22-9.25),
+ * for each of `rows` rows of width d; beta may be NULL (no bias). */
+void add_norm(float *x, const float *a, float *h, const float *gamma, const float *beta,
+              int64_t rows, int64_t d, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * d, *hr = h + r * d;
+        if (a) {
+            const float *ar = a + r * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) xr[i] += ar[i];
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < d; i++) sum += xr[i];
+        const float mu = sum / (float)d;
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < d; i++) squares += (xr[i] - mu) * (xr[i] - mu);
+        const float inv = 1.0f / sqrtf(squares / (float)d + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) hr[i] = (xr[i] - mu) * inv * gamma[i] + (beta ? beta[i] : 0.0f);
+    }
+}
+
+/* Scale v [n] to unit RMS: v / sqrt(mean(v^2) + eps) (qk_norm, as F.rms_norm). */
+static void rms_norm(float *v, int64_t n, float eps) {
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < n; i++) squares += v[i] * v[i];
+    const float inv = 1.0f / sqrtf(squares / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) v[i] *= inv;
+}
+
+/* Rotate the pairs (v_i, v_{i+n/2}) by the angles whose cos and sin are given [n/2]. */
+static void rotate(float *v, int64_t n, const float *cos_, const float *sin_) {
+    const int64_t half = n / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * cos_[i] - b * sin_[i];
+        v[i + half] = a * sin_[i] + b * cos_[i];
+    }
+}
+
+/* One layer's attention for `rows` rows, each feeding one token (eq. 9.11-9.13, 9.19's
+ * concatenation). Row r writes its key and value at position pos[r] of its slot slots[r]
+ * in the cache, K and V [slots, H, capacity, d_head] of this layer, and its query attends
+ * to positions 0..pos[r] of its slot: z[r] = concat_h softmax(q_h K_h^T / sqrt(d_head)) V_h.
+ * q, k, v: rows of width H*d_head, `stride` floats apart. With qk_eps > 0, q and k are first
+ * scaled to unit RMS per head; with cos/sin ([positions, d_head/2]), then rotated. */
+void attend_one(const float *q, const float *k, const float *v, int64_t stride, float *K,
+                float *V, const int64_t *slots, const int64_t *pos, int64_t rows, int64_t H,
+                int64_t d_head, int64_t capacity, float qk_eps, const float *cos_,
+                const float *sin_, float *z) {
+    const float scale = 1.0f / sqrtf((float)d_head);
+    float query[d_head];
+    float scores[capacity];
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t p = pos[r];
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t at = r * stride + h * d_head;
+            float *Kh = K + (slots[r] * H + h) * capacity * d_head;
+            float *Vh = V + (slots[r] * H + h) * capacity * d_head;
+            float *key = Kh + p * d_head;
+            memcpy(query, q + at, d_head * sizeof(float));
+            memcpy(key, k + at, d_head * sizeof(float));
+            memcpy(Vh + p * d_head, v + at, d_head * sizeof(float));
+            if (qk_eps > 0.0f) {
+                rms_norm(query, d_head, qk_eps);
+                rms_norm(key, d_head, qk_eps);
+            }
+            if (cos_) {
+                rotate(query, d_head, cos_ + p * (d_head / 2), sin_ + p * (d_head / 2));
+                rotate(key, d_head, cos_ + p * (d_head / 2), sin_ + p * (d_head / 2));
+            }
+            float most = -INFINITY;
+            for (int64_t j = 0; j <= p; j++) {
+                const float *kj = Kh + j * d_head;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < d_head; i++) dot += query[i] * kj[i];
+                scores[j] = dot * scale;
+                most = scores[j] > most ? scores[j] : most;
+            }
+            float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+            for (int64_t j = 0; j <= p; j++) {
+                scores[j] = expf(scores[j] - most);
+                total += scores[j];
+            }
+            float *out = z + r * H * d_head + h * d_head;
+            memset(out, 0, d_head * sizeof(float));
+            for (int64_t j = 0; j <= p; j++) {
+                const float weight = scores[j] / total;
+                const float *vj = Vh + j * d_head;
+#pragma omp simd
+                for (int64_t i = 0; i < d_head; i++) out[i] += weight * vj[i];
+            }
+        }
+    }
+}

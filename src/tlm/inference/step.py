@@ -1,0 +1,167 @@
+"""A decoding step in few calls: the weight products, and one C call between each two.
+
+At batch 1 a decoding step is 49 weight products (4 per layer and the head) with a dozen
+small operations between each two (LayerNorm, residual adds, writing the new key and
+value, one query's attention). One torch operation costs a few µs to dispatch, and a
+module call or hook point more; together they took a third to a half of a step
+(docs/benchmarks.md, "Decoding overhead"). Here, for a pass in which every row feeds one
+token, the stretch between two products is one call into `step.c` (`native.py`):
+
+    h = LN1(x)                                  add_norm (no add)
+    q, k, v = h W^QKV + b                       product
+    z = attention of q over the cache + k, v    attend_one (stores k and v)
+    x += z W^O + b;  h = LN2(x)                 product, add_norm
+    x += act(h W_1 + b_1) W_2 + b_2;  h = LN1'(x)  products, act, add_norm
+    logits = h E^T (after LN_f)                 product
+
+The products are the model's own kernels (`kernels.py`), so every weight format runs the
+same way. The step is taken only when it means the same as the model's forward pass: a
+pre-norm model on the CPU in fp32 activations, no attention mask, one token per row of a
+`KVCache` or a `SlotCache` pass, and no hook listening anywhere (a hooked model runs
+`TransformerLM.forward`, so every hook point sees its activation). Tests hold this step
+equal to the forward pass in every format and cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tlm.inference import native
+from tlm.inference.slot_cache import SlotPass
+from tlm.model.kv_cache import KVCache
+from tlm.model.layers import LayerNorm, PreNormBlock
+
+RMS_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default, the qk_norm of attention
+
+
+def rows_of(cache: object, input_ids: Tensor) -> tuple[list[int], list[int]] | None:
+    """(slot, position) of each row of a pass that feeds one token per row, or None."""
+    if isinstance(cache, KVCache) and input_ids.shape[1] == 1:
+        B = input_ids.shape[0]
+        return list(range(B)), [cache.length] * B
+    if isinstance(cache, SlotPass) and set(cache.counts) == {1}:
+        return cache.slots, [cache.cache.lengths[slot] for slot in cache.slots]
+    return None
+
+
+def can_step(model, cache: object, attention_mask: Tensor | None) -> bool:
+    """Whether `step` means the same as the model's forward pass here (see the module)."""
+    if attention_mask is not None or torch.is_grad_enabled() or native.library() is None:
+        return False
+    store = getattr(cache, "k", None) if isinstance(cache, KVCache) else None
+    if isinstance(cache, SlotPass):
+        store = cache.cache.k
+    if store is None or store.device.type != "cpu" or store.dtype != torch.float32:
+        return False
+    if not (isinstance(model.ln_f, LayerNorm) and type(model.blocks[0]) is PreNormBlock):
+        return False
+    return not listening(model)
+
+
+def listening(model) -> bool:
+    """Whether any hook is registered on the model, on any of its modules, or globally.
+    The modules' hook dicts are listed once (registering adds to them, never replaces
+    them), so that the test is one pass over dicts."""
+    hooks = model.__dict__.get("_hook_dicts")
+    if hooks is None:
+        modules = list(model.modules())
+        hooks = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
+        hooks += [torch.nn.modules.module._global_forward_hooks]
+        hooks += [torch.nn.modules.module._global_forward_pre_hooks]
+        model.__dict__["_hook_dicts"] = hooks
+    return any(hooks)
+
+
+def step(model, input_ids: Tensor, cache: KVCache | SlotPass) -> Tensor:
+    """Logits [R,V] of a pass feeding one token to each of R rows (`rows_of(cache)`); their
+    keys and values are stored and the cache moves on, as in the forward pass."""
+    lib, config = native.library(), model.config
+    slots, positions = rows_of(cache, input_ids)
+    end = cache.end(1)
+    if end > config.context_length:
+        raise ValueError(f"input has {end} tokens; context_length is {config.context_length}")
+    K, V = (cache.k, cache.v) if isinstance(cache, KVCache) else (cache.cache.k, cache.cache.v)
+    capacity = K.shape[3]
+    if max(positions) >= capacity:
+        raise ValueError(f"KV cache holds {capacity} positions; {end} were asked for")
+    R, d, H, d_head = len(slots), config.d_model, config.n_heads, config.d_head
+    at, rows = torch.tensor(positions), torch.tensor(slots)
+    x = model.embedding(input_ids.reshape(1, R), at[None]).reshape(R, d).contiguous()
+    h, z = torch.empty_like(x), x.new_empty(R, H * d_head)
+    x_, h_, z_, at_, rows_ = (
+        x.data_ptr(),
+        h.data_ptr(),
+        z.data_ptr(),
+        at.data_ptr(),
+        rows.data_ptr(),
+    )
+    k_, v_, layer_bytes = K.data_ptr(), V.data_ptr(), K.stride(0) * K.element_size()
+    add_norm, attend_one = lib.add_norm, lib.attend_one
+    layers = _layers(model)
+    gamma, beta, eps = layers[0][0]
+    add_norm(x_, None, h_, gamma.data_ptr(), _address(beta), R, d, eps)
+    for layer, (_, attn, (gamma2, beta2, eps2), ffn, (gamma3, beta3, eps3), rope) in enumerate(
+        layers
+    ):
+        q, k, v = attn.project_qkv(h)
+        if not (q.stride() == k.stride() == v.stride() and q.stride(-1) == 1):
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        cos, sin, qk_eps = rope
+        offset = layer * layer_bytes
+        attend_one(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k_ + offset, v_ + offset,
+            rows_, at_, R, H, d_head, capacity, qk_eps, cos, sin, z_,
+        )  # fmt: skip
+        a = _dense(attn.project_out(z))
+        add_norm(x_, a.data_ptr(), h_, gamma2.data_ptr(), _address(beta2), R, d, eps2)
+        f = _dense(ffn.down(ffn.act(ffn.up(h))))
+        add_norm(x_, f.data_ptr(), h_, gamma3.data_ptr(), _address(beta3), R, d, eps3)
+    cache.advance(1)
+    return model.unembed(h)
+
+
+def _layers(model) -> list[tuple]:
+    """Per block: (its ln1, attention, ln2, FFN, the norm after it, (cos, sin, qk eps)),
+    each norm as (gamma, beta, eps). Made once per model: the modules and parameters of a
+    model built for inference do not change (its parameters are updated in place)."""
+    layers = model.__dict__.get("_step_layers")
+    if layers is not None:
+        return layers
+    blocks = list(model.blocks)
+    norms = [(b.ln1.gamma, b.ln1.beta, b.ln1.eps) for b in blocks]
+    final = model.ln_f
+    norms.append((final.gamma, final.beta, final.eps))
+    layers = []
+    for i, block in enumerate(blocks):
+        attn, ln2 = block.attn, block.ln2
+        rotary = attn.rotary
+        rope = (None, None) if rotary is None else (rotary.cos.data_ptr(), rotary.sin.data_ptr())
+        rope += (RMS_EPS if attn.qk_norm else 0.0,)
+        second = (ln2.gamma, ln2.beta, ln2.eps)
+        layers.append((norms[i], attn, second, block.ffn, norms[i + 1], rope))
+    model.__dict__["_step_layers"] = layers
+    return layers
+
+
+def _address(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _norm(lib, x: Tensor, a: Tensor | None, h: Tensor, norm: LayerNorm) -> None:
+    """x += a (if given); h = norm(x), in place."""
+    beta = norm.beta
+    lib.add_norm(
+        x.data_ptr(),
+        None if a is None else a.data_ptr(),
+        h.data_ptr(),
+        norm.gamma.data_ptr(),
+        None if beta is None else beta.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        norm.eps,
+    )
+
+
+def _dense(t: Tensor) -> Tensor:
+    return t if t.is_contiguous() and t.dtype == torch.float32 else t.contiguous().float()

@@ -1,0 +1,169 @@
+"""The C step between a decoding step's products (inference/step.py, step.c) means what the
+model's forward pass means: the same logits, the same keys and values in the cache."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_kv_cache import FORMAT_ERROR
+
+from conftest import POSITIONS
+from tlm.inference import SlotCache, decoding_step, for_decoding, for_inference, native
+from tlm.inference import step as native_step
+from tlm.model.kv_cache import KVCache
+
+needs_native = pytest.mark.skipif(
+    native.library() is None, reason="no C compiler here: decoding runs the forward pass"
+)
+
+
+class Spy:
+    """Counts the passes that took the C step."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls, real = 0, native_step.step
+
+        def counted(*args):
+            self.calls += 1
+            return real(*args)
+
+        monkeypatch.setattr(native_step, "step", counted)
+
+
+def forward_only(monkeypatch):
+    """Decoding as it was before the C step: the model's forward pass every time."""
+    monkeypatch.setattr(native, "library", lambda: None)
+
+
+def stepped(model, ids, prefill: int, rows: int | None = None) -> tuple[torch.Tensor, KVCache]:
+    """Logits [B,T-prefill,V] of decoding ids [B,T] one token at a time after a prefill."""
+    cache = KVCache(model.config, len(ids))
+    with torch.no_grad():
+        model(ids[:, :prefill], cache)
+    out = []
+    for t in range(prefill, ids.shape[1]):
+        with decoding_step(model, len(ids)):
+            out.append(model(ids[:, t : t + 1], cache, last_only=True))
+    return torch.cat(out, 1), cache
+
+
+def both(model, ids, prefill, monkeypatch):
+    """(C step, forward pass) of the same decoding, and how many passes the C step took."""
+    spy = Spy(monkeypatch)
+    native_logits, native_cache = stepped(model, ids, prefill)
+    with monkeypatch.context() as m:
+        forward_only(m)
+        forward_logits, forward_cache = stepped(model, ids, prefill)
+    return (native_logits, native_cache), (forward_logits, forward_cache), spy.calls
+
+
+@needs_native
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("qk_norm, bias", [(False, True), (True, False)])
+def test_the_c_step_equals_the_forward_pass(make_model, monkeypatch, position, qk_norm, bias):
+    model = for_decoding(make_model(position=position, qk_norm=qk_norm, bias=bias))
+    ids = torch.randint(0, 97, (2, 20))
+    (got, got_cache), (expected, cache), calls = both(model, ids, 5, monkeypatch)
+    assert calls == 15  # every one-token pass took the C step
+    assert torch.allclose(got, expected, atol=1e-5)
+    n = cache.length
+    assert got_cache.length == n == 20
+    assert torch.allclose(got_cache.k[:, :, :, :n], cache.k[:, :, :, :n], atol=1e-6)
+    assert torch.allclose(got_cache.v[:, :, :, :n], cache.v[:, :, :, :n], atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", FORMAT_ERROR)
+def test_every_format_steps_within_its_own_error(make_model, monkeypatch, dtype):
+    model = make_model(position="learned", activation="gelu_tanh")
+    for p in model.parameters():  # weights of the size a trained model has
+        torch.nn.init.normal_(p, std=0.1)
+    ids = torch.randint(0, 97, (2, 16))
+    with torch.no_grad():
+        exact = model(ids)[:, 6:].log_softmax(-1)
+    packed = make_model(position="learned", activation="gelu_tanh")
+    packed.load_state_dict(model.state_dict())
+    packed = for_inference(packed, dtype)
+    (got, _), (forward, _), calls = both(packed, ids, 6, monkeypatch)
+    assert calls == 10
+    low, high = FORMAT_ERROR[dtype]
+    error = (got.log_softmax(-1) - exact).abs().max().item()
+    assert low <= error < high
+    if dtype in ("float32", "float16"):  # fp32 activations into the same kernels
+        assert torch.allclose(got, forward, atol=1e-5)
+
+
+@needs_native
+def test_rows_at_their_own_lengths(make_model, monkeypatch):
+    """A server's rows: slots 0 and 2 decode at lengths 7 and 3 while slot 1 sits idle."""
+    model = for_decoding(make_model(position="rope"))
+    prompts = {0: torch.randint(0, 97, (7,)), 2: torch.randint(0, 97, (3,))}
+    nxt = torch.randint(0, 97, (4, 2))
+
+    def run() -> tuple[torch.Tensor, SlotCache]:
+        cache, out = SlotCache(model.config, 3, capacity=16), []
+        for slot, prompt in prompts.items():
+            with torch.no_grad():
+                model(prompt[None], cache.feed([slot], [len(prompt)]))
+        for tokens in nxt:
+            with decoding_step(model, 2):
+                out.append(model(tokens[None], cache.feed([0, 2], [1, 1]), last_only=True))
+        return torch.cat(out), cache
+
+    spy = Spy(monkeypatch)
+    got, got_cache = run()
+    with monkeypatch.context() as m:
+        forward_only(m)
+        expected, cache = run()
+    assert spy.calls == 4 and got.shape == (4, 2, 97)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert got_cache.lengths == cache.lengths == [11, 0, 7]
+    assert torch.allclose(got_cache.k, cache.k, atol=1e-6)
+
+
+@needs_native
+def test_a_hooked_model_runs_the_forward_pass(make_model, monkeypatch):
+    model = for_decoding(make_model())
+    seen = []
+    handle = model.blocks[1].attn.pattern.register_forward_hook(lambda m, i, o: seen.append(o))
+    spy = Spy(monkeypatch)
+    stepped(model, torch.randint(0, 97, (1, 8)), 4)
+    assert spy.calls == 0 and len(seen) == 5  # the prefill and every step reached the hook
+    handle.remove()
+    stepped(model, torch.randint(0, 97, (1, 8)), 4)
+    assert spy.calls == 4
+
+
+@needs_native
+def test_the_c_step_keeps_the_cache_bounds(make_model):
+    model = for_decoding(make_model(context_length=32))
+    cache = KVCache(model.config, 1, capacity=4)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 4)), cache)
+    with pytest.raises(ValueError, match="holds 4 positions"), decoding_step(model, 1):
+        model(torch.randint(0, 97, (1, 1)), cache, last_only=True)
+
+
+def test_a_compiler_here_builds_the_step():
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler on this machine")
+    assert native.library() is not None
+
+
+def test_without_a_compiler_decoding_says_so_once_and_goes_on(tmp_path):
+    script = (
+        "import torch; from tlm import ModelConfig, TransformerLM; torch.manual_seed(0);"
+        "m = TransformerLM(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2,"
+        " context_length=16)).eval();"
+        "print(m.generate(torch.tensor([[1, 2]]), max_new_tokens=4).shape);"
+        "print(m.generate(torch.tensor([[3]]), max_new_tokens=2).shape)"
+    )
+    env = os.environ | {"CC": "no-such-compiler", "TLM_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["torch.Size([1,", "6])", "torch.Size([1,", "3])"]
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tlm: decoding without its C step (")
