@@ -76,6 +76,16 @@ def test_the_c_step_equals_the_forward_pass(make_model, monkeypatch, position, q
 
 
 @needs_native
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "relu2"])
+def test_every_activation(make_model, monkeypatch, activation):
+    model = for_decoding(make_model(activation=activation))
+    for p in model.parameters():  # large enough that the activations reach both signs' tails
+        torch.nn.init.normal_(p, std=0.3)
+    (got, _), (expected, _), calls = both(model, torch.randint(0, 97, (1, 12)), 4, monkeypatch)
+    assert calls == 8 and torch.allclose(got, expected, atol=1e-5)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", FORMAT_ERROR)
 def test_every_format_steps_within_its_own_error(make_model, monkeypatch, dtype):
     model = make_model(position="learned", activation="gelu_tanh")

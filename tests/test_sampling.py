@@ -107,3 +107,16 @@ def test_sampling_at_temperature_zero_is_the_argmax():
     draws = sample(apply_temperature(u, 0), torch.Generator().manual_seed(2))
     assert torch.equal(draws, greedy(u))
     assert math.isclose(apply_temperature(u, 0).softmax(-1).max(-1).values.min().item(), 1.0)
+
+
+def test_greedy_takes_the_first_maximum_as_torch_does():
+    from tlm.generate.sampling import greedy
+
+    logits = torch.randn(5, 50257)
+    logits[1, [7, 9000]] = 50.0  # a tie: the first
+    logits[2, 123] = float("nan")  # a NaN counts as the maximum
+    logits[3] = 0.0  # all equal
+    assert torch.equal(greedy(logits), logits.argmax(-1))
+    assert greedy(logits)[1] == 7 and greedy(logits)[2] == 123 and greedy(logits)[3] == 0
+    assert greedy(logits[0]).shape == () and greedy(logits[0]) == logits[0].argmax()
+    assert torch.equal(greedy(logits.double()), logits.double().argmax(-1))  # torch's path

@@ -32,6 +32,7 @@ i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {
     "add_norm": [ptr, ptr, ptr, ptr, ptr, i64, i64, f32],
     "attend_one": [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, ptr, ptr, ptr],
+    "activate": [ptr, i64, i64],
 }
 
 

@@ -114,3 +114,24 @@ void attend_one(const float *q, const float *k, const float *v, int64_t stride, 
         }
     }
 }
+
+/* The FFN's activation, in place on u [n] (eq. 9.21; model/functional.py's ACTIVATIONS):
+ * 0 relu, 1 gelu (exact, x * Phi(x)), 2 gelu with the tanh approximation, 3 relu squared. */
+void activate(float *u, int64_t n, int64_t kind) {
+    if (kind == 0) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) u[i] = u[i] > 0.0f ? u[i] : 0.0f;
+    } else if (kind == 1) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) u[i] = 0.5f * u[i] * (1.0f + erff(u[i] * 0.70710678118654752f));
+    } else if (kind == 2) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            const float x = u[i];
+            u[i] = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+        }
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) u[i] = u[i] > 0.0f ? u[i] * u[i] : 0.0f;
+    }
+}

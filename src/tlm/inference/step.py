@@ -11,7 +11,7 @@ token, the stretch between two products is one call into `step.c` (`native.py`):
     q, k, v = h W^QKV + b                       product
     z = attention of q over the cache + k, v    attend_one (stores k and v)
     x += z W^O + b;  h = LN2(x)                 product, add_norm
-    x += act(h W_1 + b_1) W_2 + b_2;  h = LN1'(x)  products, act, add_norm
+    x += act(h W_1 + b_1) W_2 + b_2;  h = LN1'(x)  products, activate, add_norm
     logits = h E^T (after LN_f)                 product
 
 The products are the model's own kernels (`kernels.py`), so every weight format runs the
@@ -33,6 +33,7 @@ from tlm.model.kv_cache import KVCache
 from tlm.model.layers import LayerNorm, PreNormBlock
 
 RMS_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default, the qk_norm of attention
+ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "relu2": 3}  # step.c's `activate`
 
 
 def rows_of(cache: object, input_ids: Tensor) -> tuple[list[int], list[int]] | None:
@@ -55,6 +56,8 @@ def can_step(model, cache: object, attention_mask: Tensor | None) -> bool:
     if store is None or store.device.type != "cpu" or store.dtype != torch.float32:
         return False
     if not (isinstance(model.ln_f, LayerNorm) and type(model.blocks[0]) is PreNormBlock):
+        return False
+    if model.config.activation not in ACTIVATIONS:
         return False
     return not listening(model)
 
@@ -97,7 +100,8 @@ def step(model, input_ids: Tensor, cache: KVCache | SlotPass) -> Tensor:
         rows.data_ptr(),
     )
     k_, v_, layer_bytes = K.data_ptr(), V.data_ptr(), K.stride(0) * K.element_size()
-    add_norm, attend_one = lib.add_norm, lib.attend_one
+    add_norm, attend_one, activate = lib.add_norm, lib.attend_one, lib.activate
+    kind = ACTIVATIONS[config.activation]
     layers = _layers(model)
     gamma, beta, eps = layers[0][0]
     add_norm(x_, None, h_, gamma.data_ptr(), _address(beta), R, d, eps)
@@ -115,7 +119,9 @@ def step(model, input_ids: Tensor, cache: KVCache | SlotPass) -> Tensor:
         )  # fmt: skip
         a = _dense(attn.project_out(z))
         add_norm(x_, a.data_ptr(), h_, gamma2.data_ptr(), _address(beta2), R, d, eps2)
-        f = _dense(ffn.down(ffn.act(ffn.up(h))))
+        u = _dense(ffn.up(h))  # a new tensor: activated in place
+        activate(u.data_ptr(), u.numel(), kind)
+        f = _dense(ffn.down(u))
         add_norm(x_, f.data_ptr(), h_, gamma3.data_ptr(), _address(beta3), R, d, eps3)
     cache.advance(1)
     return model.unembed(h)
