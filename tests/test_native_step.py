@@ -148,6 +148,19 @@ def test_a_hooked_model_runs_the_forward_pass(make_model, monkeypatch):
 
 
 @needs_native
+def test_a_model_in_training_mode_keeps_its_dropout(make_model, monkeypatch):
+    """Decoding a plain model left in training mode runs the forward pass, dropout and all."""
+    model = make_model(dropout=0.5).train()
+    spy = Spy(monkeypatch)
+    torch.manual_seed(1)
+    first = model.generate(torch.randint(0, 97, (1, 4)), max_new_tokens=6, do_sample=True)
+    assert spy.calls == 0 and first.shape == (1, 10)
+    model.eval()
+    model.generate(torch.randint(0, 97, (1, 4)), max_new_tokens=6)
+    assert spy.calls == 5
+
+
+@needs_native
 def test_the_c_step_keeps_the_cache_bounds(make_model):
     model = for_decoding(make_model(context_length=32))
     cache = KVCache(model.config, 1, capacity=4)

@@ -16,8 +16,8 @@ token, the stretch between two products is one call into `step.c` (`native.py`):
 
 The products are the model's own kernels (`kernels.py`), so every weight format runs the
 same way. The step is taken only when it means the same as the model's forward pass: a
-pre-norm model on the CPU in fp32 activations, no attention mask, one token per row of a
-`KVCache` or a `SlotCache` pass, and no hook listening anywhere (a hooked model runs
+pre-norm model in eval mode on the CPU in fp32 activations, no attention mask, one token
+per row of a `KVCache` or a `SlotCache` pass, and no hook listening anywhere (a hooked model runs
 `TransformerLM.forward`, so every hook point sees its activation). Tests hold this step
 equal to the forward pass in every format and cache.
 """
@@ -48,7 +48,9 @@ def rows_of(cache: object, input_ids: Tensor) -> tuple[list[int], list[int]] | N
 
 def can_step(model, cache: object, attention_mask: Tensor | None) -> bool:
     """Whether `step` means the same as the model's forward pass here (see the module)."""
-    if attention_mask is not None or torch.is_grad_enabled() or native.library() is None:
+    if attention_mask is not None or torch.is_grad_enabled() or model.training:
+        return False  # a mask, autograd, or dropout: the forward pass has them
+    if native.library() is None:
         return False
     store = getattr(cache, "k", None) if isinstance(cache, KVCache) else None
     if isinstance(cache, SlotPass):
