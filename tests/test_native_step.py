@@ -190,3 +190,14 @@ def test_without_a_compiler_decoding_says_so_once_and_goes_on(tmp_path):
     assert run.stdout.split() == ["torch.Size([1,", "6])", "torch.Size([1,", "3])"]
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tlm: decoding without its C step (")
+
+
+@needs_native
+def test_an_unusable_cache_folder_builds_in_the_temporary_one(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a cache path below a file cannot be made, even by root
+    script = "from tlm.inference import native; print(native.library() is not None)"
+    env = os.environ | {"TLM_CACHE": str(blocker / "cache"), "TMPDIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert run.stdout.strip() == "True", run.stderr
+    assert list(tmp_path.glob("tlm-*/native/step-*.so"))

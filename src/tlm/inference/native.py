@@ -3,9 +3,10 @@
 The C file holds the work between a decoding step's weight products (`step.py`). It is
 compiled once per machine with the system's C compiler (`$CC`, else `cc`) for the host's
 own instruction set (-march=native), into tlm's cache folder (`$TLM_CACHE`, else
-~/.cache/tlm), under a name made of the source, the flags, the compiler and the CPU, so
-that a changed file or another host compiles anew; the compiler writes to a temporary
-name that is renamed when done. It takes about a second, and needs no torch headers.
+~/.cache/tlm; the temporary folder where that cannot be made), under a name made of the
+source, the flags, the compiler and the CPU, so that a changed file or another host
+compiles anew; the compiler writes to a temporary name that is renamed when done. It
+takes about a second, and needs no torch headers.
 
 Where no compiler works, or `TLM_NATIVE=0`, `library()` is None and decoding runs the
 model's own forward pass, as before; one line on stderr says so, once.
@@ -61,11 +62,18 @@ def _compiled() -> Path:
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu()):
         key.update(part)
+    name = f"step-{key.hexdigest()[:16]}.so"
     folder = Path(os.environ.get("TLM_CACHE", Path.home() / ".cache" / "tlm")) / "native"
-    target = folder / f"step-{key.hexdigest()[:16]}.so"
+    if (folder / name).is_file():
+        return folder / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no cache folder to be had (a read-only home): the temporary folder
+        folder = Path(tempfile.gettempdir()) / f"tlm-{os.getuid()}" / "native"
+        folder.mkdir(parents=True, exist_ok=True)
+    target = folder / name
     if target.is_file():
         return target
-    folder.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=folder, suffix=".so.part")
     os.close(handle)
     try:
