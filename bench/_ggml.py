@@ -11,6 +11,7 @@ time. ggml is a peer to measure, not a dependency: nothing in `src/` uses it.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import struct
@@ -66,8 +67,6 @@ def convert(folder: Path, out: Path, ftype: str) -> Path:
     file: the weight matrices in `ftype`, positions, biases and LayerNorms in f32."""
     if out.is_file():
         return out
-    import json
-
     config = json.loads((folder / "config.json").read_text())
     state = load_file(folder / "model.safetensors")
     state = {name.removeprefix("transformer."): t for name, t in state.items()}

@@ -79,9 +79,9 @@ class InferenceLM(TransformerLM):
     ) -> Tensor:
         """`TransformerLM.forward`; a decoding pass (inside `decoding`, each row feeding one
         token) takes `step.step` when it means the same (`step.can_step`)."""
-        one_each = self.route.rows and last_only and step.rows_of(cache, input_ids) is not None
-        if one_each and step.can_step(self, cache, attention_mask):
-            logits = step.step(self, input_ids, cache)  # [R,V]
+        rows = step.rows_of(cache, input_ids) if self.route.rows and last_only else None
+        if rows is not None and step.can_step(self, cache, attention_mask):
+            logits = step.step(self, input_ids, cache, rows)  # [R,V]
             return logits[:, None] if isinstance(cache, KVCache) else logits[None]
         return super().forward(input_ids, cache, attention_mask, last_only)
 

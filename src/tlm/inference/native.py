@@ -4,9 +4,9 @@ The C file holds the work between a decoding step's weight products (`step.py`).
 compiled once per machine with the system's C compiler (`$CC`, else `cc`) for the host's
 own instruction set (-march=native), into tlm's cache folder (`$TLM_CACHE`, else
 ~/.cache/tlm; the temporary folder where that cannot be made), under a name made of the
-source, the flags, the compiler and the CPU, so that a changed file or another host
-compiles anew; the compiler writes to a temporary name that is renamed when done. It
-takes about a second, and needs no torch headers.
+source, the flags and the CPU, so that a changed file or another host compiles anew and a
+process that finds the library runs no compiler; the compiler writes to a temporary name
+that is renamed when done. It takes under a second, and needs no torch headers.
 
 Where no compiler works, or `TLM_NATIVE=0`, `library()` is None and decoding runs the
 model's own forward pass, as before; one line on stderr says so, once.
@@ -55,12 +55,10 @@ def library() -> ctypes.CDLL | None:
 
 
 def _compiled() -> Path:
-    compiler = os.environ.get("CC", "cc")
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
-    ).stdout
+    """The compiled library: the cached one for this source, flags and CPU, else a new one
+    (the compiler runs only then)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu()):
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _cpu()):
         key.update(part)
     name = f"step-{key.hexdigest()[:16]}.so"
     folder = Path(os.environ.get("TLM_CACHE", Path.home() / ".cache" / "tlm")) / "native"
@@ -76,6 +74,7 @@ def _compiled() -> Path:
         return target
     handle, temporary = tempfile.mkstemp(dir=folder, suffix=".so.part")
     os.close(handle)
+    compiler = os.environ.get("CC", "cc")
     try:
         command = [compiler, *FLAGS, str(SOURCE), "-o", temporary, "-lm"]
         run = subprocess.run(command, capture_output=True, text=True, timeout=120)

@@ -4,8 +4,9 @@ At batch 1 a decoding step is 49 weight products (4 per layer and the head) with
 small operations between each two (LayerNorm, residual adds, writing the new key and
 value, one query's attention). One torch operation costs a few µs to dispatch, and a
 module call or hook point more; together they took a third to a half of a step
-(docs/benchmarks.md, "Decoding overhead"). Here, for a pass in which every row feeds one
-token, the stretch between two products is one call into `step.c` (`native.py`):
+(docs/benchmarks.md, "Decoding without per-token overhead"). Here, for a pass in which
+every row feeds one token, the stretch between two products is one call into `step.c`
+(`native.py`):
 
     h = LN1(x)                                  add_norm (no add)
     q, k, v = h W^QKV + b                       product
@@ -17,8 +18,8 @@ token, the stretch between two products is one call into `step.c` (`native.py`):
 The products are the model's own kernels (`kernels.py`), so every weight format runs the
 same way. The step is taken only when it means the same as the model's forward pass: a
 pre-norm model in eval mode on the CPU in fp32 activations, no attention mask, one token
-per row of a `KVCache` or a `SlotCache` pass, and no hook listening anywhere (a hooked model runs
-`TransformerLM.forward`, so every hook point sees its activation). Tests hold this step
+per row of a `KVCache` or a `SlotCache` pass, and no hook listening anywhere (a hooked
+model runs `TransformerLM.forward`, so every hook point sees its activation). Tests hold this step
 equal to the forward pass in every format and cache.
 """
 
@@ -78,97 +79,70 @@ def listening(model) -> bool:
     return any(hooks)
 
 
-def step(model, input_ids: Tensor, cache: KVCache | SlotPass) -> Tensor:
-    """Logits [R,V] of a pass feeding one token to each of R rows (`rows_of(cache)`); their
-    keys and values are stored and the cache moves on, as in the forward pass."""
+def step(
+    model, input_ids: Tensor, cache: KVCache | SlotPass, rows: tuple[list[int], list[int]]
+) -> Tensor:
+    """Logits [R,V] of a pass feeding one token to each of R rows, rows = (slots,
+    positions) from `rows_of`; their keys and values are stored and the cache moves on,
+    as in the forward pass."""
     lib, config = native.library(), model.config
-    slots, positions = rows_of(cache, input_ids)
-    end = cache.end(1)
-    if end > config.context_length:
-        raise ValueError(f"input has {end} tokens; context_length is {config.context_length}")
+    slots, positions = rows
+    model.check_context(cache.end(1))
+    if isinstance(cache, KVCache):  # a SlotPass checked its rows when it was made
+        cache.check_capacity(cache.end(1))
     K, V = (cache.k, cache.v) if isinstance(cache, KVCache) else (cache.cache.k, cache.cache.v)
-    capacity = K.shape[3]
-    if max(positions) >= capacity:
-        raise ValueError(f"KV cache holds {capacity} positions; {end} were asked for")
     R, d, H, d_head = len(slots), config.d_model, config.n_heads, config.d_head
-    at, rows = torch.tensor(positions), torch.tensor(slots)
+    at, where = torch.tensor(positions), torch.tensor(slots)
     x = model.embedding(input_ids.reshape(1, R), at[None]).reshape(R, d).contiguous()
     h, z = torch.empty_like(x), x.new_empty(R, H * d_head)
-    x_, h_, z_, at_, rows_ = (
-        x.data_ptr(),
-        h.data_ptr(),
-        z.data_ptr(),
-        at.data_ptr(),
-        rows.data_ptr(),
-    )
+    x_, h_, z_ = x.data_ptr(), h.data_ptr(), z.data_ptr()
     k_, v_, layer_bytes = K.data_ptr(), V.data_ptr(), K.stride(0) * K.element_size()
-    add_norm, attend_one, activate = lib.add_norm, lib.attend_one, lib.activate
-    kind = ACTIVATIONS[config.activation]
-    layers = _layers(model)
-    gamma, beta, eps = layers[0][0]
-    add_norm(x_, None, h_, gamma.data_ptr(), _address(beta), R, d, eps)
-    for layer, (_, attn, (gamma2, beta2, eps2), ffn, (gamma3, beta3, eps3), rope) in enumerate(
-        layers
-    ):
+    kind, address = ACTIVATIONS[config.activation], native.address
+
+    def add_norm(a: Tensor | None, norm: tuple[Tensor, Tensor | None, float]) -> None:
+        """x += a (if given); h = LayerNorm(x), both in place."""
+        gamma, beta, eps = norm
+        lib.add_norm(x_, address(a), h_, gamma.data_ptr(), address(beta), R, d, eps)
+
+    first, layers = _layers(model)
+    add_norm(None, first)
+    for layer, (attn, ln2, ffn, after, (cos, sin, qk_eps)) in enumerate(layers):
         q, k, v = attn.project_qkv(h)
         if not (q.stride() == k.stride() == v.stride() and q.stride(-1) == 1):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        cos, sin, qk_eps = rope
         offset = layer * layer_bytes
-        attend_one(
+        lib.attend_one(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k_ + offset, v_ + offset,
-            rows_, at_, R, H, d_head, capacity, qk_eps, cos, sin, z_,
+            where.data_ptr(), at.data_ptr(), R, H, d_head, K.shape[3], qk_eps, cos, sin, z_,
         )  # fmt: skip
-        a = _dense(attn.project_out(z))
-        add_norm(x_, a.data_ptr(), h_, gamma2.data_ptr(), _address(beta2), R, d, eps2)
+        add_norm(_dense(attn.project_out(z)), ln2)
         u = _dense(ffn.up(h))  # a new tensor: activated in place
-        activate(u.data_ptr(), u.numel(), kind)
-        f = _dense(ffn.down(u))
-        add_norm(x_, f.data_ptr(), h_, gamma3.data_ptr(), _address(beta3), R, d, eps3)
+        lib.activate(u.data_ptr(), u.numel(), kind)
+        add_norm(_dense(ffn.down(u)), after)
     cache.advance(1)
     return model.unembed(h)
 
 
-def _layers(model) -> list[tuple]:
-    """Per block: (its ln1, attention, ln2, FFN, the norm after it, (cos, sin, qk eps)),
-    each norm as (gamma, beta, eps). Made once per model: the modules and parameters of a
-    model built for inference do not change (its parameters are updated in place)."""
-    layers = model.__dict__.get("_step_layers")
-    if layers is not None:
-        return layers
+def _layers(model) -> tuple[tuple, list[tuple]]:
+    """The first block's ln1, and per block (attention, ln2, FFN, the norm after it: the
+    next block's ln1 or ln_f, (cos, sin, qk eps)), each norm as (gamma, beta, eps). Made
+    once per model: the modules and parameters of a model built for inference do not
+    change (training updates a plain model's parameters in place)."""
+    made = model.__dict__.get("_step_layers")
+    if made is not None:
+        return made
     blocks = list(model.blocks)
-    norms = [(b.ln1.gamma, b.ln1.beta, b.ln1.eps) for b in blocks]
-    final = model.ln_f
-    norms.append((final.gamma, final.beta, final.eps))
+    norms = [(b.ln1.gamma, b.ln1.beta, b.ln1.eps) for b in blocks[1:]]
+    norms.append((model.ln_f.gamma, model.ln_f.beta, model.ln_f.eps))
     layers = []
-    for i, block in enumerate(blocks):
-        attn, ln2 = block.attn, block.ln2
-        rotary = attn.rotary
+    for block, after in zip(blocks, norms, strict=True):
+        attn, ln2, rotary = block.attn, block.ln2, block.attn.rotary
         rope = (None, None) if rotary is None else (rotary.cos.data_ptr(), rotary.sin.data_ptr())
         rope += (RMS_EPS if attn.qk_norm else 0.0,)
-        second = (ln2.gamma, ln2.beta, ln2.eps)
-        layers.append((norms[i], attn, second, block.ffn, norms[i + 1], rope))
-    model.__dict__["_step_layers"] = layers
-    return layers
-
-
-def _address(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _norm(lib, x: Tensor, a: Tensor | None, h: Tensor, norm: LayerNorm) -> None:
-    """x += a (if given); h = norm(x), in place."""
-    beta = norm.beta
-    lib.add_norm(
-        x.data_ptr(),
-        None if a is None else a.data_ptr(),
-        h.data_ptr(),
-        norm.gamma.data_ptr(),
-        None if beta is None else beta.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        norm.eps,
-    )
+        layers.append((attn, (ln2.gamma, ln2.beta, ln2.eps), block.ffn, after, rope))
+    first = blocks[0].ln1
+    made = model.__dict__["_step_layers"] = ((first.gamma, first.beta, first.eps), layers)
+    return made
 
 
 def _dense(t: Tensor) -> Tensor:

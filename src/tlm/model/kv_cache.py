@@ -104,11 +104,15 @@ class KVCache:
         moves on only in `advance`, once every layer has stored its part of the step.
         """
         start, end = self.length, self.length + k.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"KV cache holds {self.capacity} positions; {end} were asked for")
+        self.check_capacity(end)
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def check_capacity(self, end: int) -> None:
+        """Refuse to fill positions up to `end` when the cache holds fewer."""
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; {end} were asked for")
 
     def advance(self, T: int) -> None:
         self.length += T

@@ -93,11 +93,7 @@ class TransformerLM(nn.Module):
         tokens only.
         """
         T = input_ids.shape[1]
-        end = T if cache is None else cache.end(T)
-        if end > self.config.context_length:
-            raise ValueError(
-                f"input has {end} tokens; context_length is {self.config.context_length}"
-            )
+        self.check_context(T if cache is None else cache.end(T))
         mask = None
         if attention_mask is not None:  # the mask covers the cached positions and these T
             positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -T:]  # [B,T]
@@ -114,6 +110,13 @@ class TransformerLM(nn.Module):
         if last_only:  # only the last position (of each row) predicts the next token
             x = x[:, -1:] if cache is None else cache.last(x)
         return self.logits(self.unembed(self.final(self.ln_f(x))))
+
+    def check_context(self, end: int) -> None:
+        """Refuse a pass after which the longest row would hold `end` > N tokens."""
+        if end > self.config.context_length:
+            raise ValueError(
+                f"input has {end} tokens; context_length is {self.config.context_length}"
+            )
 
     def unembed(self, h: Tensor) -> Tensor:
         """u = h E^T (eq. 9.45), or h W_U untied: [B,T,d] -> [B,T,V]."""
