@@ -18,6 +18,7 @@ weight format changes the validation loss.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -210,9 +211,11 @@ def user_models(folder: Path) -> dict[str, TransformerLM]:
 
 
 def part_limit(rounds: int, work: Path) -> None:
-    """Batch-1 decoding against the read-bandwidth limit, and the time between products:
-    a step (1 / tok/s of `generate`, everything included) less its weight products run
-    alone, back to back (`products_only`)."""
+    """Batch-1 decoding against the read-bandwidth limit, and the time between products.
+    A step is the time from one token to the next in `generate` (everything a token costs:
+    the model, the choice, the loop; the prompt's pass is its own column); "products" is
+    one row through the step's weight products alone, back to back (`products_only`).
+    Each round times both, and the medians over rounds are reported."""
     threads = torch.get_num_threads()
     bandwidth = read_bandwidth(threads)
     print(
@@ -221,26 +224,36 @@ def part_limit(rounds: int, work: Path) -> None:
     )
     print("GPT-2 124M shape, greedy, prompt 32, 64 new tokens; median of rounds")
     print(
-        "format    weights MB  limit tok/s  batch 1 tok/s  share  step ms  products ms"
-        "  between  batch 8  batch 32  step@1024"
+        "format    weights MB  limit tok/s  batch 1 tok/s  share  prompt ms  step ms"
+        "  products ms  between  batch 8  batch 32  step@1024"
     )
     for fmt, model in user_models(saved_gpt2(work)).items():
         tlm_rate(model, 1, 4)
-        rates, products = [], []
+        rates, prompts, steps, products = [], [], [], []
         for _ in range(rounds):
             rates.append(tlm_rate(model, 1, 64))
-            products.append(products_only(model))
+            prompt, step = token_times(model, 64)
+            prompts.append(prompt), steps.append(step), products.append(products_only(model))
         eight, many = tlm_rate(model, 8, 32), tlm_rate(model, 32, 32)
-        rate, alone = statistics.median(rates), statistics.median(products)
-        nbytes, step = weight_bytes(model.config, fmt), 1 / rate
+        rate, step, alone = (statistics.median(v) for v in (rates, steps, products))
+        nbytes = weight_bytes(model.config, fmt)
         print(
             f"{fmt:9s} {nbytes / 1e6:10.0f} {bandwidth / nbytes:12.1f} {rate:14.1f}"
-            f" {rate * nbytes / bandwidth:6.0%} {step * 1e3:8.2f} {alone * 1e3:12.2f}"
-            f" {(step - alone) / step:8.0%} {eight:8.1f} {many:9.1f}"
-            f" {step_at(model, 1024) * 1e3:8.1f} ms"
+            f" {rate * nbytes / bandwidth:6.0%} {statistics.median(prompts) * 1e3:10.1f}"
+            f" {step * 1e3:8.2f} {alone * 1e3:12.2f} {(step - alone) / step:8.0%}"
+            f" {eight:8.1f} {many:9.1f} {step_at(model, 1024) * 1e3:8.1f} ms"
         )
     hf = statistics.median(hf_rate(hf_gpt2(), 1, 64) for _ in range(rounds))
     print(f"transformers fp32 batch 1: {hf:.1f} tok/s")
+
+
+def token_times(model: TransformerLM, new: int) -> tuple[float, float]:
+    """(seconds to the first token, the median seconds from one token to the next) of
+    batch-1 greedy `generate` from a random 32-token prompt."""
+    ids = torch.randint(0, GPT2["vocab_size"], (1, PROMPT))
+    started = time.perf_counter()
+    stamps = [time.perf_counter() for _ in generate(model, ids, max_new_tokens=new)]
+    return stamps[0] - started, statistics.median(b - a for a, b in itertools.pairwise(stamps))
 
 
 def part_ggml(rounds: int, work: Path, source: Path | None) -> None:
@@ -280,7 +293,7 @@ def part_ggml(rounds: int, work: Path, source: Path | None) -> None:
 
 def products_only(model: TransformerLM) -> float:
     """Seconds for one row through every product of a decoding step and nothing else (no
-    attention, LayerNorm or loop), in the step's order: the most the kernels allow (best
+    attention, LayerNorm or loop), in the step's order: the most the kernels allow (median
     of 5)."""
     model = for_decoding(model)
     x, h = torch.randn(1, 1, model.config.d_model), torch.randn(1, 1, model.config.d_ff)
@@ -293,7 +306,7 @@ def products_only(model: TransformerLM) -> float:
                 block.ffn.up(x), block.ffn.down(h)
             model.unembed(x)
             times.append(time.perf_counter() - started)
-    return min(times)
+    return statistics.median(times)
 
 
 def step_at(model: TransformerLM, position: int) -> float:

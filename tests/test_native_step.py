@@ -201,3 +201,51 @@ def test_an_unusable_cache_folder_builds_in_the_temporary_one(tmp_path):
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert run.stdout.strip() == "True", run.stderr
     assert list(tmp_path.glob("tlm-*/native/step-*.so"))
+
+
+GOMP_SCRIPT = """
+import torch
+from tlm import ModelConfig, TransformerLM
+from tlm.inference import native
+
+def openmp():
+    return sorted({l.split()[-1] for l in open("/proc/self/maps") if "libgomp" in l})
+
+before = openmp()
+assert native.library() is not None
+torch.manual_seed(0)
+model = TransformerLM(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=4,
+                                  context_length=16)).eval()
+model.generate(torch.tensor([[1, 2]]), max_new_tokens=3)
+print(len(before), len(openmp()))
+"""
+
+
+@needs_native
+def test_attention_threads_are_torchs_own(tmp_path):
+    """The library built with OpenMP uses the OpenMP runtime torch has loaded (one thread
+    pool for both), not a second copy of it."""
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("needs Linux's /proc to list the loaded libraries")
+    env = os.environ | {"TLM_CACHE": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, "-c", GOMP_SCRIPT], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0, run.stderr
+    before, after = map(int, run.stdout.split())
+    if before == 0:
+        pytest.skip("this torch runs without libgomp")
+    assert before == after == 1
+    assert not run.stderr
+
+
+@needs_native
+def test_a_compiler_without_openmp_still_builds_the_step(tmp_path):
+    script = (
+        "from tlm.inference import native; native.THREADS = ('-fno-such-openmp-flag',"
+        " *native.THREADS[1:]); print(native.library() is not None)"
+    )
+    env = os.environ | {"TLM_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert run.stdout.strip() == "True" and not run.stderr, run.stderr
+    assert len(list(tmp_path.glob("native/step-*.so"))) == 1

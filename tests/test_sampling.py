@@ -120,3 +120,27 @@ def test_greedy_takes_the_first_maximum_as_torch_does():
     assert greedy(logits)[1] == 7 and greedy(logits)[2] == 123 and greedy(logits)[3] == 0
     assert greedy(logits[0]).shape == () and greedy(logits[0]) == logits[0].argmax()
     assert torch.equal(greedy(logits.double()), logits.double().argmax(-1))  # torch's path
+
+
+def test_greedy_logprob_is_the_argmax_and_its_log_softmax():
+    """The one-pass C pick (fp32 CPU) against torch: the first of equal maxima wherever it
+    falls (a block of 256 holds it, or the last partial block), and its log-probability;
+    logits that are not all finite take torch's path and agree with it."""
+    from tlm.generate.sampling import greedy_logprob
+
+    torch.manual_seed(0)
+    cases = []
+    for top in (0, 5, 255, 256, 30_000, 50_256):
+        logits = torch.randn(50_257) * 3
+        logits[top] = logits[min(top + 1, 50_256)] = logits[-3] = 20.0  # ties: the first wins
+        cases.append(logits)
+    cases += [torch.randn(7), torch.full((300,), -1e30)]
+    for odd in (float("nan"), float("inf"), float("-inf")):
+        logits = torch.randn(1000)
+        logits[500] = odd
+        cases.append(logits)
+    for logits in cases:
+        token, logprob = greedy_logprob(logits)
+        assert token == int(logits.argmax())
+        expected = float(logits.log_softmax(-1)[token])
+        assert logprob == pytest.approx(expected, abs=1e-5, nan_ok=True)

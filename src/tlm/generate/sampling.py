@@ -8,10 +8,13 @@ every draw takes a `torch.Generator`.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import Tensor
 
 from tlm.errors import UserError
+from tlm.inference import native
 
 
 class GenerationError(UserError):
@@ -95,6 +98,21 @@ def greedy(logits: Tensor) -> Tensor:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.as_tensor(logits.detach().numpy().argmax(axis=-1))
     return logits.argmax(dim=-1)
+
+
+def greedy_logprob(logits: Tensor) -> tuple[int, float]:
+    """(ŵ, log P(ŵ)) of one row of logits [V]: the argmax (eq. 10.46) and its log-softmax.
+    fp32 CPU logits take one C pass (`step.c`'s greedy_pick: the maximum, then
+    -log Σ exp(u_i - max), no [V] log-softmax written), held equal to torch's in a test;
+    any other logits, or logits that are not all finite, take torch's."""
+    lib = native.library() if logits.device.type == "cpu" else None
+    if lib is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        logprob = ctypes.c_float()
+        token = lib.greedy_pick(logits.data_ptr(), logits.numel(), ctypes.byref(logprob))
+        if token >= 0:
+            return token, logprob.value
+    token = int(greedy(logits))
+    return token, float(logits.log_softmax(dim=-1)[token])
 
 
 def choose(

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from tlm.generate.config import GenerationConfig
-from tlm.generate.sampling import GenerationError, choose
+from tlm.generate.sampling import GenerationError, choose, greedy_logprob
 from tlm.inference import SlotCache, decoding_step, for_decoding
 
 
@@ -177,14 +177,17 @@ class Slots:
     def _choose(self, sequence: Sequence, logits: Tensor) -> Emitted:
         c = sequence.config
         logits = logits.float()
-        logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before any filter
-        seen = None if sequence.seen is None else sequence.seen[None]
-        token = int(choose(logits[None], c, [sequence.generator], seen)[0])
         top = []
-        if sequence.top_logprobs:
-            values, ids = logprobs.topk(min(sequence.top_logprobs, len(logprobs)))
-            top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        logprob = float(logprobs[token])
+        if c.greedy and sequence.seen is None and not sequence.top_logprobs:
+            token, logprob = greedy_logprob(logits)  # no [V] log-softmax to write
+        else:
+            logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before any filter
+            seen = None if sequence.seen is None else sequence.seen[None]
+            token = int(choose(logits[None], c, [sequence.generator], seen)[0])
+            if sequence.top_logprobs:
+                values, ids = logprobs.topk(min(sequence.top_logprobs, len(logprobs)))
+                top = list(zip(ids.tolist(), values.tolist(), strict=True))
+            logprob = float(logprobs[token])
         sequence.tokens.append(token)
         sequence.logprobs.append(logprob)
         if sequence.seen is not None:

@@ -2,11 +2,13 @@
 
 The C file holds the work between a decoding step's weight products (`step.py`). It is
 compiled once per machine with the system's C compiler (`$CC`, else `cc`) for the host's
-own instruction set (-march=native), into tlm's cache folder (`$TLM_CACHE`, else
-~/.cache/tlm; the temporary folder where that cannot be made), under a name made of the
-source, the flags and the CPU, so that a changed file or another host compiles anew and a
-process that finds the library runs no compiler; the compiler writes to a temporary name
-that is renamed when done. It takes under a second, and needs no torch headers.
+own instruction set (-march=native) and with OpenMP (where the compiler has no OpenMP
+runtime, without it: attention then runs on one core), into tlm's cache folder
+(`$TLM_CACHE`, else ~/.cache/tlm; the temporary folder where that cannot be made), under a
+name made of the source, the flags and the CPU, so that a changed file or another host
+compiles anew and a process that finds the library runs no compiler; the compiler writes
+to a temporary name that is renamed when done. It takes under a second, and needs no
+torch headers.
 
 Where no compiler works, or `TLM_NATIVE=0`, `library()` is None and decoding runs the
 model's own forward pass, as before; one line on stderr says so, once.
@@ -27,13 +29,22 @@ from pathlib import Path
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("step.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC"]
+# OpenMP threads (attention's heads split across the cores), else SIMD pragmas only. With
+# -fopenmp the library needs libgomp.so.1, which resolves to the copy torch has loaded: one
+# thread pool for torch's ops and this file's, whose threads are still awake from the
+# product before (tested: attention runs on torch's threads).
+THREADS = ("-fopenmp", "-fopenmp-simd")
 
 i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-SIGNATURES = {
-    "add_norm": [ptr, ptr, ptr, ptr, ptr, i64, i64, f32],
-    "attend_one": [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, ptr, ptr, ptr],
-    "activate": [ptr, i64, i64],
+SIGNATURES = {  # name: (what it returns, its arguments)
+    "add_norm": (None, [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, f32]),
+    "attend_one": (
+        None,
+        [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, ptr, ptr, ptr],
+    ),
+    "activate": (None, [ptr, i64, i64]),
+    "greedy_pick": (i64, [ptr, i64, ptr]),
 }
 
 
@@ -42,23 +53,26 @@ def library() -> ctypes.CDLL | None:
     """The compiled `step.c`, or None (with one line on stderr) where it cannot be had."""
     if os.environ.get("TLM_NATIVE", "1") == "0":
         return None
-    try:
-        lib = ctypes.CDLL(str(_compiled()))
-    except (OSError, subprocess.SubprocessError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    for threads in THREADS:  # a compiler without OpenMP's runtime still gets the step
+        try:
+            lib = ctypes.CDLL(str(_compiled([*FLAGS, threads])))
+            break
+        except (OSError, subprocess.SubprocessError) as error:
+            reason = _first_line(error)
+    else:
         print(f"tlm: decoding without its C step ({reason})", file=sys.stderr)
         return None
-    for name, arguments in SIGNATURES.items():
+    for name, (returns, arguments) in SIGNATURES.items():
         getattr(lib, name).argtypes = arguments
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = returns
     return lib
 
 
-def _compiled() -> Path:
+def _compiled(flags: list[str]) -> Path:
     """The compiled library: the cached one for this source, flags and CPU, else a new one
     (the compiler runs only then)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _cpu()):
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), _cpu()):
         key.update(part)
     name = f"step-{key.hexdigest()[:16]}.so"
     folder = Path(os.environ.get("TLM_CACHE", Path.home() / ".cache" / "tlm")) / "native"
@@ -76,7 +90,7 @@ def _compiled() -> Path:
     os.close(handle)
     compiler = os.environ.get("CC", "cc")
     try:
-        command = [compiler, *FLAGS, str(SOURCE), "-o", temporary, "-lm"]
+        command = [compiler, *flags, str(SOURCE), "-o", temporary, "-lm"]
         run = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if run.returncode != 0:
             raise OSError(f"{compiler} failed: {run.stderr.strip()[:200]}")
@@ -85,6 +99,11 @@ def _compiled() -> Path:
         if os.path.exists(temporary):
             os.unlink(temporary)
     return target
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _cpu() -> bytes:

@@ -13,13 +13,14 @@
 #include <string.h>
 
 /* x += a (when a is given), then h = gamma * (x - mu) / sqrt(var + eps) + beta (eq. 9.22-9.25),
- * for each of `rows` rows of width d; beta may be NULL (no bias). */
-void add_norm(float *x, const float *a, float *h, const float *gamma, const float *beta,
-              int64_t rows, int64_t d, float eps) {
+ * for each of `rows` rows of width d; beta may be NULL (no bias). Row r adds row r of a, or
+ * with `index`, row index[r] of a (the position embeddings P[pos], Fig. 9.13). */
+void add_norm(float *x, const float *a, const int64_t *index, float *h, const float *gamma,
+              const float *beta, int64_t rows, int64_t d, float eps) {
     for (int64_t r = 0; r < rows; r++) {
         float *xr = x + r * d, *hr = h + r * d;
         if (a) {
-            const float *ar = a + r * d;
+            const float *ar = a + (index ? index[r] : r) * d;
 #pragma omp simd
             for (int64_t i = 0; i < d; i++) xr[i] += ar[i];
         }
@@ -57,61 +58,68 @@ static void rotate(float *v, int64_t n, const float *cos_, const float *sin_) {
     }
 }
 
+/* One head of one row: write its new key and value at position p of the head's cache
+ * Kh, Vh [capacity, d_head], then out = softmax(q Kh[0..p]^T / sqrt(d_head)) Vh[0..p]. */
+static void attend_head(const float *q, const float *k, const float *v, float *Kh, float *Vh,
+                        int64_t p, int64_t d_head, float qk_eps, const float *cos_,
+                        const float *sin_, float *scores, float *out) {
+    float query[d_head];
+    float *key = Kh + p * d_head;
+    memcpy(query, q, d_head * sizeof(float));
+    memcpy(key, k, d_head * sizeof(float));
+    memcpy(Vh + p * d_head, v, d_head * sizeof(float));
+    if (qk_eps > 0.0f) {
+        rms_norm(query, d_head, qk_eps);
+        rms_norm(key, d_head, qk_eps);
+    }
+    if (cos_) {
+        rotate(query, d_head, cos_ + p * (d_head / 2), sin_ + p * (d_head / 2));
+        rotate(key, d_head, cos_ + p * (d_head / 2), sin_ + p * (d_head / 2));
+    }
+    const float scale = 1.0f / sqrtf((float)d_head);
+    float most = -INFINITY;
+    for (int64_t j = 0; j <= p; j++) {
+        const float *kj = Kh + j * d_head;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < d_head; i++) dot += query[i] * kj[i];
+        scores[j] = dot * scale;
+        most = scores[j] > most ? scores[j] : most;
+    }
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j <= p; j++) {
+        scores[j] = expf(scores[j] - most);
+        total += scores[j];
+    }
+    memset(out, 0, d_head * sizeof(float));
+    for (int64_t j = 0; j <= p; j++) {
+        const float weight = scores[j] / total;
+        const float *vj = Vh + j * d_head;
+#pragma omp simd
+        for (int64_t i = 0; i < d_head; i++) out[i] += weight * vj[i];
+    }
+}
+
 /* One layer's attention for `rows` rows, each feeding one token (eq. 9.11-9.13, 9.19's
  * concatenation). Row r writes its key and value at position pos[r] of its slot slots[r]
  * in the cache, K and V [slots, H, capacity, d_head] of this layer, and its query attends
  * to positions 0..pos[r] of its slot: z[r] = concat_h softmax(q_h K_h^T / sqrt(d_head)) V_h.
  * q, k, v: rows of width H*d_head, `stride` floats apart. With qk_eps > 0, q and k are first
- * scaled to unit RMS per head; with cos/sin ([positions, d_head/2]), then rotated. */
+ * scaled to unit RMS per head; with cos/sin ([positions, d_head/2]), then rotated. The
+ * rows' heads are shared out among OpenMP's threads: a head's keys and values were last
+ * read a whole step ago and come from memory, which two cores read faster than one. */
 void attend_one(const float *q, const float *k, const float *v, int64_t stride, float *K,
                 float *V, const int64_t *slots, const int64_t *pos, int64_t rows, int64_t H,
                 int64_t d_head, int64_t capacity, float qk_eps, const float *cos_,
                 const float *sin_, float *z) {
-    const float scale = 1.0f / sqrtf((float)d_head);
-    float query[d_head];
-    float scores[capacity];
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t p = pos[r];
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t at = r * stride + h * d_head;
-            float *Kh = K + (slots[r] * H + h) * capacity * d_head;
-            float *Vh = V + (slots[r] * H + h) * capacity * d_head;
-            float *key = Kh + p * d_head;
-            memcpy(query, q + at, d_head * sizeof(float));
-            memcpy(key, k + at, d_head * sizeof(float));
-            memcpy(Vh + p * d_head, v + at, d_head * sizeof(float));
-            if (qk_eps > 0.0f) {
-                rms_norm(query, d_head, qk_eps);
-                rms_norm(key, d_head, qk_eps);
-            }
-            if (cos_) {
-                rotate(query, d_head, cos_ + p * (d_head / 2), sin_ + p * (d_head / 2));
-                rotate(key, d_head, cos_ + p * (d_head / 2), sin_ + p * (d_head / 2));
-            }
-            float most = -INFINITY;
-            for (int64_t j = 0; j <= p; j++) {
-                const float *kj = Kh + j * d_head;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < d_head; i++) dot += query[i] * kj[i];
-                scores[j] = dot * scale;
-                most = scores[j] > most ? scores[j] : most;
-            }
-            float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-            for (int64_t j = 0; j <= p; j++) {
-                scores[j] = expf(scores[j] - most);
-                total += scores[j];
-            }
-            float *out = z + r * H * d_head + h * d_head;
-            memset(out, 0, d_head * sizeof(float));
-            for (int64_t j = 0; j <= p; j++) {
-                const float weight = scores[j] / total;
-                const float *vj = Vh + j * d_head;
-#pragma omp simd
-                for (int64_t i = 0; i < d_head; i++) out[i] += weight * vj[i];
-            }
-        }
+#pragma omp parallel for schedule(static) if (rows * H > 1)
+    for (int64_t unit = 0; unit < rows * H; unit++) {
+        const int64_t r = unit / H, h = unit % H, at = r * stride + h * d_head;
+        const int64_t head = (slots[r] * H + h) * capacity * d_head;
+        float scores[pos[r] + 1];
+        attend_head(q + at, k + at, v + at, K + head, V + head, pos[r], d_head, qk_eps, cos_,
+                    sin_, scores, z + (r * H + h) * d_head);
     }
 }
 
@@ -134,4 +142,37 @@ void activate(float *u, int64_t n, int64_t kind) {
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) u[i] = u[i] > 0.0f ? u[i] * u[i] : 0.0f;
     }
+}
+
+/* The likeliest of n logits (the first of equal maxima, as torch's and numpy's argmax) and
+ * its log-probability under their softmax, -log sum_i exp(logits_i - logits[best]) (eq.
+ * 10.46, and the log-softmax at one token), in *logprob. Returns -1 when a logit is not
+ * finite: this file is compiled with -ffast-math, which assumes finite numbers, so the
+ * caller decides those (the test is on the bits: an exponent of all ones). */
+int64_t greedy_pick(const float *logits, int64_t n, float *logprob) {
+    const uint32_t *bits = (const uint32_t *)logits;
+    uint32_t odd = 0;
+#pragma omp simd reduction(| : odd)
+    for (int64_t i = 0; i < n; i++) odd |= (bits[i] & 0x7f800000u) == 0x7f800000u;
+    if (odd) return -1;
+    float most = logits[0];
+#pragma omp simd reduction(max : most)
+    for (int64_t i = 0; i < n; i++) most = logits[i] > most ? logits[i] : most;
+    int64_t best = 0; /* the first block of 256 that holds the maximum, then its place in it */
+    for (int64_t lo = 0; lo < n; lo += 256) {
+        const int64_t hi = lo + 256 < n ? lo + 256 : n;
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t i = lo; i < hi; i++) hit |= logits[i] == most;
+        if (hit) {
+            for (best = lo; logits[best] != most; best++) {
+            }
+            break;
+        }
+    }
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < n; i++) total += expf(logits[i] - most);
+    *logprob = -logf(total);
+    return best;
 }

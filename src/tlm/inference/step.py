@@ -62,6 +62,9 @@ def can_step(model, cache: object, attention_mask: Tensor | None) -> bool:
         return False
     if model.config.activation not in ACTIVATIONS:
         return False
+    P = model.embedding.P  # added row by row in C: fp32 rows of d
+    if P is not None and (P.dtype != torch.float32 or not P.is_contiguous()):
+        return False
     return not listening(model)
 
 
@@ -92,20 +95,26 @@ def step(
         cache.check_capacity(cache.end(1))
     K, V = (cache.k, cache.v) if isinstance(cache, KVCache) else (cache.cache.k, cache.cache.v)
     R, d, H, d_head = len(slots), config.d_model, config.n_heads, config.d_head
-    at, where = torch.tensor(positions), torch.tensor(slots)
-    x = model.embedding(input_ids.reshape(1, R), at[None]).reshape(R, d).contiguous()
+    places = torch.tensor(positions + slots)  # [2R]: each row's position, then its slot
+    at, where = places.data_ptr(), places.data_ptr() + R * places.element_size()
+    embedding = model.embedding
+    x = embedding.tokens(input_ids.reshape(R))  # E[w], [R,d]
+    x = _dense(x if embedding.scale == 1.0 else x * embedding.scale)
     h, z = torch.empty_like(x), x.new_empty(R, H * d_head)
     x_, h_, z_ = x.data_ptr(), h.data_ptr(), z.data_ptr()
     k_, v_, layer_bytes = K.data_ptr(), V.data_ptr(), K.stride(0) * K.element_size()
     kind, address = ACTIVATIONS[config.activation], native.address
 
-    def add_norm(a: Tensor | None, norm: tuple[Tensor, Tensor | None, float]) -> None:
-        """x += a (if given); h = LayerNorm(x), both in place."""
+    def add_norm(
+        a: Tensor | None, norm: tuple[Tensor, Tensor | None, float], index: int | None = None
+    ) -> None:
+        """x += a (if given: [R,d], or with `index` the address of R row numbers, a table
+        whose rows index[r] are added); h = LayerNorm(x), both in place."""
         gamma, beta, eps = norm
-        lib.add_norm(x_, address(a), h_, gamma.data_ptr(), address(beta), R, d, eps)
+        lib.add_norm(x_, address(a), index, h_, gamma.data_ptr(), address(beta), R, d, eps)
 
     first, layers = _layers(model)
-    add_norm(None, first)
+    add_norm(embedding.P, first, at)  # x = E[w] + P[pos] (Fig. 9.13); h = LN1(x)
     for layer, (attn, ln2, ffn, after, (cos, sin, qk_eps)) in enumerate(layers):
         q, k, v = attn.project_qkv(h)
         if not (q.stride() == k.stride() == v.stride() and q.stride(-1) == 1):
@@ -113,7 +122,7 @@ def step(
         offset = layer * layer_bytes
         lib.attend_one(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k_ + offset, v_ + offset,
-            where.data_ptr(), at.data_ptr(), R, H, d_head, K.shape[3], qk_eps, cos, sin, z_,
+            where, at, R, H, d_head, K.shape[3], qk_eps, cos, sin, z_,
         )  # fmt: skip
         add_norm(_dense(attn.project_out(z)), ln2)
         u = _dense(ffn.up(h))  # a new tensor: activated in place
