@@ -18,6 +18,7 @@ weight format changes the validation loss.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import statistics
 import sys
@@ -29,7 +30,8 @@ from _peers import host
 
 from tlm import ModelConfig, TransformerLM, load_model
 from tlm.generate import GenerationConfig, generate
-from tlm.inference import decoding_step, for_decoding, for_inference
+from tlm.inference import blas, decoding_step, for_decoding, for_inference, native, program
+from tlm.inference.step import layers_of
 from tlm.interop.gpt2 import gpt2_config
 from tlm.model.kv_cache import KVCache
 
@@ -176,22 +178,31 @@ def part_imported(rounds: int, work: Path) -> None:
         print(f"  batch {batch}, 128 new: {alternate(ours, theirs, batch, 128, rounds)}")
 
 
-def read_bandwidth(threads: int, repeats: int = 8) -> float:
+def read_bandwidth(threads: int, repeats: int = 8) -> tuple[float, str]:
     """Bytes/s of reading memory the way decoding does: every byte once, nothing written
-    back. torch.sum of a 256 MB fp32 tensor on `threads` threads, best of `repeats`: one
-    figure, measured once, that divides every format's weight bytes."""
-    big, previous = torch.randn(64 * 1024 * 1024), torch.get_num_threads()
+    back, on the run's threads. Two readers of a 256 MB fp32 matrix, best of `repeats`
+    each: torch.sum, and one row times the matrix through the fp32 decoding route (tlm's
+    own loops, or numpy's BLAS: `inference/blas.py`); the faster one is the figure,
+    measured once, that divides every format's weight bytes."""
+    big, previous = torch.randn(64 * 1024, 1024), torch.get_num_threads()
+    row, rates = torch.randn(1, 1024), {}
     torch.set_num_threads(threads)
     try:
-        big.sum()
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            big.sum()
-            times.append(time.perf_counter() - started)
+        for name, read in (
+            ("torch.sum", big.sum),
+            ("x E^T", lambda: blas.product(row, big.t(), None)),
+        ):
+            read()
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                read()
+                times.append(time.perf_counter() - started)
+            rates[name] = big.numel() * big.element_size() / min(times)
     finally:
         torch.set_num_threads(previous)
-    return big.numel() * big.element_size() / min(times)
+    best = max(rates, key=rates.get)
+    return rates[best], ", ".join(f"{name} {rate / 1e9:.1f}" for name, rate in rates.items())
 
 
 def weight_bytes(config: ModelConfig, fmt: str) -> int:
@@ -217,10 +228,10 @@ def part_limit(rounds: int, work: Path) -> None:
     one row through the step's weight products alone, back to back (`products_only`).
     Each round times both, and the medians over rounds are reported."""
     threads = torch.get_num_threads()
-    bandwidth = read_bandwidth(threads)
+    bandwidth, readers = read_bandwidth(threads)
     print(
-        f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch.sum of 256 MB fp32, {threads} "
-        f"threads, best of 8): limit = bandwidth / weight bytes"
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s (256 MB fp32 on {threads} threads, best "
+        f"of 8: {readers} GB/s; the faster counts): limit = bandwidth / weight bytes"
     )
     print("GPT-2 124M shape, greedy, prompt 32, 64 new tokens; median of rounds")
     print(
@@ -293,18 +304,28 @@ def part_ggml(rounds: int, work: Path, source: Path | None) -> None:
 
 def products_only(model: TransformerLM) -> float:
     """Seconds for one row through every product of a decoding step and nothing else (no
-    attention, LayerNorm or loop), in the step's order: the most the kernels allow (median
-    of 5)."""
+    attention, LayerNorm or loop), in the step's order, run as the step runs them (in one
+    C call where the whole step is one, `inference/program.py`): the most the kernels
+    allow (median of 5)."""
     model = for_decoding(model)
+    whole = program.program(model, 1, layers_of(model)) if native.library() else None
     x, h = torch.randn(1, 1, model.config.d_model), torch.randn(1, 1, model.config.d_ff)
     times = []
     for _ in range(5):
         with decoding_step(model, 1):
             started = time.perf_counter()
-            for block in model.blocks:
-                block.attn.project_qkv(x), block.attn.project_out(x)
-                block.ffn.up(x), block.ffn.down(h)
-            model.unembed(x)
+            if whole is not None:
+                config, logits = model.config, torch.empty(whole.head.out)
+                native.library().decode_products(
+                    ctypes.addressof(whole.blocks), len(whole.blocks),
+                    ctypes.addressof(whole.head), 1, config.d_model, config.d_ff,
+                    config.n_heads * config.d_head, logits.data_ptr(),
+                )  # fmt: skip
+            else:
+                for block in model.blocks:
+                    block.attn.project_qkv(x), block.attn.project_out(x)
+                    block.ffn.up(x), block.ffn.down(h)
+                model.unembed(x)
             times.append(time.perf_counter() - started)
     return statistics.median(times)
 

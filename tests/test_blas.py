@@ -1,11 +1,12 @@
-"""The CPU decoding route (`tlm.inference.blas`): numpy's BLAS products equal torch's."""
+"""The CPU decoding route (`tlm.inference.blas`): one row's fp32 products, through tlm's own
+loops (products.c) or numpy's BLAS, equal torch's."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tlm import ModelConfig, TransformerLM
-from tlm.inference import InferenceLM, blas, decoding_step, for_decoding, for_inference
+from tlm.inference import InferenceLM, blas, decoding_step, for_decoding, for_inference, native
 from tlm.model.kv_cache import KVCache
 
 
@@ -22,18 +23,33 @@ def count_products(monkeypatch) -> list[int]:
     return routed
 
 
-@pytest.mark.parametrize("rows", [(1,), (3,), (2, 5)])
-def test_product_is_torchs_linear(rows):
+@pytest.fixture(params=["own", "numpy"])
+def route(request, monkeypatch):
+    """Each route of one row's products: tlm's own loops where this host has them, and
+    numpy's BLAS (forced)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(native, "threaded", lambda: False)
+    elif not native.threaded():
+        pytest.skip("no C library with OpenMP here: numpy's BLAS only")
+    return request.param
+
+
+@pytest.mark.parametrize("rows", [(1,), (3,), (2, 5), (1, 1)])
+def test_product_is_torchs_linear(route, rows):
     torch.manual_seed(0)
-    x, W, b = torch.randn(*rows, 48), torch.randn(48, 80), torch.randn(80)
-    E = torch.randn(80, 48)  # a tied head reads E^T: a transposed view, not a copy
+    x, W, b = torch.randn(*rows, 51), torch.randn(51, 83), torch.randn(83)
+    E = torch.randn(83, 51)  # a tied head reads E^T: a transposed view, not a copy
     assert torch.allclose(blas.product(x, W, b), F.linear(x, W.t(), b), atol=1e-5)
     assert torch.allclose(blas.product(x, E.t(), None), x @ E.t(), atol=1e-5)
-    assert blas.product(x, W, None).shape == (*rows, 80)
+    assert torch.allclose(blas.product(x, E.t(), b), x @ E.t() + b, atol=1e-5)
+    wide = torch.randn(51, 2 * 83)  # rows further apart than their width (a slice)
+    assert torch.allclose(blas.product(x, wide[:, :83], b), x @ wide[:, :83] + b, atol=1e-5)
+    assert torch.allclose(blas.product(x, wide[:, ::2], b), x @ wide[:, ::2] + b, atol=1e-5)
+    assert blas.product(x, W, None).shape == (*rows, 83)
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_decoding_route_equals_the_plain_model(monkeypatch, tie):
+def test_decoding_route_equals_the_plain_model(monkeypatch, route, tie):
     model, ids = make_model(tie_embeddings=tie), torch.randint(0, 97, (1, 9))
     with torch.no_grad():
         plain, cache = model(ids), KVCache(model.config, 1)
@@ -65,10 +81,13 @@ def test_the_model_for_decoding_shares_the_parameters_and_leaves_the_model_alone
         fast.train()
 
 
-def test_threads_are_restored_and_autograd_stays_off():
+def test_threads_are_restored_and_autograd_stays_off(route):
+    """torch keeps one thread while numpy's pool has the cores, and all of them for tlm's
+    own loops (which run on them)."""
     fast, threads = for_decoding(make_model()), torch.get_num_threads()
     with pytest.raises(RuntimeError, match="inside"), decoding_step(fast, 1):
-        assert torch.get_num_threads() == 1 and not torch.is_grad_enabled()
+        inside = 1 if route == "numpy" else threads
+        assert torch.get_num_threads() == inside and not torch.is_grad_enabled()
         raise RuntimeError("inside")
     assert torch.get_num_threads() == threads and fast.route.rows == 0
 
@@ -82,8 +101,8 @@ def test_gradients_inside_take_torchs_path(monkeypatch):
     assert routed == [] and model.blocks[0].attn.W_Q.grad is not None
 
 
-def test_training_on_is_seen_at_the_next_step():
-    """numpy reads the parameters' own memory: an optimizer step is visible at once."""
+def test_training_on_is_seen_at_the_next_step(route):
+    """Both routes read the parameters' own memory: an optimizer step is visible at once."""
     model, ids = make_model(), torch.randint(0, 97, (1, 1))
     fast = for_decoding(model)
     with decoding_step(fast, 1):
@@ -107,7 +126,7 @@ def test_packed_models_keep_torchs_threads(monkeypatch):
     assert routed == []
 
 
-def test_the_head_of_a_tied_model_reads_E():
+def test_the_head_of_a_tied_model_reads_E(route):
     model, h = make_model(), torch.randn(1, 1, 64)
     fast, expected = for_decoding(model), h @ model.embedding.E.t()
     with decoding_step(fast, 1):
@@ -116,15 +135,22 @@ def test_the_head_of_a_tied_model_reads_E():
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_generation_takes_the_route_for_one_row_only(monkeypatch, batch):
-    """Batch 1 decodes through numpy after the prompt; a batch of 2 stays on torch, and the
-    tokens are those of the plain model either way."""
+def test_generation_takes_the_route_for_one_row_only(monkeypatch, route, batch):
+    """Batch 1 decodes on the parameters after the prompt (through numpy, 13 products a
+    step, or the whole step as one C call, `program.py`); a batch of 2 stays on torch, and
+    the tokens are those of the plain model either way."""
     model, ids = make_model(), torch.randint(0, 97, (batch, 5))
     expected = model.generate(ids, max_new_tokens=6, use_cache=False)
-    routed = count_products(monkeypatch)
+    routed, whole = count_products(monkeypatch), []
+    if native.library() is not None:
+        real = native.library().decode_step
+        monkeypatch.setattr(native.library(), "decode_step", lambda *a: whole.append(1) or real(*a))
     assert torch.equal(model.generate(ids, max_new_tokens=6), expected)
     steps = 5 if batch == 1 else 0  # the prompt runs 5 positions on torch, then 1 a step
-    assert len(routed) == steps * 13
+    if route == "own":
+        assert len(whole) == steps and routed == []
+    else:
+        assert len(routed) == steps * 13 and whole == []
 
 
 @pytest.mark.parametrize("settings", [{}, {"num_beams": 2}])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import NORMS, POSITIONS, written_out
-from tlm.inference import decoding_step, for_inference
+from tlm.inference import blocked, decoding_step, for_inference
 from tlm.model.kv_cache import KVCache
 
 # every position and norm on the fused path; the written-out path (which test_attention.py
@@ -90,8 +90,37 @@ def ops_called(model, ids, cache=None) -> tuple[dict[str, int], torch.Tensor]:
     return {e.key: e.count for e in prof.key_averages()}, logits
 
 
-@pytest.mark.parametrize("dtype", FORMAT_ERROR)
-def test_packed_weights_compute_the_same_log_probabilities(make_model, dtype):
+class BlockedCalls:
+    """Counts the products run by tlm's own kernels (`blocked.py`: C code, which the
+    profiler does not see)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        for kind in (blocked.Int8Blocks, blocked.Float16Blocks):
+            monkeypatch.setattr(kind, "__call__", self.counted(kind.__call__))
+
+    def counted(self, call):
+        def run(kernel, x):
+            self.count += 1
+            return call(kernel, x)
+
+        return run
+
+
+def kernels_of(dtype: str, kernels: str) -> str:
+    """The kernels a format's products run on this host: tlm's own ("blocked"), or those
+    `KERNEL` names (with `kernels="fbgemm"`, the blocked ones are switched off)."""
+    return "blocked" if kernels == "own" and blocked.here(dtype) else KERNEL[dtype]
+
+
+@pytest.mark.parametrize(
+    "dtype, kernels",
+    [(fmt, "own") for fmt in FORMAT_ERROR] + [("float16", "fbgemm"), ("int8", "fbgemm")],
+)
+def test_packed_weights_compute_the_same_log_probabilities(make_model, monkeypatch, dtype, kernels):
+    if kernels == "fbgemm":
+        monkeypatch.setattr(blocked, "here", lambda fmt: False)
+    kernel, spy = kernels_of(dtype, kernels), BlockedCalls(monkeypatch)
     model = make_model(position="rope", bias=True)
     for p in model.parameters():  # weights of the size a trained model has
         torch.nn.init.normal_(p, std=0.1)
@@ -106,15 +135,21 @@ def test_packed_weights_compute_the_same_log_probabilities(make_model, dtype):
         got = packed(ids).float().log_softmax(-1)
         cache = KVCache(packed.config, 2, dtype=next(packed.parameters()).dtype)
         stepped = torch.cat([packed(ids[:, :8], cache), packed(ids[:, 8:15], cache)], 1)
+    spy.count = 0
     calls, last = ops_called(packed, ids[:, 15:], cache)  # a decoding step of 2 rows
     stepped = torch.cat([stepped, last], 1)
-    assert calls.get(KERNEL[dtype]) == products
+    step_calls, spy.count = spy.count, 0
     prompt = ops_called(packed, ids)[0]
+    if kernel == "blocked":  # every product in C, none through fbgemm
+        assert step_calls == spy.count == products
+        assert KERNEL[dtype] not in calls and KERNEL[dtype] not in prompt
+    else:
+        assert calls.get(kernel) == products and step_calls == spy.count == 0
     if dtype == "float32":  # a prompt is read once: on the parameters, not on a layout
         Q_K_V = 2 * model.config.n_layers  # three products where the layout has one
         assert KERNEL[dtype] not in prompt and prompt["aten::linear"] == products + Q_K_V
-    else:
-        assert prompt.get(KERNEL[dtype]) == products
+    elif kernel != "blocked":
+        assert prompt.get(kernel) == products
     if dtype == "bfloat16":  # aten::linear as unpacked, but on bf16 weights
         assert packed.blocks[0].ffn.up_kernel.weight.dtype == torch.bfloat16
     else:  # the unpacked model's products run as aten::addmm / aten::mm

@@ -11,7 +11,8 @@ import torch
 from test_kv_cache import FORMAT_ERROR
 
 from conftest import POSITIONS
-from tlm.inference import SlotCache, decoding_step, for_decoding, for_inference, native
+from tlm.inference import SlotCache, blocked, decoding_step, for_decoding, for_inference, native
+from tlm.inference import program as whole_program
 from tlm.inference import step as native_step
 from tlm.model.kv_cache import KVCache
 
@@ -249,3 +250,51 @@ def test_a_compiler_without_openmp_still_builds_the_step(tmp_path):
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert run.stdout.strip() == "True" and not run.stderr, run.stderr
     assert len(list(tmp_path.glob("native/step-*.so"))) == 1
+
+
+WHOLE = [("float32", 1, "learned"), ("float16", 1, "rope"), ("float16", 3, "learned")]
+WHOLE += [("int8", 1, "learned"), ("int8", 2, "rope")]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype, rows, position", WHOLE)
+def test_the_whole_step_in_c_equals_the_loop(make_model, monkeypatch, dtype, rows, position):
+    """Where every product has a C kernel, one call runs the step (products included); it
+    computes what step.py's loop computes with the same kernels."""
+    ready = native.threaded() if dtype == "float32" else blocked.here(dtype)
+    if not ready:
+        pytest.skip(f"no C kernels for {dtype} on this host")
+    model = make_model(position=position, qk_norm=position == "rope", bias=True)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    model = for_decoding(model) if dtype == "float32" else for_inference(model, dtype)
+    lib, calls = native.library(), []
+    real = lib.decode_step
+    monkeypatch.setattr(lib, "decode_step", lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(0, 97, (rows, 12))
+    got, got_cache = stepped(model, ids, 4)
+    assert len(calls) == 8
+    with monkeypatch.context() as m:
+        m.setattr(whole_program, "program", lambda *a: None)  # step.py's own loop
+        expected, cache = stepped(model, ids, 4)
+    assert len(calls) == 8
+    assert torch.allclose(got, expected, atol=1e-5)
+    n = cache.length  # the positions past it were never written
+    assert got_cache.length == n == 12
+    assert torch.allclose(got_cache.k[:, :, :, :n], cache.k[:, :, :, :n], atol=1e-6)
+    assert torch.allclose(got_cache.v[:, :, :, :n], cache.v[:, :, :, :n], atol=1e-6)
+
+
+@needs_native
+def test_a_replaced_parameter_is_read_at_the_next_step(make_model):
+    """An fp32 model decodes on its own parameters: one replaced by assignment (a new
+    tensor, at a new address) is what the next step reads."""
+    model = make_model()
+    fast, ids = for_decoding(model), torch.randint(0, 97, (1, 6))
+    stepped(fast, ids, 3)  # the step described, at the parameters' addresses then
+    for block in model.blocks:
+        block.ffn.W_2.data = torch.randn_like(block.ffn.W_2) * 0.5
+        block.ln2.gamma.data = torch.rand_like(block.ln2.gamma)
+    stepped_logits, _ = stepped(fast, ids, 3)
+    with torch.no_grad():
+        assert torch.allclose(stepped_logits, model(ids)[:, 3:], atol=1e-5)

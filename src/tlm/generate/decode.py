@@ -131,15 +131,19 @@ def _decode_slots(model: nn.Module, ids: Tensor, mask: Tensor | None, c: Generat
         row.tolist() if mask is None else row[mask[r].bool()].tolist() for r, row in enumerate(ids)
     ]
     rows = {slots.add(prompt, c, r % n, seed): r for r, prompt in enumerate(prompts)}
-    tokens = torch.zeros(B, dtype=torch.long, device=ids.device)  # an ended row keeps its last
-    finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    tokens, finished = [0] * B, [False] * B  # an ended row keeps its last token
     while not slots.idle():
-        logprobs = torch.zeros(B, device=ids.device)  # 0 for a row that has ended
+        logprobs = [0.0] * B  # 0 for a row that has ended
         for emitted in slots.step():
             r = rows[emitted.sequence]
             tokens[r], logprobs[r] = emitted.token, emitted.logprob
             finished[r] = emitted.sequence.finish_reason == "eos"
-        yield Step(tokens.clone(), logprobs, finished.clone())
+        device = ids.device  # three tensors a step, made from lists
+        yield Step(
+            torch.tensor(tokens, device=device),
+            torch.tensor(logprobs, device=device),
+            torch.tensor(finished, device=device),
+        )
 
 
 def _decode(state: DecodeState, c: GenerationConfig) -> Iterator[Step]:

@@ -1,19 +1,24 @@
-"""One row's fp32 products through numpy's BLAS, with torch's ops on one thread meanwhile.
+"""One row's fp32 products, on the parameters themselves: tlm's own loops, else numpy's BLAS.
 
 A decoding step multiplies one row per sequence by every weight matrix, so its speed is
-set by how fast the weights stream from memory. On the CPUs we measured, numpy's BLAS
-(OpenBLAS in numpy's wheels) reads an fp32 matrix in the model's own [in, out] layout at
-about 90% of the machine's read bandwidth, where PyTorch's few-row product (MKL) reaches
-50-60% and oneDNN's prepacked one 70-75% and a second copy of the weights
-(docs/benchmarks.md, "Decoding"). numpy reads the parameters' own memory: nothing is
+set by how fast the weights stream from memory. Both routes here read the model's own
+parameters in their own [in, out] layout (a tied head's E^T as E's rows): nothing is
 copied, and a model that trains on afterwards is still right at the next step.
 
-The two libraries keep separate thread pools, and on a machine with few cores a pool that
-waits for work while the other one runs slows both by up to 4x. So while a one-row pass
-runs its products through numpy, torch's ops (LayerNorm, attention over one query, the
-residual adds) run on one thread (`torch_on_one_thread`); they are small, and the BLAS
-uses every core for the products. `kernels.Float32Linear` chooses this route for one row;
-the result is the same product, and tests hold the paths equal.
+- `products.c` (`float32_rows`, `float32_dots`), where the library is built with OpenMP:
+  each of torch's threads streams its share of W's rows front to back into a partial sum.
+  It reads at 31 GB/s where numpy's BLAS reads at 26 on the GPT-2 124M shape
+  (docs/benchmarks.md, "Decoding without per-token overhead"), and runs on torch's own
+  threads, so torch keeps them for everything else.
+- numpy's BLAS (OpenBLAS in numpy's wheels) otherwise; PyTorch's few-row product (MKL)
+  reaches 50-60% of the read bandwidth on the CPUs we measured. numpy keeps a thread pool
+  of its own, and on a machine with few cores a pool that waits for work while the other
+  one runs slows both by up to 4x; so while a one-row pass runs its products through
+  numpy, torch's ops run on one thread (`torch_on_one_thread`, which
+  `InferenceLM.decoding` applies where `needs_one_thread()`).
+
+`kernels.Float32Linear` chooses this route for one row; tests hold both routes equal to
+torch's product.
 """
 
 from __future__ import annotations
@@ -24,13 +29,42 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from tlm.inference import native
+
 
 def product(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
-    """x @ W + b in numpy: x [..., in] fp32, W [in, out] (any strides) -> [..., out]."""
-    y = x.detach().reshape(-1, x.shape[-1]).numpy() @ W.detach().numpy()  # [N,in] @ [in,out]
+    """x @ W + b: x [..., in] fp32, W [in, out] (any strides) -> [..., out]."""
+    rows = x.detach().reshape(-1, x.shape[-1])
+    if len(rows) == 1 and native.threaded() and W.dtype == torch.float32:
+        y = _own(rows.contiguous(), W.detach(), None if b is None else b.detach())
+        if y is not None:
+            return y.view(*x.shape[:-1], W.shape[1])
+    y = rows.numpy() @ W.detach().numpy()  # [N,in] @ [in,out]
     if b is not None:
         y += b.detach().numpy()
     return torch.from_numpy(y).view(*x.shape[:-1], W.shape[1])
+
+
+def _own(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor | None:
+    """One row through products.c: W's rows (stride(1) == 1) or, for a transposed view,
+    the rows of the matrix it views (a tied head's E); None for other strides."""
+    (inputs, out), lib, y = W.shape, native.library(), x.new_empty(1, W.shape[1])
+    if b is not None and not b.is_contiguous():
+        b = b.contiguous()
+    if W.stride(1) == 1:
+        kernel, ld = lib.float32_rows, W.stride(0)
+    elif W.stride(0) == 1:
+        kernel, ld = lib.float32_dots, W.stride(1)
+    else:
+        return None
+    if kernel(W.data_ptr(), ld, native.address(b), x.data_ptr(), inputs, out, y.data_ptr()):
+        raise MemoryError(f"no memory for the partial sums of a [{inputs}, {out}] product")
+    return y
+
+
+def needs_one_thread() -> bool:
+    """Whether one row's products go through numpy (whose pool then has the cores)."""
+    return not native.threaded()
 
 
 @contextmanager

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tlm.inference import blas
+from tlm.inference import blas, blocked
 from tlm.model.functional import linear
 from tlm.tensor_files import LazyMatrix
 
@@ -71,7 +71,12 @@ class PackedLinear:
             read, shape = (lambda lo, hi: W_t[lo:hi].detach().float()), W_t.shape
         self.b = None if b is None else b.detach().float()
         self.out_features, self.splits = shape[0], splits
-        if fmt == "float16":
+        if fmt in ("float16", "int8") and blocked.here(fmt):  # tlm's own kernels
+            if fmt == "float16":
+                self.weight = self.kernel = blocked.Float16Blocks(read, shape, self.b)
+            else:
+                self.weight = self.kernel = blocked.Int8Blocks(*_int8(read, shape), self.b)
+        elif fmt == "float16":
             whole = read(0, shape[0]).contiguous()
             self.weight = torch.ops.quantized.linear_prepack_fp16(whole, self.b)
             self.kernel = self._fbgemm_fp16

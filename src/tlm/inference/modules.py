@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from tlm.inference import step
-from tlm.inference.blas import torch_on_one_thread
+from tlm.inference.blas import needs_one_thread, torch_on_one_thread
 from tlm.inference.kernels import Route
 from tlm.model.attention import MultiHeadAttention
 from tlm.model.kv_cache import Cache, KVCache
@@ -97,14 +97,14 @@ class InferenceLM(TransformerLM):
     def decoding(self, rows: int) -> Iterator[None]:
         """No autograd, for a pass that feeds one token to each of `rows` sequences: the
         forward pass may take `step.step`, and in float32 the products take their decoding
-        route (`kernels.Route`); for one row torch keeps one thread meanwhile, since numpy's
-        BLAS has the cores (`blas.py`)."""
+        route (`kernels.Route`); for one row whose products go through numpy's BLAS, torch
+        keeps one thread meanwhile, since numpy has the cores (`blas.py`)."""
         with torch.no_grad():
             if self.route.rows:  # nested
                 yield
                 return
             self.route.rows = rows
-            one_thread = rows == 1 and self.inference_format == "float32"
+            one_thread = rows == 1 and self.inference_format == "float32" and needs_one_thread()
             try:
                 with torch_on_one_thread() if one_thread else nullcontext():
                     yield

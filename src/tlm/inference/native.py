@@ -1,14 +1,15 @@
-"""`step.c`, compiled for this machine at first use and called through ctypes.
+"""`step.c` and `products.c`, compiled for this machine at first use, called through ctypes.
 
-The C file holds the work between a decoding step's weight products (`step.py`). It is
-compiled once per machine with the system's C compiler (`$CC`, else `cc`) for the host's
-own instruction set (-march=native) and with OpenMP (where the compiler has no OpenMP
-runtime, without it: attention then runs on one core), into tlm's cache folder
-(`$TLM_CACHE`, else ~/.cache/tlm; the temporary folder where that cannot be made), under a
-name made of the source, the flags and the CPU, so that a changed file or another host
-compiles anew and a process that finds the library runs no compiler; the compiler writes
-to a temporary name that is renamed when done. It takes under a second, and needs no
-torch headers.
+`step.c` holds the work between a decoding step's weight products (`step.py`), and
+`products.c` the products of weights kept in blocks (`blocked.py`). Both are compiled
+once per machine, into one library, with the system's C compiler (`$CC`, else `cc`) for
+the host's own instruction set (-march=native) and with OpenMP (where the compiler has no
+OpenMP runtime, without it: attention then runs on one core, and the blocked products are
+not used), into tlm's cache folder (`$TLM_CACHE`, else ~/.cache/tlm; the temporary folder
+where that cannot be made), under a name made of the sources, the flags and the CPU, so
+that a changed file or another host compiles anew and a process that finds the library
+runs no compiler; the compiler writes to a temporary name that is renamed when done. It
+takes about a second, and needs no torch headers.
 
 Where no compiler works, or `TLM_NATIVE=0`, `library()` is None and decoding runs the
 model's own forward pass, as before; one line on stderr says so, once.
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("step.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("step.c", "products.c")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC"]
 # OpenMP threads (attention's heads split across the cores), else SIMD pragmas only. With
 # -fopenmp the library needs libgomp.so.1, which resolves to the copy torch has loaded: one
@@ -45,6 +46,17 @@ SIGNATURES = {  # name: (what it returns, its arguments)
     ),
     "activate": (None, [ptr, i64, i64]),
     "greedy_pick": (i64, [ptr, i64, ptr]),
+    "products_here": (i64, []),
+    "int8_product": (i64, [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]),
+    "float16_product": (i64, [ptr, ptr, ptr, i64, i64, i64, ptr]),
+    "float32_rows": (i64, [ptr, i64, ptr, ptr, i64, i64, ptr]),
+    "float32_dots": (i64, [ptr, i64, ptr, ptr, i64, i64, ptr]),
+    "decode_step": (
+        i64,
+        [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr]
+        + [i64, i64, i64, i64, ptr],
+    ),
+    "decode_products": (i64, [ptr, i64, ptr, i64, i64, i64, i64, ptr]),
 }
 
 
@@ -72,7 +84,7 @@ def _compiled(flags: list[str]) -> Path:
     """The compiled library: the cached one for this source, flags and CPU, else a new one
     (the compiler runs only then)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), _cpu()):
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(flags).encode(), _cpu()):
         key.update(part)
     name = f"step-{key.hexdigest()[:16]}.so"
     folder = Path(os.environ.get("TLM_CACHE", Path.home() / ".cache" / "tlm")) / "native"
@@ -90,7 +102,7 @@ def _compiled(flags: list[str]) -> Path:
     os.close(handle)
     compiler = os.environ.get("CC", "cc")
     try:
-        command = [compiler, *flags, str(SOURCE), "-o", temporary, "-lm"]
+        command = [compiler, *flags, *map(str, SOURCES), "-o", temporary, "-lm"]
         run = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if run.returncode != 0:
             raise OSError(f"{compiler} failed: {run.stderr.strip()[:200]}")
@@ -114,6 +126,13 @@ def _cpu() -> bytes:
         return platform.machine().encode()
     wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
     return "\n".join(wanted).encode()
+
+
+def threaded() -> bool:
+    """Whether the library was built with OpenMP: its loops run on torch's threads
+    (`products.c`'s products_here, bit 2)."""
+    lib = library()
+    return lib is not None and bool(lib.products_here() & 4)
 
 
 def address(t: Tensor | None) -> int | None:

@@ -27,6 +27,7 @@ from itertools import groupby
 import torch
 from torch import Tensor, nn
 
+from tlm.inference import blocked
 from tlm.inference.kernels import (
     HeadBlocks,
     PackedLinear,
@@ -137,7 +138,7 @@ def _pack_embedding_from_file(model: InferenceLM, E: LazyMatrix, fmt: str) -> No
     head read a block of rows at a time: E is never whole in memory."""
     _release(model.embedding.E)
     model.embedding.lookup = FileRows(E)
-    if model.W_U is None and fmt != "float16":  # the tied head is E^T: [V, d] is [out, in]
+    if model.W_U is None and (fmt != "float16" or blocked.here(fmt)):  # E^T: [V,d] is [out,in]
         model.head = PackedLinear(E, None, fmt)  # one product, E read a chunk at a time
     elif model.W_U is None:  # fbgemm packs fp16 only from whole fp32 matrices: in blocks
         blocks = []

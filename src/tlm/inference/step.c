@@ -10,6 +10,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* x += a (when a is given), then h = gamma * (x - mu) / sqrt(var + eps) + beta (eq. 9.22-9.25),
@@ -175,4 +176,107 @@ int64_t greedy_pick(const float *logits, int64_t n, float *logprob) {
     for (int64_t i = 0; i < n; i++) total += expf(logits[i] - most);
     *logprob = -logf(total);
     return best;
+}
+
+/* The whole step in one call, for a model whose every product has a kernel in products.c
+ * (program.py builds these descriptions once per model; step.py calls it). */
+int64_t int8_product(const int8_t *blocks, const float *scale, const int32_t *wsum,
+                     const float *bias, const float *x, int64_t rows, int64_t in,
+                     int64_t in_pad, int64_t out, float *y);
+int64_t float16_product(const uint16_t *blocks, const float *bias, const float *x,
+                        int64_t rows, int64_t in, int64_t out, float *y);
+int64_t float32_rows(const float *W, int64_t ld, const float *bias, const float *x, int64_t in,
+                     int64_t out, float *y);
+int64_t float32_dots(const float *E, int64_t ld, const float *bias, const float *x, int64_t in,
+                     int64_t out, float *y);
+
+/* One product, y = x W^T + b, written at `offset` of each output row: kind 0 int8 blocks,
+ * 1 float16 blocks, 2 fp32 W [in, out] (rows ld apart), 3 fp32 W^T [out, in] (rows ld
+ * apart). Kinds 2 and 3, and an offset, take one row only (program.py checks). */
+typedef struct {
+    int64_t kind;
+    const void *w;
+    const float *scale;
+    const int32_t *wsum;
+    const float *bias;
+    int64_t in, in_pad, out, ld, offset;
+} Product;
+
+typedef struct {
+    const float *gamma, *beta;
+    float eps;
+} Norm;
+
+/* One block: its products (Q, K and V as one to three), the norm inside it (ln2) and the
+ * norm after it (the next block's ln1, or ln_f), and its rope and qk-norm (see attend_one). */
+typedef struct {
+    Product qkv[3];
+    int64_t n_qkv;
+    Product out, up, down;
+    Norm inside, after;
+    const float *cos_, *sin_;
+    float qk_eps;
+} Block;
+
+static int64_t product(const Product *p, const float *x, int64_t rows, float *y) {
+    switch (p->kind) {
+    case 0: return int8_product(p->w, p->scale, p->wsum, p->bias, x, rows, p->in, p->in_pad, p->out, y + p->offset);
+    case 1: return float16_product(p->w, p->bias, x, rows, p->in, p->out, y + p->offset);
+    case 2: return float32_rows(p->w, p->ld, p->bias, x, p->in, p->out, y + p->offset);
+    default: return float32_dots(p->w, p->ld, p->bias, x, p->in, p->out, y + p->offset);
+    }
+}
+
+/* Logits [rows, V] of a step in which each row feeds one token (step.py's loop, in C):
+ * x [rows, d] holds E[w] and becomes the residual stream; P (or NULL) the position
+ * embeddings added by pos; K, V the cache, `layer_floats` apart per layer; `kind` the
+ * activation. Returns 0, or the first product's error. */
+int64_t decode_step(const Block *blocks, int64_t n_blocks, const Product *head,
+                    const Norm *first, const float *P, float *x, int64_t rows, int64_t d,
+                    int64_t d_ff, float *K, float *V, int64_t layer_floats,
+                    const int64_t *slots, const int64_t *pos, int64_t H, int64_t d_head,
+                    int64_t capacity, int64_t kind, float *logits) {
+    const int64_t width = H * d_head;
+    float *h = malloc(sizeof(float) * (size_t)(rows * (2 * d + 4 * width + d_ff)));
+    if (!h) return -2;
+    float *o = h + rows * d, *qkv = o + rows * d, *z = qkv + rows * 3 * width;
+    float *u = z + rows * width;
+    int64_t failed = 0;
+    add_norm(x, P, P ? pos : NULL, h, first->gamma, first->beta, rows, d, first->eps);
+    for (int64_t l = 0; l < n_blocks && !failed; l++) {
+        const Block *b = blocks + l;
+        for (int64_t i = 0; i < b->n_qkv; i++) failed |= product(&b->qkv[i], h, rows, qkv);
+        attend_one(qkv, qkv + width, qkv + 2 * width, 3 * width, K + l * layer_floats,
+                   V + l * layer_floats, slots, pos, rows, H, d_head, capacity, b->qk_eps,
+                   b->cos_, b->sin_, z);
+        failed |= product(&b->out, z, rows, o);
+        add_norm(x, o, NULL, h, b->inside.gamma, b->inside.beta, rows, d, b->inside.eps);
+        failed |= product(&b->up, h, rows, u);
+        activate(u, rows * d_ff, kind);
+        failed |= product(&b->down, u, rows, o);
+        add_norm(x, o, NULL, h, b->after.gamma, b->after.beta, rows, d, b->after.eps);
+    }
+    if (!failed) failed = product(head, h, rows, logits);
+    free(h);
+    return failed;
+}
+
+/* decode_step's products alone, in its order, on inputs of zeros, and nothing between them:
+ * the time the weights take to stream (bench/generate.py's "products" column). */
+int64_t decode_products(const Block *blocks, int64_t n_blocks, const Product *head,
+                        int64_t rows, int64_t d, int64_t d_ff, int64_t width, float *logits) {
+    const int64_t wide = 3 * width > d_ff ? 3 * width : d_ff;
+    float *zeros = calloc((size_t)(rows * (d > wide ? d : wide)), sizeof(float));
+    float *y = malloc(sizeof(float) * (size_t)(rows * wide));
+    int64_t failed = !zeros || !y ? -2 : 0;
+    for (int64_t l = 0; l < n_blocks && !failed; l++) {
+        const Block *b = blocks + l;
+        for (int64_t i = 0; i < b->n_qkv; i++) failed |= product(&b->qkv[i], zeros, rows, y);
+        failed |= product(&b->out, zeros, rows, y);
+        failed |= product(&b->up, zeros, rows, y);
+        failed |= product(&b->down, zeros, rows, y);
+    }
+    if (!failed) failed = product(head, zeros, rows, logits);
+    free(zeros), free(y);
+    return failed;
 }

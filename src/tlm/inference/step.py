@@ -25,10 +25,12 @@ equal to the forward pass in every format and cache.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import Tensor
 
-from tlm.inference import native
+from tlm.inference import native, program
 from tlm.inference.slot_cache import SlotPass
 from tlm.model.kv_cache import KVCache
 from tlm.model.layers import LayerNorm, PreNormBlock
@@ -113,7 +115,20 @@ def step(
         gamma, beta, eps = norm
         lib.add_norm(x_, address(a), index, h_, gamma.data_ptr(), address(beta), R, d, eps)
 
-    first, layers = _layers(model)
+    made = layers_of(model)
+    whole = program.program(model, R, made)
+    if whole is not None:  # every product has a C kernel: the whole step in one call
+        logits = x.new_empty(R, whole.head.out)
+        failed = lib.decode_step(
+            ctypes.addressof(whole.blocks), len(whole.blocks), ctypes.addressof(whole.head),
+            ctypes.addressof(whole.first), address(embedding.P), x_, R, d, config.d_ff, k_, v_,
+            K.stride(0), where, at, H, d_head, K.shape[3], kind, logits.data_ptr(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"no memory for a decoding step of {R} rows")
+        cache.advance(1)
+        return logits
+    first, layers = made
     add_norm(embedding.P, first, at)  # x = E[w] + P[pos] (Fig. 9.13); h = LN1(x)
     for layer, (attn, ln2, ffn, after, (cos, sin, qk_eps)) in enumerate(layers):
         q, k, v = attn.project_qkv(h)
@@ -132,7 +147,7 @@ def step(
     return model.unembed(h)
 
 
-def _layers(model) -> tuple[tuple, list[tuple]]:
+def layers_of(model) -> tuple[tuple, list[tuple]]:
     """The first block's ln1, and per block (attention, ln2, FFN, the norm after it: the
     next block's ln1 or ln_f, (cos, sin, qk eps)), each norm as (gamma, beta, eps). Made
     once per model: the modules and parameters of a model built for inference do not

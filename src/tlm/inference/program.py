@@ -1,0 +1,161 @@
+"""The whole decoding step as one C call: the model described once as C structures.
+
+Where every product of a model has a kernel in `products.c` (int8 and float16 blocks where
+`blocked.here`, and fp32 on the parameters themselves for one row where the library has
+OpenMP), `step.c`'s decode_step runs the whole step, products included, in one call: no
+Python between the products at all. `program(model, rows)` describes the model for it (a
+`Block` per layer: its products, norms, rope and qk-norm; the head; the first norm), or
+says None where some product has no such kernel (bfloat16, fbgemm's kernels, fp32 for
+several rows, a model in training), and `step.py` then runs its own loop.
+
+A description holds addresses. It is made once per model and row kind: for a model whose
+weights were packed (`for_inference`), the buffers it points to belong to the kernels and
+never change; for an fp32 model on its own parameters, whose parameters may be replaced
+by assignment, the addresses are checked at each step and the description made anew when
+one moved.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from tlm.inference import blocked, native
+from tlm.inference.kernels import Float32Linear, PackedLinear
+
+i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class Product(ctypes.Structure):
+    _fields_ = [
+        ("kind", i64),
+        ("w", ptr),
+        ("scale", ptr),
+        ("wsum", ptr),
+        ("bias", ptr),
+        ("inputs", i64),
+        ("in_pad", i64),
+        ("out", i64),
+        ("ld", i64),
+        ("offset", i64),
+    ]
+
+
+class Norm(ctypes.Structure):
+    _fields_ = [("gamma", ptr), ("beta", ptr), ("eps", f32)]
+
+
+class Block(ctypes.Structure):
+    _fields_ = [
+        ("qkv", Product * 3),
+        ("n_qkv", i64),
+        ("out", Product),
+        ("up", Product),
+        ("down", Product),
+        ("inside", Norm),
+        ("after", Norm),
+        ("cos", ptr),
+        ("sin", ptr),
+        ("qk_eps", f32),
+    ]
+
+
+INT8, FLOAT16, ROWS, DOTS = range(4)  # Product.kind, as step.c's `product`
+
+
+class Program:
+    """What decode_step reads: the blocks, the head, the first norm, and the tensors whose
+    addresses they hold (kept alive here)."""
+
+    def __init__(
+        self, blocks: list[Block], head: Product, first: Norm, keep: list[Tensor], watch: bool
+    ) -> None:
+        self.blocks = (Block * len(blocks))(*blocks)
+        self.head, self.first, self.keep = head, first, keep
+        self.addresses = [t.data_ptr() for t in keep] if watch else None
+
+    def current(self) -> bool:
+        """Whether every address still holds (always, for packed weights: not watched)."""
+        if self.addresses is None:
+            return True
+        return all(t.data_ptr() == a for t, a in zip(self.keep, self.addresses, strict=True))
+
+
+def program(model, rows: int, layers) -> Program | None:
+    """The description of `model` for decode_step with `rows` rows, or None where a product
+    has no C kernel for them. `layers` is step.py's `layers_of(model)`."""
+    made = model.__dict__.setdefault("_programs", {})
+    kind = "one" if rows == 1 else "many"
+    found = made.get(kind)
+    if found is not None and found.current():
+        return found
+    try:
+        made[kind] = found = _described(model, rows, layers)
+    except _NoKernel:
+        made[kind] = found = None
+    return found
+
+
+class _NoKernel(Exception):
+    pass
+
+
+def _described(model, rows: int, layers) -> Program:
+    keep: list[Tensor] = []
+
+    def norm(gamma: Tensor, beta: Tensor | None, eps: float) -> Norm:
+        keep.extend(t for t in (gamma, beta) if t is not None)
+        return Norm(gamma.data_ptr(), native.address(beta), eps)
+
+    def products(kernel) -> list[Product]:
+        if isinstance(kernel, PackedLinear) and isinstance(kernel.kernel, blocked.Int8Blocks):
+            k = kernel.kernel
+            keep.extend(t for t in (k.blocks, k.scale, k.wsum, k.b) if t is not None)
+            w, scale, wsum, b = (native.address(t) for t in (k.blocks, k.scale, k.wsum, k.b))
+            return [Product(INT8, w, scale, wsum, b, k.inputs, k.blocks.shape[1] * 4, k.out)]
+        if isinstance(kernel, PackedLinear) and isinstance(kernel.kernel, blocked.Float16Blocks):
+            k = kernel.kernel
+            keep.extend(t for t in (k.blocks, k.b) if t is not None)
+            w, b = k.blocks.data_ptr(), native.address(k.b)
+            return [Product(FLOAT16, w, None, None, b, k.inputs, k.inputs, k.out)]
+        if isinstance(kernel, Float32Linear) and rows == 1 and native.threaded():
+            parts, offset = [], 0
+            for W, b in kernel.maps:
+                W, b = W.detach(), None if b is None else b.detach()
+                if W.dtype != torch.float32 or (b is not None and not b.is_contiguous()):
+                    raise _NoKernel
+                if W.stride(1) == 1:
+                    kind, ld = ROWS, W.stride(0)
+                elif W.stride(0) == 1:
+                    kind, ld = DOTS, W.stride(1)
+                else:
+                    raise _NoKernel
+                keep.extend(t for t in (W, b) if t is not None)
+                w, bias, (inputs, out) = W.data_ptr(), native.address(b), W.shape
+                parts.append(Product(kind, w, None, None, bias, inputs, inputs, out, ld, offset))
+                offset += W.shape[1]
+            return parts
+        raise _NoKernel
+
+    def one(kernel) -> Product:
+        parts = products(kernel)
+        if len(parts) != 1:
+            raise _NoKernel
+        return parts[0]
+
+    first, described = layers
+    blocks = []
+    for attn, inside, ffn, after, (cos, sin, qk_eps) in described:
+        qkv = products(attn.qkv_kernel)
+        if len(qkv) > 3:
+            raise _NoKernel
+        block = Block(n_qkv=len(qkv), out=one(attn.out_kernel), up=one(ffn.up_kernel))
+        block.down, block.inside, block.after = one(ffn.down_kernel), norm(*inside), norm(*after)
+        for i, part in enumerate(qkv):
+            block.qkv[i] = part
+        block.cos, block.sin, block.qk_eps = cos, sin, qk_eps
+        blocks.append(block)
+    watch = model.inference_format == "float32"  # the parameters of a model that may train
+    return Program(blocks, one(model.head), norm(*first), keep, watch)

@@ -1,0 +1,94 @@
+"""tlm's own int8 and float16 products (inference/blocked.py, products.c) against exact
+references: the same quantized or rounded weights multiplied in torch."""
+
+import pytest
+import torch
+
+from tlm.inference import blocked
+from tlm.inference.kernels import PackedLinear, _int8
+
+SHAPES = [(7, 5), (33, 70), (48, 64), (300, 768)]  # [out, in]: padded and whole blocks
+ROWS = [1, 2, 3, 4, 5, 9]  # one row, each group size of products.c, and groups with a rest
+
+
+def needs(fmt: str):
+    return pytest.mark.skipif(
+        not blocked.here(fmt), reason=f"this host runs {fmt} through fbgemm's kernels"
+    )
+
+
+def int8_reference(x, q, scale, b):
+    """sx * scale[o] * sum_i xq_i q_oi + b[o], the integer sums exact (int64), each row of x
+    quantized as products.c does: xq = round(x * (127 / max|x|)) in fp32."""
+    most = x.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(most > 0, torch.tensor(127.0) / most, torch.zeros(()))
+    xq = (x * inv).round().long()
+    sums = (xq[:, None, :] * q.long()[None]).sum(-1)  # [N, out], exact
+    return (most / 127) * scale * sums.float() + b
+
+
+@needs("int8")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_int8_blocks_are_the_exact_integer_product(shape, rows):
+    torch.manual_seed(rows)
+    W, b = torch.randn(shape) * 0.05, torch.randn(shape[0])
+    q, scale = _int8(lambda lo, hi: W[lo:hi], W.shape)
+    x = torch.randn(rows, shape[1]) * 3
+    x[0, 1] = 0.0
+    got = blocked.Int8Blocks(q, scale, b)(x)
+    expected = int8_reference(x, q, scale, b)
+    assert got.shape == (rows, shape[0])
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert (got - x @ W.T - b).abs().max() < 0.05 * (x @ W.T).abs().max()  # the format's error
+
+
+@needs("int8")
+def test_int8_blocks_of_a_zero_row_give_the_bias():
+    q, scale = torch.ones(20, 40, dtype=torch.int8), torch.full((20,), 0.5)
+    b = torch.arange(20.0)
+    got = blocked.Int8Blocks(q, scale, b)(torch.zeros(2, 40))
+    assert torch.equal(got, b.expand(2, 20))
+
+
+@needs("float16")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_float16_blocks_are_fp32_arithmetic_on_fp16_weights(shape, rows):
+    torch.manual_seed(rows)
+    W, b = torch.randn(shape) * 0.05, torch.randn(shape[0])
+    x = torch.randn(rows, shape[1])
+    got = blocked.Float16Blocks(lambda lo, hi: W[lo:hi], W.shape, b)(x)
+    expected = x.double() @ W.half().double().T + b.double()
+    assert got.shape == (rows, shape[0])
+    assert (got.double() - expected).abs().max() < 1e-5
+    assert (got.double() - (x @ W.T + b).double()).abs().max() > 1e-6  # fp16, not fp32 weights
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float16"])
+def test_rows_together_equal_rows_alone(fmt):
+    """A batch's rows do not change each other's outputs (the C kernels reuse each line of
+    weights for up to four rows)."""
+    if not blocked.here(fmt):
+        pytest.skip(f"this host runs {fmt} through fbgemm's kernels")
+    torch.manual_seed(0)
+    W = torch.randn(100, 96) * 0.05
+    kernel = PackedLinear(W, torch.randn(100), fmt)
+    x = torch.randn(11, 96)
+    together = kernel(x)
+    alone = torch.cat([kernel(x[i : i + 1]) for i in range(len(x))])
+    assert torch.allclose(together, alone, atol=1e-6)
+
+
+def test_packed_linear_takes_the_blocked_kernels_where_they_run():
+    W = torch.randn(32, 16)
+    for fmt, kind in (("int8", blocked.Int8Blocks), ("float16", blocked.Float16Blocks)):
+        assert isinstance(PackedLinear(W, None, fmt).kernel, kind) == blocked.here(fmt)
+
+
+def test_a_wrong_input_width_is_refused():
+    if not blocked.here("float16"):
+        pytest.skip("this host runs float16 through fbgemm's kernels")
+    kernel = blocked.Float16Blocks(lambda lo, hi: torch.ones(hi - lo, 8), (4, 8), None)
+    with pytest.raises(ValueError, match=r"expected x \[N, 8\]"):
+        kernel(torch.ones(2, 9))
