@@ -178,13 +178,14 @@ def part_imported(rounds: int, work: Path) -> None:
         print(f"  batch {batch}, 128 new: {alternate(ours, theirs, batch, 128, rounds)}")
 
 
-def read_bandwidth(threads: int, repeats: int = 8) -> tuple[float, str]:
-    """Bytes/s of reading memory the way decoding does: every byte once, nothing written
-    back, on the run's threads. Two readers of a 256 MB fp32 matrix, best of `repeats`
-    each: torch.sum, and one row times the matrix through the fp32 decoding route (tlm's
-    own loops, or numpy's BLAS: `inference/blas.py`); the faster one is the figure,
-    measured once, that divides every format's weight bytes."""
-    big, previous = torch.randn(64 * 1024, 1024), torch.get_num_threads()
+def read_bandwidth(threads: int, nbytes: int, repeats: int = 8) -> tuple[float, str]:
+    """Bytes/s of reading memory the way decoding does: the same `nbytes` read again and
+    again, every byte once a pass, nothing written back, on the run's threads. Two readers
+    of an fp32 matrix of that size, best of `repeats` each: torch.sum, and one row times
+    the matrix through the fp32 decoding route (tlm's own loops, or numpy's BLAS:
+    `inference/blas.py`); the faster one is the figure. A working set this size is partly
+    served from the CPU's caches from one pass to the next, as the weights of a step are."""
+    big, previous = torch.randn(nbytes // 4096, 1024), torch.get_num_threads()
     row, rates = torch.randn(1, 1024), {}
     torch.set_num_threads(threads)
     try:
@@ -227,18 +228,20 @@ def part_limit(rounds: int, work: Path) -> None:
     the model, the choice, the loop; the prompt's pass is its own column); "products" is
     one row through the step's weight products alone, back to back (`products_only`).
     Each round times both, and the medians over rounds are reported."""
-    threads = torch.get_num_threads()
-    bandwidth, readers = read_bandwidth(threads)
+    threads, models = torch.get_num_threads(), user_models(saved_gpt2(work))
+    smallest = min(weight_bytes(model.config, fmt) for fmt, model in models.items())
+    bandwidth, readers = read_bandwidth(threads, smallest)
     print(
-        f"read bandwidth {bandwidth / 1e9:.1f} GB/s (256 MB fp32 on {threads} threads, best "
-        f"of 8: {readers} GB/s; the faster counts): limit = bandwidth / weight bytes"
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({smallest / 1e6:.0f} MB, the smallest "
+        f"format's weights, read again and again on {threads} threads, best of 8: {readers}"
+        " GB/s; the faster counts): limit = bandwidth / weight bytes"
     )
     print("GPT-2 124M shape, greedy, prompt 32, 64 new tokens; median of rounds")
     print(
         "format    weights MB  limit tok/s  batch 1 tok/s  share  prompt ms  step ms"
         "  products ms  between  batch 8  batch 32  step@1024"
     )
-    for fmt, model in user_models(saved_gpt2(work)).items():
+    for fmt, model in models.items():
         tlm_rate(model, 1, 4)
         rates, prompts, steps, products = [], [], [], []
         for _ in range(rounds):
