@@ -311,7 +311,7 @@ def products_only(model: TransformerLM) -> float:
     C call where the whole step is one, `inference/program.py`): the most the kernels
     allow (median of 5)."""
     model = for_decoding(model)
-    whole = program.program(model, 1, layers_of(model)) if native.library() else None
+    whole = program.program(model, layers_of(model), 1) if native.library() else None
     x, h = torch.randn(1, 1, model.config.d_model), torch.randn(1, 1, model.config.d_ff)
     times = []
     for _ in range(5):

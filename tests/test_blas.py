@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from tlm import ModelConfig, TransformerLM
 from tlm.inference import InferenceLM, blas, decoding_step, for_decoding, for_inference, native
+from tlm.inference.program import FLOAT32_ROWS
 from tlm.model.kv_cache import KVCache
 
 
@@ -134,11 +135,11 @@ def test_the_head_of_a_tied_model_reads_E(route):
     assert torch.allclose(model.unembed(h), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_generation_takes_the_route_for_one_row_only(monkeypatch, route, batch):
-    """Batch 1 decodes on the parameters after the prompt (through numpy, 13 products a
-    step, or the whole step as one C call, `program.py`); a batch of 2 stays on torch, and
-    the tokens are those of the plain model either way."""
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_generation_takes_the_route_for_few_rows(monkeypatch, route, batch):
+    """After the prompt, one row decodes on the parameters through numpy (13 products a
+    step), or up to FLOAT32_ROWS rows as the whole step in one C call (`program.py`); more
+    rows stay on torch. The tokens are those of the plain model either way."""
     model, ids = make_model(), torch.randint(0, 97, (batch, 5))
     expected = model.generate(ids, max_new_tokens=6, use_cache=False)
     routed, whole = count_products(monkeypatch), []
@@ -146,19 +147,19 @@ def test_generation_takes_the_route_for_one_row_only(monkeypatch, route, batch):
         real = native.library().decode_step
         monkeypatch.setattr(native.library(), "decode_step", lambda *a: whole.append(1) or real(*a))
     assert torch.equal(model.generate(ids, max_new_tokens=6), expected)
-    steps = 5 if batch == 1 else 0  # the prompt runs 5 positions on torch, then 1 a step
+    steps = 5  # the prompt runs 5 positions on torch, then 1 a step
     if route == "own":
-        assert len(whole) == steps and routed == []
+        assert len(whole) == (steps if batch <= FLOAT32_ROWS else 0) and routed == []
     else:
-        assert len(routed) == steps * 13 and whole == []
+        assert len(routed) == (steps * 13 if batch == 1 else 0) and whole == []
 
 
 @pytest.mark.parametrize("settings", [{}, {"num_beams": 2}])
 def test_batched_decoding_steps_use_the_layout_and_prompts_do_not(settings):
-    """A model prepared in float32 decodes several rows on its oneDNN layout (made at the
-    first such step), both in generate's rows and in beam search, with the plain model's
-    tokens; one row and prompts read the parameters."""
-    ids = torch.randint(0, 97, (2, 5))
+    """A model prepared in float32 decodes more than FLOAT32_ROWS rows on its oneDNN layout
+    (made at the first such step), both in generate's rows and in beam search, with the
+    plain model's tokens; one row and prompts read the parameters."""
+    ids = torch.randint(0, 97, (FLOAT32_ROWS + 1, 5))
     expected = make_model().generate(ids, max_new_tokens=6, **settings)
     model = for_inference(make_model(), "float32")
     qkv = model.blocks[0].attn.qkv_kernel

@@ -57,7 +57,7 @@ def _own(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor | None:
         kernel, ld = lib.float32_dots, W.stride(1)
     else:
         return None
-    if kernel(W.data_ptr(), ld, native.address(b), x.data_ptr(), inputs, out, y.data_ptr()):
+    if kernel(W.data_ptr(), ld, native.address(b), x.data_ptr(), 1, inputs, out, y.data_ptr(), out):
         raise MemoryError(f"no memory for the partial sums of a [{inputs}, {out}] product")
     return y
 

@@ -7,17 +7,19 @@ the same x W + b through better kernels:
 
 | format   | weights held as                | kernel (CPU)                    | arithmetic      |
 |----------|--------------------------------|---------------------------------|-----------------|
-| float32  | the parameters themselves      | one row: numpy's BLAS           | fp32 (exact)    |
-|          | (+ a oneDNN layout, made at    | (`blas.py`); a decoding step    |                 |
-|          | the first decoding step of     | of more rows: `mkldnn.          |                 |
-|          | several rows)                  | _linear_pointwise`; a prompt:   |                 |
-|          |                                | torch's product                 |                 |
-| float16  | fp16, prepacked for fbgemm     | `quantized.linear_dynamic_fp16` | fp32            |
+| float32  | the parameters themselves      | one row: tlm's loops (or        | fp32 (exact)    |
+|          | (+ a oneDNN layout, made at    | numpy's BLAS, `blas.py`); a     |                 |
+|          | the first decoding step of     | decoding step of more rows:     |                 |
+|          | several rows)                  | `mkldnn._linear_pointwise`; a   |                 |
+|          |                                | prompt: torch's product         |                 |
+| float16  | fp16 in blocks of 16 rows      | tlm's (`blocked.py`) with       | fp32            |
+|          | (AVX-512), else prepacked for  | AVX-512, else fbgemm's          |                 |
+|          | fbgemm                         | `quantized.linear_dynamic_fp16` |                 |
 | bfloat16 | bf16, [out, in]                | `F.linear` in bf16              | bf16 products,  |
 |          |                                |                                 | fp32 elsewhere  |
-| int8     | int8, one scale per output row | `quantized.linear_dynamic`      | int8 products   |
-|          |                                |                                 | (activations    |
-|          |                                |                                 | quantized/row)  |
+| int8     | int8, one scale per output     | tlm's (`blocked.py`) with       | int8 products   |
+|          | row: in blocks of 16 rows      | AVX-512 VNNI, else fbgemm's     | (activations    |
+|          | (AVX-512 VNNI), else for fbgemm| `quantized.linear_dynamic`      | quantized/row)  |
 
 Everything between the products (LayerNorm, attention, the residual stream, the KV cache)
 stays fp32. Memory follows the format: float16, bfloat16 and int8 keep the weight

@@ -217,20 +217,21 @@ int64_t float16_product(const uint16_t *blocks, const float *bias, const float *
 #endif
 }
 
-/* float32, one row on the model's own layout, the parameters themselves (nothing copied):
- * y = x W + b, W [in, out] with rows `ld` floats apart. The threads share out the inputs:
- * each streams its rows of W front to back, four at a time, into its own partial y (held
- * in the core's cache), and the partial sums are added at the end. Plain C: the compiler
+/* float32 on the model's own layout, the parameters themselves (nothing copied): y = x W + b
+ * for x [rows, in], W [in, out] with rows `ld` floats apart, y's rows `ldy` floats apart.
+ * The threads share out the inputs: each streams its rows of W front to back, four at a
+ * time, into partial sums of its own (held in the core's cache; each line of W serves
+ * every row of x), and the partial sums are added at the end. Plain C: the compiler
  * vectorizes the loops for the host. Returns 0, or -2 without memory. */
-int64_t float32_rows(const float *W, int64_t ld, const float *bias, const float *x, int64_t in,
-                     int64_t out, float *y) {
+int64_t float32_rows(const float *W, int64_t ld, const float *bias, const float *x,
+                     int64_t rows, int64_t in, int64_t out, float *y, int64_t ldy) {
 #if defined(_OPENMP)
     const int threads = omp_get_max_threads();
 #else
     const int threads = 1;
 #endif
     const int64_t width = (out + 15) / 16 * 16; /* each partial y on its own cache lines */
-    float *partial = aligned_alloc(64, sizeof(float) * (size_t)(threads * width));
+    float *partial = aligned_alloc(64, sizeof(float) * (size_t)(threads * rows * width));
     if (!partial) return -2;
 #pragma omp parallel num_threads(threads)
     {
@@ -240,44 +241,57 @@ int64_t float32_rows(const float *W, int64_t ld, const float *bias, const float 
         const int t = 0, n = 1;
 #endif
         const int64_t lo = in * t / n, hi = in * (t + 1) / n;
-        float *acc = partial + t * width;
-        memset(acc, 0, sizeof(float) * (size_t)out);
+        float *mine = partial + t * rows * width;
+        memset(mine, 0, sizeof(float) * (size_t)(rows * width));
         int64_t i = lo;
         for (; i + 4 <= hi; i += 4) {
             const float *w0 = W + i * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;
-            const float x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
+            for (int64_t r = 0; r < rows; r++) {
+                const float *xr = x + r * in;
+                const float x0 = xr[i], x1 = xr[i + 1], x2 = xr[i + 2], x3 = xr[i + 3];
+                float *acc = mine + r * width;
 #pragma omp simd
-            for (int64_t o = 0; o < out; o++) acc[o] += x0 * w0[o] + x1 * w1[o] + x2 * w2[o] + x3 * w3[o];
+                for (int64_t o = 0; o < out; o++)
+                    acc[o] += x0 * w0[o] + x1 * w1[o] + x2 * w2[o] + x3 * w3[o];
+            }
         }
         for (; i < hi; i++) {
-            const float *w0 = W + i * ld, x0 = x[i];
+            const float *w0 = W + i * ld;
+            for (int64_t r = 0; r < rows; r++) {
+                const float x0 = x[r * in + i];
+                float *acc = mine + r * width;
 #pragma omp simd
-            for (int64_t o = 0; o < out; o++) acc[o] += x0 * w0[o];
+                for (int64_t o = 0; o < out; o++) acc[o] += x0 * w0[o];
+            }
         }
 #pragma omp barrier
-#pragma omp for schedule(static)
-        for (int64_t o = 0; o < out; o++) {
-            float sum = bias ? bias[o] : 0.0f;
-            for (int k = 0; k < n; k++) sum += partial[k * width + o];
-            y[o] = sum;
-        }
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t o = 0; o < out; o++) {
+                float sum = bias ? bias[o] : 0.0f;
+                for (int k = 0; k < n; k++) sum += partial[(k * rows + r) * width + o];
+                y[r * ldy + o] = sum;
+            }
     }
     free(partial);
     return 0;
 }
 
-/* float32, one row against a matrix kept as [out, in] with rows `ld` floats apart (a tied
- * head: x E^T with E [V, d], the embedding itself): y[o] = E[o] . x + b[o], the threads
- * sharing out the rows. */
-int64_t float32_dots(const float *E, int64_t ld, const float *bias, const float *x, int64_t in,
-                     int64_t out, float *y) {
+/* float32 against a matrix kept as [out, in] with rows `ld` floats apart (a tied head: x E^T
+ * with E [V, d], the embedding itself): y[r, o] = E[o] . x[r] + b[o], y's rows `ldy` floats
+ * apart; the threads share out the rows of E, each read once for every row of x. */
+int64_t float32_dots(const float *E, int64_t ld, const float *bias, const float *x,
+                     int64_t rows, int64_t in, int64_t out, float *y, int64_t ldy) {
 #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < out; o++) {
         const float *e = E + o * ld;
-        float sum = 0.0f;
+        for (int64_t r = 0; r < rows; r++) {
+            const float *xr = x + r * in;
+            float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < in; i++) sum += e[i] * x[i];
-        y[o] = sum + (bias ? bias[o] : 0.0f);
+            for (int64_t i = 0; i < in; i++) sum += e[i] * xr[i];
+            y[r * ldy + o] = sum + (bias ? bias[o] : 0.0f);
+        }
     }
     return 0;
 }

@@ -1,18 +1,17 @@
 """The whole decoding step as one C call: the model described once as C structures.
 
 Where every product of a model has a kernel in `products.c` (int8 and float16 blocks where
-`blocked.here`, and fp32 on the parameters themselves for one row where the library has
-OpenMP), `step.c`'s decode_step runs the whole step, products included, in one call: no
-Python between the products at all. `program(model, rows)` describes the model for it (a
-`Block` per layer: its products, norms, rope and qk-norm; the head; the first norm), or
-says None where some product has no such kernel (bfloat16, fbgemm's kernels, fp32 for
-several rows, a model in training), and `step.py` then runs its own loop.
+`blocked.here`, and fp32 on the parameters themselves where the library has OpenMP),
+`step.c`'s decode_step runs the whole step, products included, in one call: no Python
+between the products at all. `program(model, layers)` describes the model for it (a `Block`
+per layer: its products, norms, rope and qk-norm; the head; the first norm), or says None
+where some product has no such kernel (bfloat16, fbgemm's kernels, fp32 without OpenMP),
+and `step.py` then runs its own loop.
 
-A description holds addresses. It is made once per model and row kind: for a model whose
-weights were packed (`for_inference`), the buffers it points to belong to the kernels and
-never change; for an fp32 model on its own parameters, whose parameters may be replaced
-by assignment, the addresses are checked at each step and the description made anew when
-one moved.
+A description holds addresses. It is made once per model: for a model whose weights were
+packed (`for_inference`), the buffers it points to belong to the kernels and never change;
+for an fp32 model on its own parameters, whose parameters may be replaced by assignment,
+the addresses are checked at each step and the description made anew when one moved.
 """
 
 from __future__ import annotations
@@ -74,6 +73,7 @@ class Program:
     ) -> None:
         self.blocks = (Block * len(blocks))(*blocks)
         self.head, self.first, self.keep = head, first, keep
+        self.float32 = head.kind in (ROWS, DOTS)  # all fp32, or none
         self.addresses = [t.data_ptr() for t in keep] if watch else None
 
     def current(self) -> bool:
@@ -83,18 +83,25 @@ class Program:
         return all(t.data_ptr() == a for t, a in zip(self.keep, self.addresses, strict=True))
 
 
-def program(model, rows: int, layers) -> Program | None:
-    """The description of `model` for decode_step with `rows` rows, or None where a product
-    has no C kernel for them. `layers` is step.py's `layers_of(model)`."""
-    made = model.__dict__.setdefault("_programs", {})
-    kind = "one" if rows == 1 else "many"
-    found = made.get(kind)
-    if found is not None and found.current():
-        return found
-    try:
-        made[kind] = found = _described(model, rows, layers)
-    except _NoKernel:
-        made[kind] = found = None
+FLOAT32_ROWS = 2  # most rows an fp32 step runs in C (see `program`)
+
+
+def program(model, layers, rows: int) -> Program | None:
+    """The description of `model` for decode_step with `rows` rows, or None where a
+    product has no C kernel for them. `layers` is step.py's `layers_of(model)`. fp32 takes
+    it for up to FLOAT32_ROWS rows: its loops read each line of weights once for all rows
+    but keep every row's partial sums in the cache, and oneDNN's product on its own layout
+    (`kernels.Float32Linear`) was as fast at 4 rows and 1.5x faster at 8 on the GPT-2 124M
+    shape (docs/benchmarks.md)."""
+    found = model.__dict__.get("_program", False)
+    if found is False or (found is not None and not found.current()):
+        try:
+            found = _described(model, layers)
+        except _NoKernel:
+            found = None
+        model.__dict__["_program"] = found
+    if found is not None and found.float32 and rows > FLOAT32_ROWS:
+        return None
     return found
 
 
@@ -102,7 +109,7 @@ class _NoKernel(Exception):
     pass
 
 
-def _described(model, rows: int, layers) -> Program:
+def _described(model, layers) -> Program:
     keep: list[Tensor] = []
 
     def norm(gamma: Tensor, beta: Tensor | None, eps: float) -> Norm:
@@ -120,7 +127,7 @@ def _described(model, rows: int, layers) -> Program:
             keep.extend(t for t in (k.blocks, k.b) if t is not None)
             w, b = k.blocks.data_ptr(), native.address(k.b)
             return [Product(FLOAT16, w, None, None, b, k.inputs, k.inputs, k.out)]
-        if isinstance(kernel, Float32Linear) and rows == 1 and native.threaded():
+        if isinstance(kernel, Float32Linear) and native.threaded():
             parts, offset = [], 0
             for W, b in kernel.maps:
                 W, b = W.detach(), None if b is None else b.detach()

@@ -185,14 +185,15 @@ int64_t int8_product(const int8_t *blocks, const float *scale, const int32_t *ws
                      int64_t in_pad, int64_t out, float *y);
 int64_t float16_product(const uint16_t *blocks, const float *bias, const float *x,
                         int64_t rows, int64_t in, int64_t out, float *y);
-int64_t float32_rows(const float *W, int64_t ld, const float *bias, const float *x, int64_t in,
-                     int64_t out, float *y);
-int64_t float32_dots(const float *E, int64_t ld, const float *bias, const float *x, int64_t in,
-                     int64_t out, float *y);
+int64_t float32_rows(const float *W, int64_t ld, const float *bias, const float *x,
+                     int64_t rows, int64_t in, int64_t out, float *y, int64_t ldy);
+int64_t float32_dots(const float *E, int64_t ld, const float *bias, const float *x,
+                     int64_t rows, int64_t in, int64_t out, float *y, int64_t ldy);
 
 /* One product, y = x W^T + b, written at `offset` of each output row: kind 0 int8 blocks,
  * 1 float16 blocks, 2 fp32 W [in, out] (rows ld apart), 3 fp32 W^T [out, in] (rows ld
- * apart). Kinds 2 and 3, and an offset, take one row only (program.py checks). */
+ * apart). Only kinds 2 and 3 write at an offset, into rows wider than their own output
+ * (Q, K and V as three products; program.py checks). */
 typedef struct {
     int64_t kind;
     const void *w;
@@ -218,12 +219,13 @@ typedef struct {
     float qk_eps;
 } Block;
 
-static int64_t product(const Product *p, const float *x, int64_t rows, float *y) {
+/* y's rows are `ldy` floats apart (the product's own width but for Q, K and V). */
+static int64_t product(const Product *p, const float *x, int64_t rows, float *y, int64_t ldy) {
     switch (p->kind) {
-    case 0: return int8_product(p->w, p->scale, p->wsum, p->bias, x, rows, p->in, p->in_pad, p->out, y + p->offset);
-    case 1: return float16_product(p->w, p->bias, x, rows, p->in, p->out, y + p->offset);
-    case 2: return float32_rows(p->w, p->ld, p->bias, x, p->in, p->out, y + p->offset);
-    default: return float32_dots(p->w, p->ld, p->bias, x, p->in, p->out, y + p->offset);
+    case 0: return int8_product(p->w, p->scale, p->wsum, p->bias, x, rows, p->in, p->in_pad, p->out, y);
+    case 1: return float16_product(p->w, p->bias, x, rows, p->in, p->out, y);
+    case 2: return float32_rows(p->w, p->ld, p->bias, x, rows, p->in, p->out, y + p->offset, ldy);
+    default: return float32_dots(p->w, p->ld, p->bias, x, rows, p->in, p->out, y + p->offset, ldy);
     }
 }
 
@@ -245,18 +247,18 @@ int64_t decode_step(const Block *blocks, int64_t n_blocks, const Product *head,
     add_norm(x, P, P ? pos : NULL, h, first->gamma, first->beta, rows, d, first->eps);
     for (int64_t l = 0; l < n_blocks && !failed; l++) {
         const Block *b = blocks + l;
-        for (int64_t i = 0; i < b->n_qkv; i++) failed |= product(&b->qkv[i], h, rows, qkv);
+        for (int64_t i = 0; i < b->n_qkv; i++) failed |= product(&b->qkv[i], h, rows, qkv, 3 * width);
         attend_one(qkv, qkv + width, qkv + 2 * width, 3 * width, K + l * layer_floats,
                    V + l * layer_floats, slots, pos, rows, H, d_head, capacity, b->qk_eps,
                    b->cos_, b->sin_, z);
-        failed |= product(&b->out, z, rows, o);
+        failed |= product(&b->out, z, rows, o, d);
         add_norm(x, o, NULL, h, b->inside.gamma, b->inside.beta, rows, d, b->inside.eps);
-        failed |= product(&b->up, h, rows, u);
+        failed |= product(&b->up, h, rows, u, d_ff);
         activate(u, rows * d_ff, kind);
-        failed |= product(&b->down, u, rows, o);
+        failed |= product(&b->down, u, rows, o, d);
         add_norm(x, o, NULL, h, b->after.gamma, b->after.beta, rows, d, b->after.eps);
     }
-    if (!failed) failed = product(head, h, rows, logits);
+    if (!failed) failed = product(head, h, rows, logits, head->out);
     free(h);
     return failed;
 }
@@ -271,12 +273,12 @@ int64_t decode_products(const Block *blocks, int64_t n_blocks, const Product *he
     int64_t failed = !zeros || !y ? -2 : 0;
     for (int64_t l = 0; l < n_blocks && !failed; l++) {
         const Block *b = blocks + l;
-        for (int64_t i = 0; i < b->n_qkv; i++) failed |= product(&b->qkv[i], zeros, rows, y);
-        failed |= product(&b->out, zeros, rows, y);
-        failed |= product(&b->up, zeros, rows, y);
-        failed |= product(&b->down, zeros, rows, y);
+        for (int64_t i = 0; i < b->n_qkv; i++) failed |= product(&b->qkv[i], zeros, rows, y, 3 * width);
+        failed |= product(&b->out, zeros, rows, y, d);
+        failed |= product(&b->up, zeros, rows, y, d_ff);
+        failed |= product(&b->down, zeros, rows, y, d);
     }
-    if (!failed) failed = product(head, zeros, rows, logits);
+    if (!failed) failed = product(head, zeros, rows, logits, head->out);
     free(zeros), free(y);
     return failed;
 }

@@ -116,7 +116,7 @@ def step(
         lib.add_norm(x_, address(a), index, h_, gamma.data_ptr(), address(beta), R, d, eps)
 
     made = layers_of(model)
-    whole = program.program(model, R, made)
+    whole = program.program(model, made, R)
     if whole is not None:  # every product has a C kernel: the whole step in one call
         logits = x.new_empty(R, whole.head.out)
         failed = lib.decode_step(
