@@ -58,7 +58,7 @@ def test_float16_blocks_are_fp32_arithmetic_on_fp16_weights(shape, rows):
     torch.manual_seed(rows)
     W, b = torch.randn(shape) * 0.05, torch.randn(shape[0])
     x = torch.randn(rows, shape[1])
-    got = blocked.Float16Blocks(lambda lo, hi: W[lo:hi], W.shape, b)(x)
+    got = blocked.FloatBlocks(lambda lo, hi: W[lo:hi], W.shape, b)(x)
     expected = x.double() @ W.half().double().T + b.double()
     assert got.shape == (rows, shape[0])
     assert (got.double() - expected).abs().max() < 1e-5
@@ -82,13 +82,26 @@ def test_rows_together_equal_rows_alone(fmt):
 
 def test_packed_linear_takes_the_blocked_kernels_where_they_run():
     W = torch.randn(32, 16)
-    for fmt, kind in (("int8", blocked.Int8Blocks), ("float16", blocked.Float16Blocks)):
+    for fmt, kind in (("int8", blocked.Int8Blocks), ("float16", blocked.FloatBlocks)):
         assert isinstance(PackedLinear(W, None, fmt).kernel, kind) == blocked.here(fmt)
 
 
 def test_a_wrong_input_width_is_refused():
     if not blocked.here("float16"):
         pytest.skip("this host runs float16 through fbgemm's kernels")
-    kernel = blocked.Float16Blocks(lambda lo, hi: torch.ones(hi - lo, 8), (4, 8), None)
+    kernel = blocked.FloatBlocks(lambda lo, hi: torch.ones(hi - lo, 8), (4, 8), None)
     with pytest.raises(ValueError, match=r"expected x \[N, 8\]"):
         kernel(torch.ones(2, 9))
+
+
+@needs("float16")  # the same kernel, reading fp32
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_float32_blocks_are_the_fp32_product(shape, rows):
+    torch.manual_seed(rows)
+    W, b = torch.randn(shape) * 0.05, torch.randn(shape[0])
+    x = torch.randn(rows, shape[1])
+    got = blocked.FloatBlocks(lambda lo, hi: W[lo:hi], W.shape, b, torch.float32)(x)
+    expected = x.double() @ W.double().T + b.double()
+    assert got.shape == (rows, shape[0])
+    assert (got.double() - expected).abs().max() < 1e-5

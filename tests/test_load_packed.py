@@ -60,16 +60,16 @@ def test_streamed_equals_the_plain_model_within_the_format(tmp_path, dtype, tie,
 
 @pytest.mark.parametrize(
     "dtype, route",
-    [("float16", "own"), ("bfloat16", "own"), ("int8", "own"), ("float16", "fbgemm")]
-    + [("int8", "fbgemm")],
+    [("float16", "own"), ("bfloat16", "own"), ("int8", "own"), ("float16", "torch")]
+    + [("int8", "torch")],
 )
 def test_each_product_is_the_one_for_inference_makes(
     tmp_path, monkeypatch, dtype, route, small_head_blocks
 ):
     """Blocks and head: the same packed products as packing the loaded model; the token
     lookup reads E's rows from the file exactly (for_inference keeps them in the format).
-    With `route="fbgemm"`, tlm's own blocked kernels are switched off."""
-    if route == "fbgemm":
+    With `route="torch"`, tlm's own blocked kernels are switched off (fbgemm's run)."""
+    if route == "torch":
         monkeypatch.setattr(blocked, "here", lambda fmt: False)
     run = write_run(tmp_path / "run")
     streamed, packed_model = load_model(run, dtype=dtype), for_inference(load_model(run), dtype)

@@ -252,8 +252,9 @@ def test_a_compiler_without_openmp_still_builds_the_step(tmp_path):
     assert len(list(tmp_path.glob("native/step-*.so"))) == 1
 
 
-WHOLE = [("float32", 1, "learned"), ("float16", 1, "rope"), ("float16", 3, "learned")]
-WHOLE += [("int8", 1, "learned"), ("int8", 2, "rope")]
+WHOLE = [("float32", 1, "learned"), ("float32", 2, "rope"), ("float16", 1, "rope")]
+WHOLE += [("float16", 3, "learned"), ("int8", 1, "learned"), ("int8", 2, "rope")]
+WHOLE += [("float32 blocks", 4, "rope")]  # for_inference(model, "float32"): a copy in blocks
 
 
 @needs_native
@@ -261,13 +262,14 @@ WHOLE += [("int8", 1, "learned"), ("int8", 2, "rope")]
 def test_the_whole_step_in_c_equals_the_loop(make_model, monkeypatch, dtype, rows, position):
     """Where every product has a C kernel, one call runs the step (products included); it
     computes what step.py's loop computes with the same kernels."""
-    ready = native.threaded() if dtype == "float32" else blocked.here(dtype)
+    fmt = dtype.split()[0]
+    ready = native.threaded() if dtype == "float32" else blocked.here(fmt)
     if not ready:
         pytest.skip(f"no C kernels for {dtype} on this host")
     model = make_model(position=position, qk_norm=position == "rope", bias=True)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    model = for_decoding(model) if dtype == "float32" else for_inference(model, dtype)
+    model = for_decoding(model) if dtype == "float32" else for_inference(model, fmt)
     lib, calls = native.library(), []
     real = lib.decode_step
     monkeypatch.setattr(lib, "decode_step", lambda *a: calls.append(1) or real(*a))

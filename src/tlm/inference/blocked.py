@@ -41,7 +41,8 @@ def here(fmt: str) -> bool:
     """Whether this host runs `fmt`'s products through the blocked kernels."""
     if not native.threaded():
         return False
-    return bool(native.library().products_here() & {"int8": INT8, "float16": FLOAT16}.get(fmt, 0))
+    kernels = {"int8": INT8, "float16": FLOAT16, "float32": FLOAT16}.get(fmt, 0)  # float32: blocks
+    return bool(native.library().products_here() & kernels)
 
 
 class Int8Blocks:
@@ -77,26 +78,29 @@ class Int8Blocks:
         return y
 
 
-class Float16Blocks:
-    """y = x W^T + b with W [out, in] held in fp16, fp32 arithmetic: x [N, in] -> y [N, out].
-    `read(lo, hi)` gives rows lo:hi of W in fp32; they are converted a block at a time."""
+class FloatBlocks:
+    """y = x W^T + b with W [out, in] held in `dtype` (float16, widened as it is read, or a
+    float32 copy), fp32 arithmetic: x [N, in] -> y [N, out]. `read(lo, hi)` gives rows lo:hi
+    of W in fp32; they are converted a block at a time."""
 
-    def __init__(self, read, shape: tuple[int, int], b: Tensor | None) -> None:
+    def __init__(self, read, shape: tuple[int, int], b: Tensor | None, dtype=torch.float16):
         self.lib, (self.out, self.inputs) = native.library(), shape
         out = _padded(self.out)
-        self.blocks = torch.zeros(out // 16, self.inputs, 16, dtype=torch.float16)
+        self.blocks = torch.zeros(out // 16, self.inputs, 16, dtype=dtype)
         for lo in range(0, self.out, ROWS):
             part = read(lo, min(lo + ROWS, self.out))
-            rows = torch.zeros(_padded(len(part)), self.inputs, dtype=torch.float16)
+            rows = torch.zeros(_padded(len(part)), self.inputs, dtype=dtype)
             rows[: len(part)] = part
             self.blocks[lo // 16 : (lo + len(rows)) // 16] = rows.view(
                 -1, 16, self.inputs
             ).transpose(1, 2)
         self.b = None if b is None else _padded_vector(b.float(), out)
+        fp32 = dtype == torch.float32
+        self.kernel = self.lib.float32_product if fp32 else self.lib.float16_product
 
     def __call__(self, x: Tensor) -> Tensor:
         x, y = _operands(x, self.inputs, self.out)
-        self.lib.float16_product(
+        self.kernel(
             self.blocks.data_ptr(), native.address(self.b), x.data_ptr(), len(x),
             self.inputs, self.out, y.data_ptr(),
         )  # fmt: skip

@@ -8,9 +8,10 @@ the same x W + b through better kernels:
 | format   | weights held as                | kernel (CPU)                    | arithmetic      |
 |----------|--------------------------------|---------------------------------|-----------------|
 | float32  | the parameters themselves      | one row: tlm's loops (or        | fp32 (exact)    |
-|          | (+ a oneDNN layout, made at    | numpy's BLAS, `blas.py`); a     |                 |
-|          | the first decoding step of     | decoding step of more rows:     |                 |
-|          | several rows)                  | `mkldnn._linear_pointwise`; a   |                 |
+|          | (+ a copy in blocks of 16 rows | numpy's BLAS, `blas.py`); a     |                 |
+|          | with AVX-512, else a oneDNN    | decoding step of more rows:     |                 |
+|          | layout, made at the first      | tlm's (`blocked.py`) or         |                 |
+|          | decoding step of several rows) | `mkldnn._linear_pointwise`; a   |                 |
 |          |                                | prompt: torch's product         |                 |
 | float16  | fp16 in blocks of 16 rows      | tlm's (`blocked.py`) with       | fp32            |
 |          | (AVX-512), else prepacked for  | AVX-512, else fbgemm's          |                 |
@@ -75,7 +76,7 @@ class PackedLinear:
         self.out_features, self.splits = shape[0], splits
         if fmt in ("float16", "int8") and blocked.here(fmt):  # tlm's own kernels
             if fmt == "float16":
-                self.weight = self.kernel = blocked.Float16Blocks(read, shape, self.b)
+                self.weight = self.kernel = blocked.FloatBlocks(read, shape, self.b)
             else:
                 self.weight = self.kernel = blocked.Int8Blocks(*_int8(read, shape), self.b)
         elif fmt == "float16":
@@ -135,10 +136,11 @@ class Route:
 
 class Float32Linear:
     """The fp32 maps x W_i + b_i on the parameters themselves. A decoding step of one row
-    reads them through numpy's BLAS (`blas.py`), and a prompt (read once) through torch's
-    product, neither with a copy. With `layout`, a decoding step of several rows runs them
-    as one oneDNN product, laid out for 4 rows the first time such a step comes (a copy of
-    the weights, kept from then on); without it, torch's product."""
+    reads them in place (`blas.py`), and a prompt (read once) through torch's product,
+    neither with a copy. With `layout`, a decoding step of several rows runs them as one
+    product on a copy of the weights made the first time such a step comes and kept from
+    then on: tlm's fp32 blocks (`blocked.py`) where the CPU has AVX-512, else oneDNN's
+    layout for 4 rows; without it, torch's product."""
 
     def __init__(
         self, maps: list[tuple[Tensor, Tensor | None]], route: Route, layout: bool = True
@@ -152,19 +154,29 @@ class Float32Linear:
         if rows == 1:
             y = tuple(blas.product(x, W, b) for W, b in self.maps)
         elif rows > 1 and self.use_layout:
-            y = self._onednn(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], sum(self.splits))
+            y = self._batched(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], sum(self.splits))
             y = y.split(self.splits, dim=-1)
         else:
             y = tuple(linear(x, W, b) for W, b in self.maps)
         return y if len(y) > 1 else y[0]
 
-    def _onednn(self, x: Tensor) -> Tensor:
+    def _batched(self, x: Tensor) -> Tensor:
+        if isinstance(self.made_layout(), blocked.FloatBlocks):
+            return self.layout(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self.layout, self.b, "none", [], "")
+
+    def made_layout(self):
+        """The copy of the weights that steps of several rows read, made now if not yet."""
         if self.layout is None:
             W_t = _stacked(self.maps)  # [sum out_i, in]
-            self.layout = torch.ops.mkldnn._reorder_linear_weight(W_t, 4)
             if self.maps[0][1] is not None:
                 self.b = torch.cat([b.detach() for _, b in self.maps])
-        return torch.ops.mkldnn._linear_pointwise(x, self.layout, self.b, "none", [], "")
+            if blocked.here("float32"):
+                rows = lambda lo, hi: W_t[lo:hi].detach()  # noqa: E731
+                self.layout = blocked.FloatBlocks(rows, W_t.shape, self.b, torch.float32)
+            else:
+                self.layout = torch.ops.mkldnn._reorder_linear_weight(W_t, 4)
+        return self.layout
 
 
 class HeadBlocks:

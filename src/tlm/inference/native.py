@@ -49,6 +49,7 @@ SIGNATURES = {  # name: (what it returns, its arguments)
     "products_here": (i64, []),
     "int8_product": (i64, [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]),
     "float16_product": (i64, [ptr, ptr, ptr, i64, i64, i64, ptr]),
+    "float32_product": (i64, [ptr, ptr, ptr, i64, i64, i64, ptr]),
     "float32_rows": (i64, [ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64]),
     "float32_dots": (i64, [ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64]),
     "decode_step": (

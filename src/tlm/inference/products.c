@@ -24,8 +24,9 @@
 #include <immintrin.h>
 #endif
 
-/* Which kernels this build has: bit 0 int8 (AVX-512 VNNI), bit 1 float16 (AVX-512F), and
- * bit 2 set when they run on OpenMP's threads (built with -fopenmp, not -fopenmp-simd). */
+/* Which kernels this build has: bit 0 int8 (AVX-512 VNNI), bit 1 float16 and float32 blocks
+ * (AVX-512F), and bit 2 set when they run on OpenMP's threads (built with -fopenmp, not
+ * -fopenmp-simd). */
 int64_t products_here(void) {
     int64_t here = 0;
 #if defined(_OPENMP)
@@ -144,25 +145,28 @@ int64_t int8_product(const int8_t *blocks, const float *scale, const int32_t *ws
 #endif
 }
 
-/* float16, the sums of one block for n rows (n = 1..4, as int8_rows): sums[k] = sum_i
- * x_ki w_oi for the block's 16 rows o, each line of 16 weights widened once for the n
- * rows; one row keeps four sums apart, more rows two each. */
+/* float16 and float32 blocks, the sums of one block for n rows (n = 1..4, as int8_rows):
+ * sums[k] = sum_i x_ki w_oi for the block's 16 rows o, each input's 16 weights loaded (and
+ * fp16 widened) once for the n rows; one row keeps four sums apart, more rows two each. */
 #if defined(__AVX512F__)
-static inline __attribute__((always_inline)) void float16_rows(const uint16_t *w, const float *x,
-                                                               int64_t in, int n, __m512 *sums) {
-    const int64_t whole = in - in % 4;
+static inline __attribute__((always_inline)) __m512 weights(const void *w, int64_t i, int fp32) {
+    if (fp32) return _mm512_loadu_ps((const float *)w + i * 16);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i * 16)));
+}
+
+static inline __attribute__((always_inline)) void float_rows(const void *w, const float *x,
+                                                             int64_t in, int n, int fp32,
+                                                             __m512 *sums) {
     if (n == 1) {
+        const int64_t whole = in - in % 4;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t i = 0; i < whole; i += 4) {
-            const __m512i two = _mm512_loadu_si512(w + i * 16); /* inputs i, i+1 */
-            const __m512i next = _mm512_loadu_si512(w + i * 16 + 32); /* i+2, i+3 */
-            a0 = _mm512_fmadd_ps(_mm512_set1_ps(x[i]), _mm512_cvtph_ps(_mm512_castsi512_si256(two)), a0);
-            a1 = _mm512_fmadd_ps(_mm512_set1_ps(x[i + 1]), _mm512_cvtph_ps(_mm512_extracti64x4_epi64(two, 1)), a1);
-            a2 = _mm512_fmadd_ps(_mm512_set1_ps(x[i + 2]), _mm512_cvtph_ps(_mm512_castsi512_si256(next)), a2);
-            a3 = _mm512_fmadd_ps(_mm512_set1_ps(x[i + 3]), _mm512_cvtph_ps(_mm512_extracti64x4_epi64(next, 1)), a3);
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(x[i]), weights(w, i, fp32), a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(x[i + 1]), weights(w, i + 1, fp32), a1);
+            a2 = _mm512_fmadd_ps(_mm512_set1_ps(x[i + 2]), weights(w, i + 2, fp32), a2);
+            a3 = _mm512_fmadd_ps(_mm512_set1_ps(x[i + 3]), weights(w, i + 3, fp32), a3);
         }
-        for (int64_t i = whole; i < in; i++)
-            a0 = _mm512_fmadd_ps(_mm512_set1_ps(x[i]), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i * 16))), a0);
+        for (int64_t i = whole; i < in; i++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(x[i]), weights(w, i, fp32), a0);
         sums[0] = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
         return;
     }
@@ -170,19 +174,41 @@ static inline __attribute__((always_inline)) void float16_rows(const uint16_t *w
     for (int k = 0; k < n; k++) even[k] = odd[k] = _mm512_setzero_ps();
     const int64_t pairs = in - in % 2;
     for (int64_t i = 0; i < pairs; i += 2) {
-        const __m512i two = _mm512_loadu_si512(w + i * 16);
-        const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(two));
-        const __m512 w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(two, 1));
+        const __m512 w0 = weights(w, i, fp32), w1 = weights(w, i + 1, fp32);
         for (int k = 0; k < n; k++) {
             even[k] = _mm512_fmadd_ps(_mm512_set1_ps(x[k * in + i]), w0, even[k]);
             odd[k] = _mm512_fmadd_ps(_mm512_set1_ps(x[k * in + i + 1]), w1, odd[k]);
         }
     }
     if (pairs < in) {
-        const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + pairs * 16)));
+        const __m512 w0 = weights(w, pairs, fp32);
         for (int k = 0; k < n; k++) even[k] = _mm512_fmadd_ps(_mm512_set1_ps(x[k * in + pairs]), w0, even[k]);
     }
     for (int k = 0; k < n; k++) sums[k] = _mm512_add_ps(even[k], odd[k]);
+}
+
+static inline __attribute__((always_inline)) void float_product(const void *blocks, int fp32,
+                                                                const float *bias, const float *x,
+                                                                int64_t rows, int64_t in,
+                                                                int64_t out, float *y) {
+    const int64_t n_blocks = (out + 15) / 16, block = 16 * in * (fp32 ? 4 : 2);
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n_blocks; j++) {
+        const void *w = (const char *)blocks + j * block;
+        const __m512 b = bias ? _mm512_loadu_ps(bias + j * 16) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; r += 4) {
+            const int n = rows - r < 4 ? (int)(rows - r) : 4;
+            __m512 sums[4];
+            const float *xr = x + r * in;
+            switch (n) { /* each a copy of float_rows for its n */
+            case 1: float_rows(w, xr, in, 1, fp32, sums); break;
+            case 2: float_rows(w, xr, in, 2, fp32, sums); break;
+            case 3: float_rows(w, xr, in, 3, fp32, sums); break;
+            default: float_rows(w, xr, in, 4, fp32, sums);
+            }
+            for (int k = 0; k < n; k++) store(y + (r + k) * out + j * 16, _mm512_add_ps(sums[k], b), out - j * 16);
+        }
+    }
 }
 #endif
 
@@ -193,24 +219,20 @@ static inline __attribute__((always_inline)) void float16_rows(const uint16_t *w
 int64_t float16_product(const uint16_t *blocks, const float *bias, const float *x,
                         int64_t rows, int64_t in, int64_t out, float *y) {
 #if defined(__AVX512F__)
-    const int64_t n_blocks = (out + 15) / 16;
-#pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n_blocks; j++) {
-        const uint16_t *w = blocks + j * 16 * in;
-        const __m512 b = bias ? _mm512_loadu_ps(bias + j * 16) : _mm512_setzero_ps();
-        for (int64_t r = 0; r < rows; r += 4) {
-            const int n = rows - r < 4 ? (int)(rows - r) : 4;
-            __m512 sums[4];
-            const float *xr = x + r * in;
-            switch (n) { /* each a copy of float16_rows for its n */
-            case 1: float16_rows(w, xr, in, 1, sums); break;
-            case 2: float16_rows(w, xr, in, 2, sums); break;
-            case 3: float16_rows(w, xr, in, 3, sums); break;
-            default: float16_rows(w, xr, in, 4, sums);
-            }
-            for (int k = 0; k < n; k++) store(y + (r + k) * out + j * 16, _mm512_add_ps(sums[k], b), out - j * 16);
-        }
-    }
+    float_product(blocks, 0, bias, x, rows, in, out, y);
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+/* float32 blocks: a copy of fp32 weights laid out as float16's, for steps of more rows than
+ * `float32_rows` serves well (its partial sums of every row outgrow the core's cache).
+ * Returns 0, or -1 where this build has no such kernel. */
+int64_t float32_product(const float *blocks, const float *bias, const float *x, int64_t rows,
+                        int64_t in, int64_t out, float *y) {
+#if defined(__AVX512F__)
+    float_product(blocks, 1, bias, x, rows, in, out, y);
     return 0;
 #else
     return -1;

@@ -1,14 +1,16 @@
 """The whole decoding step as one C call: the model described once as C structures.
 
 Where every product of a model has a kernel in `products.c` (int8 and float16 blocks where
-`blocked.here`, and fp32 on the parameters themselves where the library has OpenMP),
-`step.c`'s decode_step runs the whole step, products included, in one call: no Python
-between the products at all. `program(model, layers)` describes the model for it (a `Block`
-per layer: its products, norms, rope and qk-norm; the head; the first norm), or says None
-where some product has no such kernel (bfloat16, fbgemm's kernels, fp32 without OpenMP),
-and `step.py` then runs its own loop.
+`blocked.here`; fp32 on the parameters themselves where the library has OpenMP, or, for
+more than FLOAT32_ROWS rows, on fp32 blocks), `step.c`'s decode_step runs the whole step,
+products included, in one call: no Python between the products at all. `program(model,
+layers, rows)` describes the model for it (a `Block` per layer: its products, norms, rope
+and qk-norm; the head; the first norm), or says None where some product has no such
+kernel (bfloat16, fbgemm's kernels, fp32 without OpenMP), and `step.py` then runs its own
+loop.
 
-A description holds addresses. It is made once per model: for a model whose weights were
+A description holds addresses. It is made once per model (and fp32 row kind): for a model
+whose weights were
 packed (`for_inference`), the buffers it points to belong to the kernels and never change;
 for an fp32 model on its own parameters, whose parameters may be replaced by assignment,
 the addresses are checked at each step and the description made anew when one moved.
@@ -61,7 +63,7 @@ class Block(ctypes.Structure):
     ]
 
 
-INT8, FLOAT16, ROWS, DOTS = range(4)  # Product.kind, as step.c's `product`
+INT8, FLOAT16, ROWS, DOTS, FLOAT32 = range(5)  # Product.kind, as step.c's `product`
 
 
 class Program:
@@ -73,7 +75,6 @@ class Program:
     ) -> None:
         self.blocks = (Block * len(blocks))(*blocks)
         self.head, self.first, self.keep = head, first, keep
-        self.float32 = head.kind in (ROWS, DOTS)  # all fp32, or none
         self.addresses = [t.data_ptr() for t in keep] if watch else None
 
     def current(self) -> bool:
@@ -83,25 +84,36 @@ class Program:
         return all(t.data_ptr() == a for t, a in zip(self.keep, self.addresses, strict=True))
 
 
-FLOAT32_ROWS = 2  # most rows an fp32 step runs in C (see `program`)
+FLOAT32_ROWS = 2  # most rows an fp32 step reads the parameters in place for
 
 
 def program(model, layers, rows: int) -> Program | None:
     """The description of `model` for decode_step with `rows` rows, or None where a
-    product has no C kernel for them. `layers` is step.py's `layers_of(model)`. fp32 takes
-    it for up to FLOAT32_ROWS rows: its loops read each line of weights once for all rows
-    but keep every row's partial sums in the cache, and oneDNN's product on its own layout
-    (`kernels.Float32Linear`) was as fast at 4 rows and 1.5x faster at 8 on the GPT-2 124M
-    shape (docs/benchmarks.md)."""
-    found = model.__dict__.get("_program", False)
+    product has no C kernel for them. `layers` is step.py's `layers_of(model)`.
+
+    An fp32 model reads fp32 blocks for several rows where it may keep a copy of its
+    weights (`for_inference(model, "float32")`: `kernels.Float32Linear`, made at the first
+    such step), and its parameters in place otherwise, for up to FLOAT32_ROWS rows: those
+    loops read each line of weights once for all rows but keep every row's partial sums in
+    the cache, and an 8-row GPT-2 step took 38-40 ms that way against 25.5 through
+    oneDNN's product and 23-24 through the blocks (docs/benchmarks.md)."""
+    route = "packed"
+    if model.inference_format == "float32":
+        copies = getattr(model.blocks[0].attn.qkv_kernel, "use_layout", False)
+        if rows > 1 and copies and blocked.here("float32"):
+            route = "blocks"
+        elif rows <= FLOAT32_ROWS:
+            route = "parameters"
+        else:
+            return None
+    made = model.__dict__.setdefault("_programs", {})
+    found = made.get(route, False)
     if found is False or (found is not None and not found.current()):
         try:
-            found = _described(model, layers)
+            found = _described(model, layers, route == "blocks")
         except _NoKernel:
             found = None
-        model.__dict__["_program"] = found
-    if found is not None and found.float32 and rows > FLOAT32_ROWS:
-        return None
+        made[route] = found
     return found
 
 
@@ -109,7 +121,7 @@ class _NoKernel(Exception):
     pass
 
 
-def _described(model, layers) -> Program:
+def _described(model, layers, copies: bool) -> Program:
     keep: list[Tensor] = []
 
     def norm(gamma: Tensor, beta: Tensor | None, eps: float) -> Norm:
@@ -122,11 +134,16 @@ def _described(model, layers) -> Program:
             keep.extend(t for t in (k.blocks, k.scale, k.wsum, k.b) if t is not None)
             w, scale, wsum, b = (native.address(t) for t in (k.blocks, k.scale, k.wsum, k.b))
             return [Product(INT8, w, scale, wsum, b, k.inputs, k.blocks.shape[1] * 4, k.out)]
-        if isinstance(kernel, PackedLinear) and isinstance(kernel.kernel, blocked.Float16Blocks):
+        if isinstance(kernel, PackedLinear) and isinstance(kernel.kernel, blocked.FloatBlocks):
             k = kernel.kernel
             keep.extend(t for t in (k.blocks, k.b) if t is not None)
             w, b = k.blocks.data_ptr(), native.address(k.b)
             return [Product(FLOAT16, w, None, None, b, k.inputs, k.inputs, k.out)]
+        if isinstance(kernel, Float32Linear) and copies:  # fp32 blocks, a copy
+            k = kernel.made_layout()
+            keep.extend(t for t in (k.blocks, k.b) if t is not None)
+            w, b = k.blocks.data_ptr(), native.address(k.b)
+            return [Product(FLOAT32, w, None, None, b, k.inputs, k.inputs, k.out)]
         if isinstance(kernel, Float32Linear) and native.threaded():
             parts, offset = [], 0
             for W, b in kernel.maps:
