@@ -16,11 +16,14 @@ every row feeds one token, the stretch between two products is one call into `st
     logits = h E^T (after LN_f)                 product
 
 The products are the model's own kernels (`kernels.py`), so every weight format runs the
-same way. The step is taken only when it means the same as the model's forward pass: a
-pre-norm model in eval mode on the CPU in fp32 activations, no attention mask, one token
-per row of a `KVCache` or a `SlotCache` pass, and no hook listening anywhere (a hooked
-model runs `TransformerLM.forward`, so every hook point sees its activation). Tests hold this step
-equal to the forward pass in every format and cache.
+same way. Where every product's kernel is one of tlm's own (`products.c`), the same loop,
+products included, is one call into `step.c` (`decode_step`, on the model described by
+`program.py`): no Python between the products at all. The step is taken only when it
+means the same as the model's forward pass: a pre-norm model in eval mode on the CPU in
+fp32 activations, no attention mask, one token per row of a `KVCache` or a `SlotCache`
+pass, and no hook listening anywhere (a hooked model runs `TransformerLM.forward`, so
+every hook point sees its activation). Tests hold both ways of taking it equal to the
+forward pass in every format and cache.
 """
 
 from __future__ import annotations
@@ -89,19 +92,48 @@ def step(
 ) -> Tensor:
     """Logits [R,V] of a pass feeding one token to each of R rows, rows = (slots,
     positions) from `rows_of`; their keys and values are stored and the cache moves on,
-    as in the forward pass."""
-    lib, config = native.library(), model.config
-    slots, positions = rows
+    as in the forward pass. Where every product has a C kernel (`program.py`), the whole
+    step is one C call; otherwise the products run from here, and C between them."""
     model.check_context(cache.end(1))
     if isinstance(cache, KVCache):  # a SlotPass checked its rows when it was made
         cache.check_capacity(cache.end(1))
     K, V = (cache.k, cache.v) if isinstance(cache, KVCache) else (cache.cache.k, cache.cache.v)
-    R, d, H, d_head = len(slots), config.d_model, config.n_heads, config.d_head
+    slots, positions = rows
     places = torch.tensor(positions + slots)  # [2R]: each row's position, then its slot
-    at, where = places.data_ptr(), places.data_ptr() + R * places.element_size()
-    embedding = model.embedding
+    embedding, R = model.embedding, len(slots)
     x = embedding.tokens(input_ids.reshape(R))  # E[w], [R,d]
     x = _dense(x if embedding.scale == 1.0 else x * embedding.scale)
+    layers = layers_of(model)
+    whole = program.program(model, layers, R)
+    if whole is not None:
+        logits = _in_one_call(model, whole, x, K, V, places)
+    else:
+        logits = _product_by_product(model, layers, x, K, V, places)
+    cache.advance(1)
+    return logits
+
+
+def _in_one_call(model, whole: program.Program, x: Tensor, K, V, places: Tensor) -> Tensor:
+    config, R = model.config, len(x)
+    logits, at = x.new_empty(R, whole.head.out), places.data_ptr()
+    failed = native.library().decode_step(
+        ctypes.addressof(whole.blocks), len(whole.blocks), ctypes.addressof(whole.head),
+        ctypes.addressof(whole.first), native.address(model.embedding.P), x.data_ptr(), R,
+        config.d_model, config.d_ff, K.data_ptr(), V.data_ptr(), K.stride(0),
+        at + R * places.element_size(), at, config.n_heads, config.d_head, K.shape[3],
+        ACTIVATIONS[config.activation], logits.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError(f"no memory for a decoding step of {R} rows")
+    return logits
+
+
+def _product_by_product(model, layers, x: Tensor, K, V, places: Tensor) -> Tensor:
+    """The step with the model's kernels for the products and one C call between each
+    two (see the module)."""
+    lib, config, (R, d) = native.library(), model.config, x.shape
+    H, d_head = config.n_heads, config.d_head
+    at, where = places.data_ptr(), places.data_ptr() + R * places.element_size()
     h, z = torch.empty_like(x), x.new_empty(R, H * d_head)
     x_, h_, z_ = x.data_ptr(), h.data_ptr(), z.data_ptr()
     k_, v_, layer_bytes = K.data_ptr(), V.data_ptr(), K.stride(0) * K.element_size()
@@ -115,22 +147,9 @@ def step(
         gamma, beta, eps = norm
         lib.add_norm(x_, address(a), index, h_, gamma.data_ptr(), address(beta), R, d, eps)
 
-    made = layers_of(model)
-    whole = program.program(model, made, R)
-    if whole is not None:  # every product has a C kernel: the whole step in one call
-        logits = x.new_empty(R, whole.head.out)
-        failed = lib.decode_step(
-            ctypes.addressof(whole.blocks), len(whole.blocks), ctypes.addressof(whole.head),
-            ctypes.addressof(whole.first), address(embedding.P), x_, R, d, config.d_ff, k_, v_,
-            K.stride(0), where, at, H, d_head, K.shape[3], kind, logits.data_ptr(),
-        )  # fmt: skip
-        if failed:
-            raise MemoryError(f"no memory for a decoding step of {R} rows")
-        cache.advance(1)
-        return logits
-    first, layers = made
-    add_norm(embedding.P, first, at)  # x = E[w] + P[pos] (Fig. 9.13); h = LN1(x)
-    for layer, (attn, ln2, ffn, after, (cos, sin, qk_eps)) in enumerate(layers):
+    first, blocks = layers
+    add_norm(model.embedding.P, first, at)  # x = E[w] + P[pos] (Fig. 9.13); h = LN1(x)
+    for layer, (attn, ln2, ffn, after, (cos, sin, qk_eps)) in enumerate(blocks):
         q, k, v = attn.project_qkv(h)
         if not (q.stride() == k.stride() == v.stride() and q.stride(-1) == 1):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -143,7 +162,6 @@ def step(
         u = _dense(ffn.up(h))  # a new tensor: activated in place
         lib.activate(u.data_ptr(), u.numel(), kind)
         add_norm(_dense(ffn.down(u)), after)
-    cache.advance(1)
     return model.unembed(h)
 
 
