@@ -17,6 +17,12 @@ def needs(fmt: str):
     )
 
 
+def operands(shape: tuple[int, int], rows: int, seed: int):
+    """W [out, in] of a trained model's size, b [out], x [rows, in]."""
+    torch.manual_seed(seed)
+    return torch.randn(shape) * 0.05, torch.randn(shape[0]), torch.randn(rows, shape[1])
+
+
 def int8_reference(x, q, scale, b):
     """sx * scale[o] * sum_i xq_i q_oi + b[o], the integer sums exact (int64), each row of x
     quantized as products.c does: xq = round(x * (127 / max|x|)) in fp32."""
@@ -31,10 +37,9 @@ def int8_reference(x, q, scale, b):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
 def test_int8_blocks_are_the_exact_integer_product(shape, rows):
-    torch.manual_seed(rows)
-    W, b = torch.randn(shape) * 0.05, torch.randn(shape[0])
+    W, b, x = operands(shape, rows, seed=rows)
     q, scale = _int8(lambda lo, hi: W[lo:hi], W.shape)
-    x = torch.randn(rows, shape[1]) * 3
+    x = x * 3
     x[0, 1] = 0.0
     got = blocked.Int8Blocks(q, scale, b)(x)
     expected = int8_reference(x, q, scale, b)
@@ -51,18 +56,18 @@ def test_int8_blocks_of_a_zero_row_give_the_bias():
     assert torch.equal(got, b.expand(2, 20))
 
 
-@needs("float16")
+@needs("float16")  # float16's kernel, reading fp16 or fp32 blocks
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_float16_blocks_are_fp32_arithmetic_on_fp16_weights(shape, rows):
-    torch.manual_seed(rows)
-    W, b = torch.randn(shape) * 0.05, torch.randn(shape[0])
-    x = torch.randn(rows, shape[1])
-    got = blocked.FloatBlocks(lambda lo, hi: W[lo:hi], W.shape, b)(x)
-    expected = x.double() @ W.half().double().T + b.double()
+def test_float_blocks_are_fp32_arithmetic_on_their_weights(dtype, shape, rows):
+    W, b, x = operands(shape, rows, seed=rows)
+    got = blocked.FloatBlocks(lambda lo, hi: W[lo:hi], W.shape, b, dtype)(x)
+    expected = x.double() @ W.to(dtype).double().T + b.double()
     assert got.shape == (rows, shape[0])
     assert (got.double() - expected).abs().max() < 1e-5
-    assert (got.double() - (x @ W.T + b).double()).abs().max() > 1e-6  # fp16, not fp32 weights
+    if dtype == torch.float16:  # fp16 weights, not fp32 ones
+        assert (got.double() - (x @ W.T + b).double()).abs().max() > 1e-6
 
 
 @pytest.mark.parametrize("fmt", ["int8", "float16"])
@@ -92,16 +97,3 @@ def test_a_wrong_input_width_is_refused():
     kernel = blocked.FloatBlocks(lambda lo, hi: torch.ones(hi - lo, 8), (4, 8), None)
     with pytest.raises(ValueError, match=r"expected x \[N, 8\]"):
         kernel(torch.ones(2, 9))
-
-
-@needs("float16")  # the same kernel, reading fp32
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("rows", ROWS)
-def test_float32_blocks_are_the_fp32_product(shape, rows):
-    torch.manual_seed(rows)
-    W, b = torch.randn(shape) * 0.05, torch.randn(shape[0])
-    x = torch.randn(rows, shape[1])
-    got = blocked.FloatBlocks(lambda lo, hi: W[lo:hi], W.shape, b, torch.float32)(x)
-    expected = x.double() @ W.double().T + b.double()
-    assert got.shape == (rows, shape[0])
-    assert (got.double() - expected).abs().max() < 1e-5

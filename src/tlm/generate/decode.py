@@ -132,13 +132,13 @@ def _decode_slots(model: nn.Module, ids: Tensor, mask: Tensor | None, c: Generat
     ]
     rows = {slots.add(prompt, c, r % n, seed): r for r, prompt in enumerate(prompts)}
     tokens, finished = [0] * B, [False] * B  # an ended row keeps its last token
+    device = ids.device  # a Step is three tensors, made from these lists
     while not slots.idle():
         logprobs = [0.0] * B  # 0 for a row that has ended
         for emitted in slots.step():
             r = rows[emitted.sequence]
             tokens[r], logprobs[r] = emitted.token, emitted.logprob
             finished[r] = emitted.sequence.finish_reason == "eos"
-        device = ids.device  # three tensors a step, made from lists
         yield Step(
             torch.tensor(tokens, device=device),
             torch.tensor(logprobs, device=device),

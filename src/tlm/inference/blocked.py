@@ -33,7 +33,7 @@ from torch import Tensor
 
 from tlm.inference import native
 
-INT8, FLOAT16 = 1, 2  # bits of products.c's `products_here`
+INT8, FLOAT = 1, 2  # bits of products.c's `products_here`: int8, float16 and float32 blocks
 ROWS = 1024  # rows converted at a time (a multiple of 16): the temporaries stay a few MB
 
 
@@ -41,7 +41,7 @@ def here(fmt: str) -> bool:
     """Whether this host runs `fmt`'s products through the blocked kernels."""
     if not native.threaded():
         return False
-    kernels = {"int8": INT8, "float16": FLOAT16, "float32": FLOAT16}.get(fmt, 0)  # float32: blocks
+    kernels = {"int8": INT8, "float16": FLOAT, "float32": FLOAT}.get(fmt, 0)
     return bool(native.library().products_here() & kernels)
 
 
@@ -51,27 +51,18 @@ class Int8Blocks:
 
     def __init__(self, q: Tensor, scale: Tensor, b: Tensor | None) -> None:
         self.lib, (self.out, self.inputs) = native.library(), q.shape
-        out, inputs = _padded(self.out), _padded(self.inputs)
-        self.blocks = torch.zeros(out // 16, inputs // 4, 16, 4, dtype=torch.int8)
-        self.wsum = torch.zeros(out, dtype=torch.int32)  # sum_i q_oi
-        for lo in range(0, self.out, ROWS):
-            part = q[lo : lo + ROWS]
-            rows = torch.zeros(_padded(len(part)), inputs, dtype=torch.int8)
-            rows[: len(part), : self.inputs] = part
-            # [rows, in] -> [rows/16, 16, in/4, 4] -> [rows/16, in/4, 16, 4]
-            self.blocks[lo // 16 : (lo + len(rows)) // 16] = rows.view(
-                -1, 16, inputs // 4, 4
-            ).transpose(1, 2)
-            self.wsum[lo : lo + len(part)] = part.sum(1, dtype=torch.int32)
-        self.scale = _padded_vector(scale.float(), out)
-        self.b = None if b is None else _padded_vector(b.float(), out)
+        self.in_pad = _padded(self.inputs)
+        self.blocks = _blocks(lambda lo, hi: q[lo:hi], q.shape, self.in_pad, torch.int8, 4)
+        self.wsum = _padded_vector(q.sum(1, dtype=torch.int32), len(self.blocks) * 16)
+        self.scale = _padded_vector(scale.float(), len(self.blocks) * 16)
+        self.b = None if b is None else _padded_vector(b.float(), len(self.blocks) * 16)
 
     def __call__(self, x: Tensor) -> Tensor:
         x, y = _operands(x, self.inputs, self.out)
         done = self.lib.int8_product(
             self.blocks.data_ptr(), self.scale.data_ptr(), self.wsum.data_ptr(),
-            native.address(self.b), x.data_ptr(), len(x), self.inputs,
-            self.blocks.shape[1] * 4, self.out, y.data_ptr(),
+            native.address(self.b), x.data_ptr(), len(x), self.inputs, self.in_pad, self.out,
+            y.data_ptr(),
         )  # fmt: skip
         if done != 0:
             raise MemoryError(f"int8 product of {len(x)} rows: no memory for its operands")
@@ -83,18 +74,13 @@ class FloatBlocks:
     float32 copy), fp32 arithmetic: x [N, in] -> y [N, out]. `read(lo, hi)` gives rows lo:hi
     of W in fp32; they are converted a block at a time."""
 
+    scale = wsum = None  # int8's, not float's
+
     def __init__(self, read, shape: tuple[int, int], b: Tensor | None, dtype=torch.float16):
         self.lib, (self.out, self.inputs) = native.library(), shape
-        out = _padded(self.out)
-        self.blocks = torch.zeros(out // 16, self.inputs, 16, dtype=dtype)
-        for lo in range(0, self.out, ROWS):
-            part = read(lo, min(lo + ROWS, self.out))
-            rows = torch.zeros(_padded(len(part)), self.inputs, dtype=dtype)
-            rows[: len(part)] = part
-            self.blocks[lo // 16 : (lo + len(rows)) // 16] = rows.view(
-                -1, 16, self.inputs
-            ).transpose(1, 2)
-        self.b = None if b is None else _padded_vector(b.float(), out)
+        self.in_pad = self.inputs
+        self.blocks = _blocks(read, shape, self.inputs, dtype, 1)
+        self.b = None if b is None else _padded_vector(b.float(), len(self.blocks) * 16)
         fp32 = dtype == torch.float32
         self.kernel = self.lib.float32_product if fp32 else self.lib.float16_product
 
@@ -105,6 +91,21 @@ class FloatBlocks:
             self.inputs, self.out, y.data_ptr(),
         )  # fmt: skip
         return y
+
+
+def _blocks(read, shape: tuple[int, int], in_pad: int, dtype: torch.dtype, group: int) -> Tensor:
+    """W [out, in] (rows lo:hi from `read`) as [out_pad/16, in_pad/group, 16, group]: block
+    j, inputs g*group.., the 16 rows' `group` values each side by side; zero padding."""
+    out, inputs = shape
+    blocks = torch.zeros(_padded(out) // 16, in_pad // group, 16, group, dtype=dtype)
+    for lo in range(0, out, ROWS):
+        part = read(lo, min(lo + ROWS, out))
+        rows = torch.zeros(_padded(len(part)), in_pad, dtype=dtype)
+        rows[: len(part), :inputs] = part
+        # [rows, in] -> [rows/16, 16, in/group, group] -> [rows/16, in/group, 16, group]
+        grouped = rows.view(-1, 16, in_pad // group, group).transpose(1, 2)
+        blocks[lo // 16 : (lo + len(rows)) // 16] = grouped
+    return blocks
 
 
 def _operands(x: Tensor, inputs: int, out: int) -> tuple[Tensor, Tensor]:
@@ -120,6 +121,6 @@ def _padded(n: int) -> int:
 
 
 def _padded_vector(v: Tensor, n: int) -> Tensor:
-    out = torch.zeros(n)
+    out = torch.zeros(n, dtype=v.dtype)
     out[: len(v)] = v.detach()
     return out

@@ -129,21 +129,17 @@ def _described(model, layers, copies: bool) -> Program:
         return Norm(gamma.data_ptr(), native.address(beta), eps)
 
     def products(kernel) -> list[Product]:
-        if isinstance(kernel, PackedLinear) and isinstance(kernel.kernel, blocked.Int8Blocks):
-            k = kernel.kernel
-            keep.extend(t for t in (k.blocks, k.scale, k.wsum, k.b) if t is not None)
-            w, scale, wsum, b = (native.address(t) for t in (k.blocks, k.scale, k.wsum, k.b))
-            return [Product(INT8, w, scale, wsum, b, k.inputs, k.blocks.shape[1] * 4, k.out)]
-        if isinstance(kernel, PackedLinear) and isinstance(kernel.kernel, blocked.FloatBlocks):
-            k = kernel.kernel
-            keep.extend(t for t in (k.blocks, k.b) if t is not None)
-            w, b = k.blocks.data_ptr(), native.address(k.b)
-            return [Product(FLOAT16, w, None, None, b, k.inputs, k.inputs, k.out)]
         if isinstance(kernel, Float32Linear) and copies:  # fp32 blocks, a copy
-            k = kernel.made_layout()
-            keep.extend(t for t in (k.blocks, k.b) if t is not None)
-            w, b = k.blocks.data_ptr(), native.address(k.b)
-            return [Product(FLOAT32, w, None, None, b, k.inputs, k.inputs, k.out)]
+            kernel = kernel.made_layout()
+        elif isinstance(kernel, PackedLinear):
+            kernel = kernel.kernel
+        if isinstance(kernel, blocked.Int8Blocks | blocked.FloatBlocks):
+            kind = FLOAT32 if kernel.blocks.dtype == torch.float32 else FLOAT16
+            kind = INT8 if isinstance(kernel, blocked.Int8Blocks) else kind
+            tensors = (kernel.blocks, kernel.scale, kernel.wsum, kernel.b)  # w, scale, wsum, bias
+            keep.extend(t for t in tensors if t is not None)
+            addresses = (native.address(t) for t in tensors)
+            return [Product(kind, *addresses, kernel.inputs, kernel.in_pad, kernel.out)]
         if isinstance(kernel, Float32Linear) and native.threaded():
             parts, offset = [], 0
             for W, b in kernel.maps:

@@ -234,13 +234,13 @@ static int64_t product(const Product *p, const float *x, int64_t rows, float *y,
 
 /* Logits [rows, V] of a step in which each row feeds one token (step.py's loop, in C):
  * x [rows, d] holds E[w] and becomes the residual stream; P (or NULL) the position
- * embeddings added by pos; K, V the cache, `layer_floats` apart per layer; `kind` the
- * activation. Returns 0, or the first product's error. */
+ * embeddings added by pos; K, V the cache, `layer_floats` apart per layer; `activation`
+ * as `activate`'s kind. Returns 0, or the first product's error. */
 int64_t decode_step(const Block *blocks, int64_t n_blocks, const Product *head,
                     const Norm *first, const float *P, float *x, int64_t rows, int64_t d,
                     int64_t d_ff, float *K, float *V, int64_t layer_floats,
                     const int64_t *slots, const int64_t *pos, int64_t H, int64_t d_head,
-                    int64_t capacity, int64_t kind, float *logits) {
+                    int64_t capacity, int64_t activation, float *logits) {
     const int64_t width = H * d_head;
     float *h = malloc(sizeof(float) * (size_t)(rows * (2 * d + 4 * width + d_ff)));
     if (!h) return -2;
@@ -257,7 +257,7 @@ int64_t decode_step(const Block *blocks, int64_t n_blocks, const Product *head,
         failed |= product(&b->out, z, rows, o, d);
         add_norm(x, o, NULL, h, b->inside.gamma, b->inside.beta, rows, d, b->inside.eps);
         failed |= product(&b->up, h, rows, u, d_ff);
-        activate(u, rows * d_ff, kind);
+        activate(u, rows * d_ff, activation);
         failed |= product(&b->down, u, rows, o, d);
         add_norm(x, o, NULL, h, b->after.gamma, b->after.beta, rows, d, b->after.eps);
     }
