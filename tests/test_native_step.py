@@ -11,6 +11,7 @@ import torch
 from test_kv_cache import FORMAT_ERROR
 
 from conftest import POSITIONS
+from tlm.generate.sampling import greedy_logprob
 from tlm.inference import SlotCache, blocked, decoding_step, for_decoding, for_inference, native
 from tlm.inference import program as whole_program
 from tlm.inference import step as native_step
@@ -25,13 +26,13 @@ class Spy:
     """Counts the passes that took the C step."""
 
     def __init__(self, monkeypatch) -> None:
-        self.calls, real = 0, native_step.step
+        self.calls, real = 0, native_step.run
 
         def counted(*args):
             self.calls += 1
             return real(*args)
 
-        monkeypatch.setattr(native_step, "step", counted)
+        monkeypatch.setattr(native_step, "run", counted)
 
 
 def forward_only(monkeypatch):
@@ -114,25 +115,47 @@ def test_rows_at_their_own_lengths(make_model, monkeypatch):
     prompts = {0: torch.randint(0, 97, (7,)), 2: torch.randint(0, 97, (3,))}
     nxt = torch.randint(0, 97, (4, 2))
 
-    def run() -> tuple[torch.Tensor, SlotCache]:
+    def run(direct: bool = False) -> tuple[torch.Tensor, SlotCache]:
+        """Through the forward pass, or (direct) `slot_step`, as `Slots` steps."""
         cache, out = SlotCache(model.config, 3, capacity=16), []
         for slot, prompt in prompts.items():
             with torch.no_grad():
                 model(prompt[None], cache.feed([slot], [len(prompt)]))
         for tokens in nxt:
+            if direct:
+                out.append(native_step.slot_step(model, cache, [0, 2], tokens.tolist())[0][None])
+                continue
             with decoding_step(model, 2):
                 out.append(model(tokens[None], cache.feed([0, 2], [1, 1]), last_only=True))
         return torch.cat(out), cache
 
     spy = Spy(monkeypatch)
     got, got_cache = run()
+    direct, direct_cache = run(direct=True)
     with monkeypatch.context() as m:
         forward_only(m)
         expected, cache = run()
-    assert spy.calls == 4 and got.shape == (4, 2, 97)
-    assert torch.allclose(got, expected, atol=1e-5)
-    assert got_cache.lengths == cache.lengths == [11, 0, 7]
-    assert torch.allclose(got_cache.k, cache.k, atol=1e-6)
+    assert spy.calls == 8 and got.shape == direct.shape == (4, 2, 97)
+    for logits, store in ((got, got_cache), (direct, direct_cache)):
+        assert torch.allclose(logits, expected, atol=1e-5)
+        assert store.lengths == cache.lengths == [11, 0, 7]
+        assert torch.allclose(store.k, cache.k, atol=1e-6)
+        assert torch.allclose(store.v, cache.v, atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_the_steps_greedy_choices_are_the_logits_own(make_model, dtype):
+    """The whole step's greedy choice per row is `greedy_logprob` of that row's logits."""
+    model = for_inference(make_model(), dtype)
+    cache = SlotCache(model.config, 3, capacity=16)
+    for slot in range(3):
+        with torch.no_grad():
+            model(torch.randint(0, 97, (1, 2 + slot)), cache.feed([slot], [2 + slot]))
+    for _ in range(3):
+        logits, picks = native_step.slot_step(model, cache, [0, 1, 2], [5, 6, 7], greedy=True)
+        assert picks == [greedy_logprob(row) for row in logits]
+        assert len({token for token, _ in picks}) > 1  # rows of their own, not one row thrice
 
 
 @needs_native

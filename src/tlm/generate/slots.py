@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from tlm.generate.config import GenerationConfig
 from tlm.generate.sampling import GenerationError, choose, greedy_logprob
-from tlm.inference import SlotCache, decoding_step, for_decoding
+from tlm.inference import InferenceLM, SlotCache, decoding_step, for_decoding
+from tlm.inference.step import could_step, listening, slot_step
 
 
 @dataclass(eq=False)  # compared and hashed by identity
@@ -95,6 +96,7 @@ class Slots:
         self.cache = SlotCache(model.config, slots, self.capacity, first.dtype, first.device)
         self.rows: list[Sequence | None] = [None] * slots
         self.waiting: deque[Sequence] = deque()
+        self.stepped = isinstance(self.model, InferenceLM) and could_step(self.model, self.cache.k)
 
     def add(
         self,
@@ -157,12 +159,20 @@ class Slots:
             feeds.append(feed)
         if not slots:
             return []
-        ids = torch.tensor([token for feed in feeds for token in feed], device=self.device)
-        one_each = len(ids) == len(feeds)  # every row feeds one token: a decoding step
-        with decoding_step(self.model, len(feeds)) if one_each else torch.no_grad():
-            fed = self.cache.feed(slots, [len(feed) for feed in feeds])
-            logits = self.model(ids[None], fed, last_only=True)[0]  # [rows,V]
-            return [self._choose(self.rows[s], row) for s, row in zip(slots, logits, strict=True)]
+        tokens = [token for feed in feeds for token in feed]
+        one_each = len(tokens) == len(feeds)  # every row feeds one token: a decoding step
+        picks = None  # greedy's choices, where the step made them
+        if one_each and self.stepped and not listening(self.model):  # step.can_step
+            greedy = all(_plain_greedy(self.rows[slot]) for slot in slots)
+            logits, picks = slot_step(self.model, self.cache, slots, tokens, greedy)
+        else:
+            ids = torch.tensor(tokens, device=self.device)
+            with decoding_step(self.model, len(feeds)) if one_each else torch.no_grad():
+                fed = self.cache.feed(slots, [len(feed) for feed in feeds])
+                logits = self.model(ids[None], fed, last_only=True)[0]  # [rows,V]
+        picks = picks or [None] * len(slots)
+        rows = zip(slots, logits, picks, strict=True)
+        return [self._choose(self.rows[slot], row, pick) for slot, row, pick in rows]
 
     def _admit(self) -> None:
         for slot, row in enumerate(self.rows):
@@ -174,13 +184,17 @@ class Slots:
                 self.rows[slot] = sequence
                 self.cache.clear(slot)
 
-    def _choose(self, sequence: Sequence, logits: Tensor) -> Emitted:
+    def _choose(self, sequence: Sequence, logits: Tensor, pick: tuple | None) -> Emitted:
+        """The token of a sequence from its logits [V], or from `pick` (ŵ, log P(ŵ)), the
+        step's own greedy choice, where it made one."""
         c = sequence.config
-        logits = logits.float()
         top = []
-        if c.greedy and sequence.seen is None and not sequence.top_logprobs:
-            token, logprob = greedy_logprob(logits)  # no [V] log-softmax to write
+        if _plain_greedy(sequence):
+            if pick is None or pick[0] < 0:  # no choice made, or logits not all finite
+                pick = greedy_logprob(logits.float())  # no [V] log-softmax to write
+            token, logprob = pick
         else:
+            logits = logits.float()
             logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before any filter
             seen = None if sequence.seen is None else sequence.seen[None]
             token = int(choose(logits[None], c, [sequence.generator], seen)[0])
@@ -205,3 +219,8 @@ class Slots:
             self.rows[sequence.slot] = None
             self.cache.clear(sequence.slot)
         sequence.slot = None
+
+
+def _plain_greedy(sequence: Sequence) -> bool:
+    """Whether a sequence takes the likeliest token, as is, with no top-k list to report."""
+    return sequence.config.greedy and sequence.seen is None and not sequence.top_logprobs

@@ -80,7 +80,8 @@ class InferenceLM(TransformerLM):
         """`TransformerLM.forward`; a decoding pass (inside `decoding`, each row feeding one
         token) takes `step.step` when it means the same (`step.can_step`)."""
         rows = step.rows_of(cache, input_ids) if self.route.rows and last_only else None
-        if rows is not None and step.can_step(self, cache, attention_mask):
+        plain = attention_mask is None and not torch.is_grad_enabled()  # as the C step
+        if rows is not None and plain and step.can_step(self, step.keys_of(cache)):
             logits = step.step(self, input_ids, cache, rows)  # [R,V]
             return logits[:, None] if isinstance(cache, KVCache) else logits[None]
         return super().forward(input_ids, cache, attention_mask, last_only)

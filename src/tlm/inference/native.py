@@ -55,7 +55,7 @@ SIGNATURES = {  # name: (what it returns, its arguments)
     "decode_step": (
         i64,
         [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr]
-        + [i64, i64, i64, i64, ptr],
+        + [i64, i64, i64, i64, ptr, ptr, ptr],
     ),
     "decode_products": (i64, [ptr, i64, ptr, i64, i64, i64, i64, ptr]),
 }

@@ -179,7 +179,8 @@ int64_t greedy_pick(const float *logits, int64_t n, float *logprob) {
 }
 
 /* The whole step in one call, for a model whose every product has a kernel in products.c
- * (program.py builds these descriptions once per model; step.py calls it). */
+ * (program.py builds these descriptions once per model; step.py calls it); with `picks`,
+ * each row's greedy choice and its log-probability too (greedy_pick, -1 where it has none). */
 int64_t int8_product(const int8_t *blocks, const float *scale, const int32_t *wsum,
                      const float *bias, const float *x, int64_t rows, int64_t in,
                      int64_t in_pad, int64_t out, float *y);
@@ -240,7 +241,8 @@ int64_t decode_step(const Block *blocks, int64_t n_blocks, const Product *head,
                     const Norm *first, const float *P, float *x, int64_t rows, int64_t d,
                     int64_t d_ff, float *K, float *V, int64_t layer_floats,
                     const int64_t *slots, const int64_t *pos, int64_t H, int64_t d_head,
-                    int64_t capacity, int64_t activation, float *logits) {
+                    int64_t capacity, int64_t activation, float *logits, int64_t *picks,
+                    float *pick_logprobs) {
     const int64_t width = H * d_head;
     float *h = malloc(sizeof(float) * (size_t)(rows * (2 * d + 4 * width + d_ff)));
     if (!h) return -2;
@@ -263,6 +265,11 @@ int64_t decode_step(const Block *blocks, int64_t n_blocks, const Product *head,
     }
     if (!failed) failed = product(head, h, rows, logits, head->out);
     free(h);
+    if (!failed && picks) { /* greedy's choice, from logits still in the cache */
+#pragma omp parallel for if (rows > 1)
+        for (int64_t r = 0; r < rows; r++)
+            picks[r] = greedy_pick(logits + r * head->out, head->out, pick_logprobs + r);
+    }
     return failed;
 }
 

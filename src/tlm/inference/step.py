@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from tlm.inference import native, program
-from tlm.inference.slot_cache import SlotPass
+from tlm.inference.slot_cache import SlotCache, SlotPass
 from tlm.model.kv_cache import KVCache
 from tlm.model.layers import LayerNorm, PreNormBlock
 
@@ -52,15 +52,17 @@ def rows_of(cache: object, input_ids: Tensor) -> tuple[list[int], list[int]] | N
     return None
 
 
-def can_step(model, cache: object, attention_mask: Tensor | None) -> bool:
-    """Whether `step` means the same as the model's forward pass here (see the module)."""
-    if attention_mask is not None or torch.is_grad_enabled() or model.training:
-        return False  # a mask, autograd, or dropout: the forward pass has them
-    if native.library() is None:
-        return False
-    store = getattr(cache, "k", None) if isinstance(cache, KVCache) else None
-    if isinstance(cache, SlotPass):
-        store = cache.cache.k
+def can_step(model, store: Tensor | None) -> bool:
+    """Whether `step` means the same as the model's forward pass here (see the module), for
+    a pass without an attention mask or autograd into the cache `store` (its keys)."""
+    return could_step(model, store) and not listening(model)
+
+
+def could_step(model, store: Tensor | None) -> bool:
+    """`can_step` but for hooks, which may come and go: what does not change while a model
+    built for inference decodes into one cache."""
+    if model.training or native.library() is None:
+        return False  # dropout: the forward pass has it
     if store is None or store.device.type != "cpu" or store.dtype != torch.float32:
         return False
     if not (isinstance(model.ln_f, LayerNorm) and type(model.blocks[0]) is PreNormBlock):
@@ -68,9 +70,14 @@ def can_step(model, cache: object, attention_mask: Tensor | None) -> bool:
     if model.config.activation not in ACTIVATIONS:
         return False
     P = model.embedding.P  # added row by row in C: fp32 rows of d
-    if P is not None and (P.dtype != torch.float32 or not P.is_contiguous()):
-        return False
-    return not listening(model)
+    return P is None or (P.dtype == torch.float32 and P.is_contiguous())
+
+
+def keys_of(cache: object) -> Tensor | None:
+    """The key store of a `KVCache` or of a `SlotPass`'s cache; None for any other cache."""
+    if isinstance(cache, KVCache):
+        return getattr(cache, "k", None)
+    return cache.cache.k if isinstance(cache, SlotPass) else None
 
 
 def listening(model) -> bool:
@@ -92,36 +99,78 @@ def step(
 ) -> Tensor:
     """Logits [R,V] of a pass feeding one token to each of R rows, rows = (slots,
     positions) from `rows_of`; their keys and values are stored and the cache moves on,
-    as in the forward pass. Where every product has a C kernel (`program.py`), the whole
-    step is one C call; otherwise the products run from here, and C between them."""
+    as in the forward pass."""
     model.check_context(cache.end(1))
     if isinstance(cache, KVCache):  # a SlotPass checked its rows when it was made
         cache.check_capacity(cache.end(1))
     K, V = (cache.k, cache.v) if isinstance(cache, KVCache) else (cache.cache.k, cache.cache.v)
-    slots, positions = rows
-    places = torch.tensor(positions + slots)  # [2R]: each row's position, then its slot
-    embedding, R = model.embedding, len(slots)
-    x = embedding.tokens(input_ids.reshape(R))  # E[w], [R,d]
-    x = _dense(x if embedding.scale == 1.0 else x * embedding.scale)
-    layers = layers_of(model)
-    whole = program.program(model, layers, R)
-    if whole is not None:
-        logits = _in_one_call(model, whole, x, K, V, places)
-    else:
-        logits = _product_by_product(model, layers, x, K, V, places)
+    logits, _ = run(model, input_ids.reshape(-1), K, V, *rows)
     cache.advance(1)
     return logits
 
 
-def _in_one_call(model, whole: program.Program, x: Tensor, K, V, places: Tensor) -> Tensor:
+def slot_step(
+    model, cache: SlotCache, slots: list[int], tokens: list[int], greedy: bool = False
+) -> tuple[Tensor, list[tuple[int, float]] | None]:
+    """Logits [R,V] of `tokens`, one fed to each of the `slots` of `cache` at its length,
+    which then grows by one: `step` without the forward pass, the cache pass and their
+    checks around it, for a loop (`Slots`) that has checked `can_step` and keeps every
+    row's length within the cache's capacity. With `greedy`, also each row's (ŵ, log P(ŵ))
+    as `sampling.greedy_logprob` gives them, where the whole step is one C call (token -1
+    for a row whose logits are not all finite), else None."""
+    positions = [cache.lengths[slot] for slot in slots]
+    model.check_context(max(positions) + 1)
+    R = len(slots)
+    picks = (torch.empty(R, dtype=torch.int64), torch.empty(R)) if greedy else None
+    logits, picked = run(model, torch.tensor(tokens), cache.k, cache.v, slots, positions, picks)
+    for slot in slots:
+        cache.lengths[slot] += 1
+    if not picked:
+        return logits, None
+    return logits, list(zip(picks[0].tolist(), picks[1].tolist(), strict=True))
+
+
+def run(
+    model,
+    ids: Tensor,
+    K: Tensor,
+    V: Tensor,
+    slots: list[int],
+    positions: list[int],
+    picks: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, bool]:
+    """Logits [R,V] of ids [R], token r at positions[r] of row slots[r] of the key and value
+    stores K, V [L,slots,H,S,d_head], where its key and value are written. Where every
+    product has a C kernel (`program.py`), the whole step is one C call, which also writes
+    each row's greedy choice and its log-probability into picks (int64 [R], fp32 [R]) if
+    given; otherwise the products run from here, and C between them. Also whether picks
+    were written."""
+    places = torch.tensor(positions + slots)  # [2R]: each row's position, then its slot
+    embedding, R = model.embedding, len(slots)
+    with torch.no_grad():
+        x = embedding.tokens(ids)  # E[w], [R,d]
+        x = _dense(x if embedding.scale == 1.0 else x * embedding.scale)
+        layers = layers_of(model)
+        whole = program.program(model, layers, R)
+        if whole is not None:
+            return _in_one_call(model, whole, x, K, V, places, picks), picks is not None
+        with model.decoding(R):  # the products' route for R rows
+            return _product_by_product(model, layers, x, K, V, places), False
+
+
+def _in_one_call(
+    model, whole: program.Program, x: Tensor, K, V, places: Tensor, picks: tuple | None
+) -> Tensor:
     config, R = model.config, len(x)
     logits, at = x.new_empty(R, whole.head.out), places.data_ptr()
+    words, logprobs = (None, None) if picks is None else picks
     failed = native.library().decode_step(
         ctypes.addressof(whole.blocks), len(whole.blocks), ctypes.addressof(whole.head),
         ctypes.addressof(whole.first), native.address(model.embedding.P), x.data_ptr(), R,
         config.d_model, config.d_ff, K.data_ptr(), V.data_ptr(), K.stride(0),
         at + R * places.element_size(), at, config.n_heads, config.d_head, K.shape[3],
-        ACTIVATIONS[config.activation], logits.data_ptr(),
+        ACTIVATIONS[config.activation], logits.data_ptr(), native.address(words),
+        native.address(logprobs),
     )  # fmt: skip
     if failed:
         raise MemoryError(f"no memory for a decoding step of {R} rows")
