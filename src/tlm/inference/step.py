@@ -23,7 +23,9 @@ means the same as the model's forward pass: a pre-norm model in eval mode on the
 fp32 activations, no attention mask, one token per row of a `KVCache` or a `SlotCache`
 pass, and no hook listening anywhere (a hooked model runs `TransformerLM.forward`, so
 every hook point sees its activation). Tests hold both ways of taking it equal to the
-forward pass in every format and cache.
+forward pass in every format and cache. A decoding loop over a `SlotCache` (`Slots`)
+calls `slot_step` itself, without the forward pass and its per-pass checks around it
+(0.15-0.2 ms a token of int8 GPT-2: docs/benchmarks.md).
 """
 
 from __future__ import annotations
