@@ -27,6 +27,7 @@ COMMANDS = {
     "inspect": "inspect",
     "demo": "demo",
     "translate": "translate",
+    "audit": "audit",
 }
 
 

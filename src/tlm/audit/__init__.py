@@ -1,0 +1,10 @@
+"""What a trained model would give back of its training data (J&M §10.10): discoverable
+memorization on training against held-out windows, against how often each window's text
+is duplicated in the training split, and the exposure of canaries planted by `tlm
+prepare --canary-repeats`.
+"""
+
+from tlm.audit.duplication import by_bucket, occurrences
+from tlm.audit.extraction import AuditError, Extraction, extraction, wilson
+
+__all__ = ["AuditError", "Extraction", "by_bucket", "extraction", "occurrences", "wilson"]

@@ -1,0 +1,75 @@
+"""`tlm audit`: what a trained model gives back verbatim of its training data (§10.10)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from tlm.audit import by_bucket, extraction, occurrences
+from tlm.cli.args import add_command, add_weights_flag, fail
+from tlm.data.tokens import TokenData
+from tlm.load import load_language_model, load_tokenizer
+
+EXAMPLE = """examples:
+  tlm audit runs/demo --data data/demo
+  tlm audit runs/demo --data data/demo --samples 1000 --prefix 50 --suffix 50 --json
+
+Draws --samples windows of prefix + suffix tokens from the training split and as many from
+the validation split, decodes each prefix greedily and counts exact matches of the true
+suffix (discoverable memorization, Carlini et al. 2023), with 95% Wilson intervals; the
+validation rate is the baseline. Training windows are also grouped by how often their text
+occurs in the training split (1, 2-4, 5-16, 17+).
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(sub, "audit", "measure what a model memorized of its data", EXAMPLE)
+    parser.add_argument("run", help="run directory or Hugging Face GPT-2 directory")
+    parser.add_argument("--data", required=True, help="the prepared data folder it was trained on")
+    parser.add_argument("--samples", type=int, default=500, help="windows per split (500)")
+    parser.add_argument("--prefix", type=int, default=32, help="tokens given to the model (32)")
+    parser.add_argument("--suffix", type=int, default=32, help="tokens it must give back (32)")
+    parser.add_argument("--batch-size", type=int, default=64, help="windows decoded at once (64)")
+    parser.add_argument("--seed", type=int, default=0, help="which windows are drawn (0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_weights_flag(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.samples < 1 or args.batch_size < 1:
+        fail("--samples and --batch-size must be at least 1")
+    data, tokenizer = TokenData(args.data), load_tokenizer(args.run)
+    if load_tokenizer(data.folder).to_json() != tokenizer.to_json():
+        fail(f"{args.data} was not tokenized with the tokenizer of {args.run}")
+    model = load_language_model(args.run, weights=args.weights)
+    results, found = {}, {}
+    for split in ("train", "val"):
+        tokens = data.split(split)
+        if len(tokens) == 0:
+            fail(f"the {split} split of {args.data} is empty: nothing to audit")
+        found[split] = extraction(
+            model, tokens, args.samples, args.prefix, args.suffix, args.batch_size,
+            args.seed, progress=not args.quiet,
+        )  # fmt: skip
+        results[split] = found[split].summary()
+    train, length = data.split("train"), args.prefix + args.suffix
+    windows = np.stack([np.asarray(train[s : s + length]) for s in found["train"].starts])
+    duplication = by_bucket(occurrences(train, windows), found["train"].exact)
+    report = {"extraction": results, "duplication": duplication, "canaries": []}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"windows of {args.prefix} + {args.suffix} tokens, greedy; exact suffix given back:")
+    for split, r in results.items():
+        print(
+            f"  {split:5s} {r['exact']:5d} of {r['windows']:5d}  {r['rate']:7.2%}"
+            f"  (95% {r['low']:.2%}-{r['high']:.2%})  tokens matched {r['token_match']:.2%}"
+        )
+    print("training windows by how often their text occurs in the training split:")
+    for row in duplication:
+        print(f"  {row['bucket']:5s} {row['windows']:5d} windows  extracted {row['rate']:7.2%}")
+    return 0
