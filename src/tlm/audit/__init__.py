@@ -4,7 +4,19 @@ is duplicated in the training split, and the exposure of canaries planted by `tl
 prepare --canary-repeats`.
 """
 
+from tlm.audit.canaries import Exposure, exposure, extracted, text_logprobs
 from tlm.audit.duplication import by_bucket, occurrences
 from tlm.audit.extraction import AuditError, Extraction, extraction, wilson
 
-__all__ = ["AuditError", "Extraction", "by_bucket", "extraction", "occurrences", "wilson"]
+__all__ = [
+    "AuditError",
+    "Exposure",
+    "Extraction",
+    "by_bucket",
+    "exposure",
+    "extracted",
+    "extraction",
+    "occurrences",
+    "text_logprobs",
+    "wilson",
+]

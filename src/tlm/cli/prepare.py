@@ -6,6 +6,7 @@ import argparse
 
 from tlm.cli.args import add_command, fail
 from tlm.data import prepare, prepare_pairs
+from tlm.data.canaries import parse_repeats
 from tlm.data.clean import REASONS, CleanConfig
 from tlm.data.corpus import BUILTIN
 
@@ -57,6 +58,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--shard-tokens", type=int, help="write each split as files of at most this many tokens"
     )
+    audit = parser.add_argument_group("canaries (J&M §10.10; measured by tlm audit)")
+    audit.add_argument(
+        "--canary-repeats", metavar="N,N,...", help="plant one random secret per count, that often"
+    )
+    audit.add_argument("--canary-seed", type=int, default=0, help="seed of the secrets (0)")
     clean = parser.add_argument_group("cleaning (J&M §10.9.2; any of these turns it on)")
     clean.add_argument(
         "--dedup", action="store_true", help="drop exact and near duplicate documents"
@@ -110,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         clean=clean_config(args),
         shard_tokens=args.shard_tokens,
         workers=args.workers,
+        canary_repeats=None if args.canary_repeats is None else parse_repeats(args.canary_repeats),
+        canary_seed=args.canary_seed,
     )
     splits = meta["splits"]
     print(
@@ -122,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
         removed = [f"{n:,} {k.replace('_', ' ')}" for k, n in counts.items() if k in REASONS and n]
         kept = f"{counts['kept']:,} of {counts['documents']:,} documents kept"
         print(f"cleaning: {kept}; removed: {', '.join(removed) or 'none'}")
+    if "canaries" in meta:
+        repeats = ", ".join(str(c["repeats"]) for c in meta["canaries"])
+        print(f"canaries: {len(meta['canaries'])} secrets planted {repeats} times (meta.json)")
     return 0
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tlm._version import __version__
+from tlm.data.canaries import plant, secrets
 from tlm.data.clean import CleanConfig, Cleaner
 from tlm.data.corpus import CorpusError, Piece, Source, resolve_sources
 from tlm.data.encode import encoded, segments
@@ -51,13 +52,16 @@ def prepare(
     clean: CleanConfig | None = None,
     shard_tokens: int | None = None,
     workers: int = 1,
+    canary_repeats: list[int] | None = None,
+    canary_seed: int = 0,
 ) -> dict[str, Any]:
     """Tokenize `inputs` into folder `out`; returns (and writes) its meta.json.
 
     With `clean`, each document passes a `Cleaner` first (§10.9.2: quality filters, exact
     and near deduplication). It decides on the first pass over the sources, and the second
     pass replays its decisions; what it removed is counted in meta.json's "cleaning". A
-    document is held whole in memory while it is judged."""
+    document is held whole in memory while it is judged. With `canary_repeats`, one random
+    secret per count is planted that many times in the training split (`canaries.py`)."""
     out = Path(out)
     if not 0 <= val_fraction < 1:
         raise CorpusError(f"--val-fraction must be in [0, 1), got {val_fraction}")
@@ -80,7 +84,10 @@ def prepare(
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         tmp.mkdir()
-        meta = _write_tokens(tmp, documents, tok, val_fraction, progress, total_bytes, workers)
+        canaries = None if canary_repeats is None else secrets(canary_repeats, canary_seed)
+        meta = _write_tokens(
+            tmp, documents, tok, val_fraction, progress, total_bytes, workers, canaries, canary_seed
+        )
         if shard_tokens is not None:
             _shard(tmp, meta, shard_tokens)
         if meta["documents"] == 0:
@@ -178,6 +185,8 @@ def _write_tokens(
     progress: bool,
     total_bytes: int,
     workers: int = 1,
+    canaries: list[dict] | None = None,
+    canary_seed: int = 0,
 ) -> dict[str, Any]:
     ids_as = id_dtype(tok.vocab_size)
     tok.save(folder / "tokenizer.json")  # for the workers (and the folder)
@@ -190,7 +199,9 @@ def _write_tokens(
             documents += ended
     bar.close()
     n_total = stream.stat().st_size // np.dtype(ids_as).itemsize
-    n_val = round(n_total * val_fraction)
+    n_val = round(n_total * val_fraction)  # of the corpus: the canaries go to train only
+    if canaries and documents:
+        n_total += plant(stream, n_total - n_val, canaries, tok, canary_seed, ids_as)
     _cut(stream, n_total - n_val, folder / "train.bin", folder / "val.bin", ids_as)
     token_bytes = tok.token_bytes()
     splits = {}
@@ -198,6 +209,7 @@ def _write_tokens(
         path = folder / f"{name}.bin"
         n = n_total - n_val if name == "train" else n_val
         splits[name] = {"file": path.name, "tokens": n, "bytes": _bytes(path, ids_as, token_bytes)}
+    planted = {"canaries": canaries, "canary_seed": canary_seed} if canaries else {}
     return {
         "tokenizer": tok.kind,
         "vocab_size": tok.vocab_size,
@@ -207,6 +219,7 @@ def _write_tokens(
         "val_fraction": val_fraction,
         "splits": splits,
         "sources": [s.describe() for s in source.sources],
+        **planted,
         "tlm": __version__,
     }
 

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from tlm.config import ModelConfig, TrainConfig
 from tlm.io import atomic_path, write_text_atomic
 from tlm.model.counts import parameter_counts
+from tlm.train.privacy import privacy_section
 
 
 class ProgressReport:
@@ -157,6 +158,7 @@ tlm generate {run} --prompt "..." --max-new-tokens 200
 tlm eval {run} --data {train_config.data} --split val{best_usage(f"tlm generate {run}", results)}
 ```
 
+{privacy_section(data_meta, epochs)}
 ## Limits (J&M §10.10)
 
 - **Hallucination.** The model continues text with what is probable under its training
