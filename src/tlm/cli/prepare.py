@@ -58,11 +58,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--shard-tokens", type=int, help="write each split as files of at most this many tokens"
     )
-    audit = parser.add_argument_group("canaries (J&M §10.10; measured by tlm audit)")
+    audit = parser.add_argument_group("privacy (J&M §10.10): canaries for tlm audit, personal data")
     audit.add_argument(
         "--canary-repeats", metavar="N,N,...", help="plant one random secret per count, that often"
     )
     audit.add_argument("--canary-seed", type=int, default=0, help="seed of the secrets (0)")
+    audit.add_argument(
+        "--pii", choices=("report", "mask"), help="count personal data, or mask it as <EMAIL>..."
+    )
+    audit.add_argument("--pii-region", default="US", help="phone numbers' default region (US)")
     clean = parser.add_argument_group("cleaning (J&M §10.9.2; any of these turns it on)")
     clean.add_argument(
         "--dedup", action="store_true", help="drop exact and near duplicate documents"
@@ -118,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
         canary_repeats=None if args.canary_repeats is None else parse_repeats(args.canary_repeats),
         canary_seed=args.canary_seed,
+        pii=args.pii,
+        pii_region=args.pii_region,
     )
     splits = meta["splits"]
     print(
@@ -130,6 +136,10 @@ def run(args: argparse.Namespace) -> int:
         removed = [f"{n:,} {k.replace('_', ' ')}" for k, n in counts.items() if k in REASONS and n]
         kept = f"{counts['kept']:,} of {counts['documents']:,} documents kept"
         print(f"cleaning: {kept}; removed: {', '.join(removed) or 'none'}")
+    if "pii" in meta:
+        found = ", ".join(f"{n:,} {kind}" for kind, n in meta["pii"]["counts"].items())
+        done = "masked" if meta["pii"]["mode"] == "mask" else "left in"
+        print(f"personal data: {found} ({done})")
     if "canaries" in meta:
         repeats = ", ".join(str(c["repeats"]) for c in meta["canaries"])
         print(f"canaries: {len(meta['canaries'])} secrets planted {repeats} times (meta.json)")

@@ -30,6 +30,7 @@ from tlm.data.canaries import plant, secrets
 from tlm.data.clean import CleanConfig, Cleaner
 from tlm.data.corpus import CorpusError, Piece, Source, resolve_sources
 from tlm.data.encode import encoded, segments
+from tlm.data.pii import Scanner, scanned
 from tlm.data.shards import write_shards
 from tlm.data.tokens import SPLITS, id_dtype, meta_id_dtype
 from tlm.io import atomic_path, check_replaceable, write_text_atomic
@@ -54,6 +55,8 @@ def prepare(
     workers: int = 1,
     canary_repeats: list[int] | None = None,
     canary_seed: int = 0,
+    pii: str | None = None,
+    pii_region: str = "US",
 ) -> dict[str, Any]:
     """Tokenize `inputs` into folder `out`; returns (and writes) its meta.json.
 
@@ -61,7 +64,9 @@ def prepare(
     and near deduplication). It decides on the first pass over the sources, and the second
     pass replays its decisions; what it removed is counted in meta.json's "cleaning". A
     document is held whole in memory while it is judged. With `canary_repeats`, one random
-    secret per count is planted that many times in the training split (`canaries.py`)."""
+    secret per count is planted that many times in the training split (`canaries.py`). With
+    `pii` ("report" or "mask"), personal data is counted, or masked, before the tokenizer
+    sees the text (`pii.py`)."""
     out = Path(out)
     if not 0 <= val_fraction < 1:
         raise CorpusError(f"--val-fraction must be in [0, 1), got {val_fraction}")
@@ -74,7 +79,8 @@ def prepare(
     check_replaceable(out, FILES, "meta.json", "a folder written by tlm prepare")
     sources = resolve_sources(inputs, line_docs)
     total_bytes = sum(s.path.stat().st_size for s in sources if s.path is not None)
-    documents = _Documents(sources, Cleaner(clean) if clean else None)
+    scanner = None if pii is None else Scanner(pii, pii_region)
+    documents = _Documents(sources, Cleaner(clean) if clean else None, scanner)
     if tokenizer in KINDS:
         tok = _train_tokenizer(tokenizer, documents, vocab_size, progress, total_bytes)
     elif vocab_size is not None:
@@ -94,6 +100,8 @@ def prepare(
             raise CorpusError(EMPTY if clean is None else f"{EMPTY} after cleaning")
         if clean is not None:
             meta["cleaning"] = {"config": asdict(clean), "counts": documents.cleaner.counts}
+        if scanner is not None:
+            meta["pii"] = scanner.describe()
         write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
     return meta
 
@@ -144,11 +152,21 @@ class _Documents:
     cleaner judges each whole document on the first pass; later passes replay its verdicts
     (it remembers what it has seen, so judging again would call everything a duplicate)."""
 
-    def __init__(self, sources: list[Source], cleaner: Cleaner | None) -> None:
+    def __init__(
+        self, sources: list[Source], cleaner: Cleaner | None, scanner: Scanner | None = None
+    ) -> None:
         self.sources, self.cleaner, self.verdicts = sources, cleaner, bytearray()
-        self.passes = 0
+        self.scanner, self.passes = scanner, 0
 
     def pieces(self, bar: tqdm) -> Iterator[Piece]:
+        """The kept pieces, with personal data counted or masked (each pass counts anew)."""
+        pieces = self._kept(bar)
+        if self.scanner is None:
+            return pieces
+        self.scanner.counts = dict.fromkeys(self.scanner.counts, 0)
+        return scanned(pieces, self.scanner)
+
+    def _kept(self, bar: tqdm) -> Iterator[Piece]:
         pieces = _pieces(self.sources, bar)
         self.passes += 1
         if self.cleaner is None:
