@@ -99,3 +99,33 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, docs_chars):
                  "60", "--quiet"]) == 2  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert "context" in err and len(err.splitlines()) == 1
+
+
+def test_a_hugging_face_directory_is_audited_and_left_as_it_was(gpt2_dir, tmp_path, capsys):
+    from tlm.data import prepare
+
+    data = tmp_path / "docs-gpt2"
+    prepare(["python-docs"], data, tokenizer=str(gpt2_dir), progress=False, canary_repeats=[2])
+    before = sorted(p.name for p in gpt2_dir.iterdir())
+    code = main(["audit", str(gpt2_dir), "--data", str(data), "--samples", "6", "--prefix", "8",
+                 "--suffix", "4", "--json", "--quiet"])  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["extraction"]["train"]["windows"] == 6
+    assert [row["repeats"] for row in report["canaries"]] == [2] and "epochs" not in report
+    assert sorted(p.name for p in gpt2_dir.iterdir()) == before  # no card, no audit.json
+
+
+def test_data_of_another_tokenizer_or_an_empty_split_is_refused(tmp_path, capsys, docs_chars):
+    from conftest import varied_char_run
+    from tlm.data import prepare
+
+    run = varied_char_run(docs_chars, tmp_path / "run")
+    other = tmp_path / "bpe"
+    prepare(["python-docs"], other, vocab_size=300, progress=False)
+    no_val = tmp_path / "no-val"
+    prepare(["python-docs"], no_val, tokenizer=str(docs_chars), val_fraction=0, progress=False)
+    for data, says in ((other, "not tokenized with the tokenizer"), (no_val, "val split")):
+        args = ["--prefix", "8", "--suffix", "4", "--quiet"]
+        assert main(["audit", str(run), "--data", str(data), *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1

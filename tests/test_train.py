@@ -70,8 +70,9 @@ def test_train_writes_the_run_directory(docs_chars, tmp_path):
     assert train_losses[-1] < train_losses[0] - 0.5  # it learns
     assert [r["step"] for r in rows if "val_loss" in r] == [20, 40]
     card = (run / "MODEL_CARD.md").read_text()
-    for needle in ("Hallucination", "Memorisation", "tlm generate", "passes over"):
+    for needle in ("Hallucination", "Memorisation", "tlm generate", "passes over", "not scanned"):
         assert needle in card
+    assert "## Memorization and privacy (§10.10)" in card and "Not audited yet" in card
     from pydoc_data.topics import topics  # the corpus's own hash, computed here
 
     corpus = b"".join(topics[name].encode() for name in sorted(topics))

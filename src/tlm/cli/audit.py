@@ -48,12 +48,13 @@ def run(args: argparse.Namespace) -> int:
     data, tokenizer = TokenData(args.data), load_tokenizer(args.run)
     if load_tokenizer(data.folder).to_json() != tokenizer.to_json():
         fail(f"{args.data} was not tokenized with the tokenizer of {args.run}")
+    for split in ("train", "val"):
+        if len(data.split(split)) == 0:
+            fail(f"the {split} split of {args.data} is empty: nothing to audit")
     model = load_language_model(args.run, weights=args.weights)
     results, found = {}, {}
     for split in ("train", "val"):
         tokens = data.split(split)
-        if len(tokens) == 0:
-            fail(f"the {split} split of {args.data} is empty: nothing to audit")
         found[split] = extraction(
             model, tokens, args.samples, args.prefix, args.suffix, args.batch_size,
             args.seed, progress=not args.quiet,

@@ -147,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_pairs(args: argparse.Namespace) -> int:
+    if args.pii or args.canary_repeats:
+        fail("--pii and --canary-repeats apply to one text stream (--task lm)")
     if args.inputs:
         fail("--task translate reads --src and --tgt, not positional inputs")
     if not (args.src and args.tgt):
