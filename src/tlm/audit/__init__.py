@@ -7,16 +7,20 @@ prepare --canary-repeats`.
 from tlm.audit.canaries import Exposure, exposure, extracted, text_logprobs
 from tlm.audit.duplication import by_bucket, occurrences
 from tlm.audit.extraction import AuditError, Extraction, extraction, wilson
+from tlm.audit.report import audit, passes, record
 
 __all__ = [
     "AuditError",
     "Exposure",
     "Extraction",
+    "audit",
     "by_bucket",
     "exposure",
     "extracted",
     "extraction",
     "occurrences",
+    "passes",
+    "record",
     "text_logprobs",
     "wilson",
 ]

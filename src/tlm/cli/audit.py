@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-import numpy as np
-
-from tlm.audit import by_bucket, exposure, extracted, extraction, occurrences
+from tlm.audit import audit, passes, record
 from tlm.cli.args import add_command, add_weights_flag, fail
 from tlm.data.tokens import TokenData
-from tlm.io import write_text_atomic
 from tlm.load import load_language_model, load_tokenizer
-from tlm.train.privacy import privacy_section, rewrite_section
 
 EXAMPLE = """examples:
   tlm audit runs/demo --data data/demo
@@ -52,40 +47,25 @@ def run(args: argparse.Namespace) -> int:
         if len(data.split(split)) == 0:
             fail(f"the {split} split of {args.data} is empty: nothing to audit")
     model = load_language_model(args.run, weights=args.weights)
-    results, found = {}, {}
-    for split in ("train", "val"):
-        tokens = data.split(split)
-        found[split] = extraction(
-            model, tokens, args.samples, args.prefix, args.suffix, args.batch_size,
-            args.seed, progress=not args.quiet,
-        )  # fmt: skip
-        results[split] = found[split].summary()
-    train, length = data.split("train"), args.prefix + args.suffix
-    windows = np.stack([np.asarray(train[s : s + length]) for s in found["train"].starts])
-    duplication = by_bucket(occurrences(train, windows), found["train"].exact)
-    epochs = passes(args.run, len(train))
-    canaries = [
-        canary_row(model, tokenizer, canary, epochs) for canary in data.meta.get("canaries", [])
-    ]
-    report = {"extraction": results, "duplication": duplication, "canaries": canaries}
-    if epochs is not None:
-        report["epochs"] = epochs
-    card = Path(args.run) / "MODEL_CARD.md"
-    if card.is_file():  # a run of ours: its card gets the figures
-        write_text_atomic(card.parent / "audit.json", json.dumps(report, indent=2) + "\n")
-        rewrite_section(card, privacy_section(data.meta, epochs, report))
+    epochs = passes(args.run, len(data.split("train")))
+    report = audit(
+        model, tokenizer, data, args.samples, args.prefix, args.suffix, args.batch_size,
+        args.seed, epochs, progress=not args.quiet,
+    )  # fmt: skip
+    card = record(args.run, data.meta, report)
     if args.json:
         print(json.dumps(report))
         return 0
     print(f"windows of {args.prefix} + {args.suffix} tokens, greedy; exact suffix given back:")
-    for split, r in results.items():
+    for split, r in report["extraction"].items():
         print(
             f"  {split:5s} {r['exact']:5d} of {r['windows']:5d}  {r['rate']:7.2%}"
             f"  (95% {r['low']:.2%}-{r['high']:.2%})  tokens matched {r['token_match']:.2%}"
         )
     print("training windows by how often their text occurs in the training split:")
-    for row in duplication:
+    for row in report["duplication"]:
         print(f"  {row['bucket']:5s} {row['windows']:5d} windows  extracted {row['rate']:7.2%}")
+    canaries = report["canaries"]
     if canaries:
         seen = "" if epochs is None else f"; {epochs:.1f} passes over the training split"
         print(f"canaries (exposure in bits, of at most {canaries[0]['max_exposure']:.1f}{seen}):")
@@ -93,29 +73,6 @@ def run(args: argparse.Namespace) -> int:
         times = "" if epochs is None else f" (seen ~{row['seen']:.0f} times)"
         given = "given back" if row["extracted"] else "not given back"
         print(f"  planted {row['repeats']:4d}x{times}: exposure {row['exposure']:5.1f}, {given}")
-    if card.is_file():
+    if card is not None:
         print(f"recorded in {card} and {card.parent / 'audit.json'}")
     return 0
-
-
-def canary_row(model, tokenizer, canary: dict, epochs: float | None) -> dict:
-    """A canary's line of the report: never its secret."""
-    found = exposure(model, tokenizer, canary["text"])
-    row = {
-        "repeats": canary["repeats"],
-        "exposure": found.exposure,
-        "max_exposure": found.max_exposure,
-        "extracted": extracted(model, tokenizer, canary["text"]),
-    }
-    return row if epochs is None else row | {"seen": canary["repeats"] * epochs}
-
-
-def passes(run: str, train_tokens: int) -> float | None:
-    """Passes over the training split the run's training made (its metrics' last token
-    count), or None for a directory without them (a Hugging Face model)."""
-    metrics = Path(run) / "metrics.jsonl"
-    if not metrics.is_file() or not train_tokens:
-        return None
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    tokens = max((row.get("tokens", 0) for row in rows), default=0)
-    return tokens / train_tokens if tokens else None

@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"personal data: {found} ({done})")
     if "canaries" in meta:
         repeats = ", ".join(str(c["repeats"]) for c in meta["canaries"])
-        print(f"canaries: {len(meta['canaries'])} secrets planted {repeats} times (meta.json)")
+        n = len(meta["canaries"])
+        print(f"canaries: {n} secret{'s' * (n > 1)} planted {repeats} times (meta.json)")
     return 0
 
 
