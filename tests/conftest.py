@@ -154,3 +154,22 @@ def browser():
 
 def console_errors(driver) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+@pytest.fixture(scope="session")
+def served_run(tmp_path_factory):
+    """The small model the server and page tests serve (`serving.train_run`)."""
+    from serving import train_run
+
+    return train_run(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="session")
+def server(served_run):
+    """`tlm serve` of `served_run` on a loopback port, with the key `serving.KEY`."""
+    from serving import KEY, start
+
+    proc, url = start(served_run, "--slots", "4", "--max-queue", "64", "--api-key", KEY)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)

@@ -1,85 +1,27 @@
 """tlm serve as a real process on a loopback port, driven by the official openai client."""
 
-import json
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
 import torch
 
-from conftest import console_errors
-from tlm.cli import main
-from tlm.generate import GenerationConfig, complete
-from tlm.inference import for_inference
+from serving import KEY, TEXT, health, local, post, start
 from tlm.load import load_model, load_tokenizer
 
 pytestmark = pytest.mark.slow  # every test here starts processes or a server
 
-KEY = "test-key"
-ARTIFACTS = Path(__file__).resolve().parents[1] / "out" / "test-artifacts"  # screenshots
-CHAT = (  # three turns: the model learns to write "\nUser:" after a reply
-    "System: Be brief.\nUser: for?\nAssistant: It runs a block.\nUser: while?\nAssistant: Again."
-    "\nUser: if?\nAssistant: Once."
-)
-TEXT = "The for statement runs a block once for each item. The while statement repeats it.\n\n"
-
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve")
-    corpus = folder / "corpus.jsonl"  # 400 documents: the model learns to end one
-    docs = [TEXT.strip(), CHAT] * 200
-    corpus.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
-    data, run = folder / "data", folder / "run"
-    assert main(["prepare", str(corpus), "--out", str(data), "--vocab-size", "300", "--quiet"]) == 0
-    args = ["train", "--data", str(data), "--out", str(run), "--n-layers", "2", "--d-model", "32"]
-    args += ["--n-heads", "2", "--context-length", "64", "--max-steps", "300", "--batch-size", "8"]
-    assert main([*args, "--quiet"]) == 0
-    return run
-
-
-def start(run, *extra):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "tlm", "serve", str(run), "--port", str(port), *extra]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            return proc, url
-        except OSError:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-
-
-@pytest.fixture(scope="module")
-def server(run):
-    proc, url = start(run, "--slots", "4", "--max-queue", "64", "--api-key", KEY)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+def run(served_run):
+    return served_run
 
 
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
-
-
-def local(run, prompt, max_tokens, stop=(), **settings):
-    model, tokenizer = for_inference(load_model(run), "float32"), load_tokenizer(run)
-    config = GenerationConfig(max_new_tokens=max_tokens, eos_token_id=tokenizer.eot_id, **settings)
-    return complete(model, tokenizer, [prompt], config, stop)[0]
 
 
 def test_greedy_through_the_api_equals_tlm_generate_and_streams_the_same(client, run):
@@ -178,16 +120,6 @@ def test_greedy_is_unchanged_while_eight_other_requests_decode(client, run):
     assert got.choices[0].text == expected and len(others) == 8
 
 
-def post(url, body, key=KEY, raw=None):
-    data = raw if raw is not None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Authorization": f"Bearer {key}"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read()), response.headers
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read()), error.headers
-
-
 @pytest.mark.parametrize(
     "body, key, status, param, code",
     [
@@ -197,7 +129,10 @@ def post(url, body, key=KEY, raw=None):
         ({"prompt": "a", "temperature": 3}, KEY, 400, "temperature", "invalid_value"),
         ({"prompt": "a", "top_p": 0}, KEY, 400, "top_p", "invalid_value"),
         ({"prompt": "a", "n": 0}, KEY, 400, "n", "invalid_value"),
-        ({"prompt": "a", "logprobs": 9}, KEY, 400, "logprobs", "invalid_value"),
+        ({"prompt": "a", "logprobs": 21}, KEY, 400, "logprobs", "invalid_value"),
+        ({"prompt": [0, 99999]}, KEY, 400, "prompt", "invalid_value"),
+        ({"prompt": [[0, 1], "a"]}, KEY, 400, "prompt", "invalid_type"),
+        ({"prompt": [0, True]}, KEY, 400, "prompt", "invalid_type"),
         ({"prompt": "a", "stop": [""]}, KEY, 400, "stop", "invalid_value"),
         ({"prompt": "word " * 100}, KEY, 400, "prompt", "context_length_exceeded"),
         ({"prompt": "a", "model": "gpt-4"}, KEY, 404, "model", "model_not_found"),
@@ -240,11 +175,6 @@ def test_a_full_queue_answers_429_with_retry_after(run):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-
-
-def health(url):
-    with urllib.request.urlopen(url + "/health", timeout=5) as response:
-        return json.loads(response.read())
 
 
 def test_a_client_that_goes_away_frees_its_slot(client, server):
@@ -298,56 +228,30 @@ def test_a_completion_ends_at_the_end_of_text(client, run):
     assert got.choices[0].finish_reason == "stop"
 
 
-def test_the_page_streams_text_and_shows_the_explorer(browser, server, run):
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
+def test_token_id_prompts_and_the_pages_endpoints(server, run):
+    """A prompt of token ids is read as given (the page continues from a position this way),
+    and the page's three extras answer what the model computes."""
+    status, tokens, _ = post(server + "/tokenize", {"prompt": "The for"})
+    ids = tokens["tokens"]
+    assert status == 200 and ids[0] == 0 and tokens["texts"][1:] == ["The", " for"]
+    greedy = {"max_tokens": 8, "temperature": 0}
+    by_text = post(server + "/v1/completions", {"prompt": "The for", **greedy})[1]
+    by_ids = post(server + "/v1/completions", {"prompt": [ids, ids], **greedy})[1]
+    assert [c["text"] for c in by_ids["choices"]] == [by_text["choices"][0]["text"]] * 2
 
-    browser.get(server + "/")
-    for field, value in (("key", KEY), ("temperature", "0"), ("max_tokens", "24")):
-        box = browser.find_element(By.ID, field)
-        box.clear()
-        box.send_keys(value)
-    browser.find_element(By.ID, "generate").click()
-    wait = WebDriverWait(browser, 30)
-    wait.until(lambda b: b.find_element(By.ID, "status").text.startswith("done"))
-    expected = local(run, "The for statement", 24)
-    assert browser.find_element(By.ID, "output").text == "The for statement" + expected.text
-    tokens = browser.find_elements(By.CSS_SELECTOR, "#output .tok")
-    assert len(tokens) == len(expected.tokens) + (expected.finish_reason == "eos")
-    assert "p = " in tokens[0].get_attribute("title")  # probability and alternatives on hover
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    browser.save_screenshot(str(ARTIFACTS / "serve-page.png"))
-    browser.find_element(By.ID, "inspect").click()
-    browser.switch_to.frame(wait.until(lambda b: b.find_element(By.ID, "explorer")))
-    T = 4  # <|endoftext|> The for statement
-    wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#grid tr[data-query]")) == T)
-    browser.switch_to.default_content()
-    browser.save_screenshot(str(ARTIFACTS / "serve-page-explorer.png"))
-    assert console_errors(browser) == []
+    model = load_model(run)
+    with torch.no_grad():
+        logprobs = model(torch.tensor([ids]))[0, -1].log_softmax(dim=-1)
+    status, dist, _ = post(server + "/v1/distribution", {"prompt": ids, "token": 5, "top": 3})
+    assert status == 200 and dist["position"] == len(ids)
+    assert torch.allclose(torch.tensor(dist["logprobs"]), logprobs.sort(descending=True).values)
+    assert [t["id"] for t in dist["top"]] == logprobs.topk(3).indices.tolist()
+    rank = int((logprobs > logprobs[5]).sum())
+    assert dist["token"]["rank"] == rank and abs(dist["token"]["logprob"] - logprobs[5]) < 1e-6
 
-
-def test_an_int8_server_decodes_and_refuses_inspection_in_one_line(run, browser):
-    """int8 keeps no fp32 weights (memory follows the format), and inspection reads them:
-    the openai client completes, and the page's Inspect button shows the one-line refusal."""
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    proc, url = start(run, "--dtype", "int8")
-    try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        completion = client.completions.create(model="run", prompt="The", max_tokens=3)
-        assert completion.choices[0].text and completion.usage.completion_tokens <= 3
-        status, answer, _ = post(url + "/v1/inspect", {"prompt": "a"})
-        assert status == 400 and answer["error"]["code"] == "unsupported_dtype"
-        browser.get(url + "/")
-        browser.find_element(By.ID, "inspect").click()
-        error = WebDriverWait(browser, 30).until(
-            lambda b: b.find_element(By.ID, "error").text or None
-        )
-        assert error.startswith("400: ") and "--dtype float32" in error
-        assert error.count("\n") == 0
-        logged = console_errors(browser)  # read, so that the next page test starts clean
-        assert len(logged) == 1 and "/v1/inspect" in logged[0] and "400" in logged[0]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    status, steps, _ = post(server + "/v1/attention", {"prompt": "The for", "layer": 1, "head": 0})
+    assert status == 200 and steps["ids"] == ids and len(steps["masked"]) == len(ids)
+    assert steps["masked"][0][1] is None and steps["scores"][0][1] is not None
+    for body, param in (({"prompt": "a", "layer": 2}, "layer"), ({"prompt": 3}, "prompt")):
+        status, answer, _ = post(server + "/v1/attention", body)
+        assert status == 400 and answer["error"]["param"] == param

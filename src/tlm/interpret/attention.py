@@ -1,12 +1,15 @@
 """Attention patterns α (eq. 9.12) of every layer and head, and an encoder-decoder's
-cross-attention: which source token each target position reads."""
+cross-attention: which source token each target position reads; and one head step by step,
+from q·k to what each source position adds to a query's output."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 
-from tlm.interpret.hooks import run_with_cache
+from tlm.interpret.hooks import check_head, run_with_cache
 from tlm.model import EncoderDecoder, TransformerLM
 from tlm.tokenizer import Tokenizer, document_ids
 
@@ -46,3 +49,28 @@ def cross_attention_of(
     )
     rows = [tokenizer.decode([i]) for i in target_ids]
     return patterns, rows, [tokenizer.decode([i]) for i in source_ids]
+
+
+@torch.no_grad()
+def attention_steps(model: TransformerLM, input_ids: Tensor, layer: int, head: int) -> dict:
+    """One head's attention on input_ids [1, T], step by step (eq. 9.10-9.14), each [T, T]:
+
+    - `scores`: q_i · k_j / √d_k for every pair, before the mask (eq. 9.11);
+    - `masked`: the same with -inf where j > i (Fig. 9.9), as `attn.scores` holds it;
+    - `pattern`: α = softmax of each masked row (eq. 9.12), as `attn.pattern` holds it;
+    - `contrib`: ‖α_ij v_j‖ = α_ij ‖v_j‖, what source j adds to query i's output (eq. 9.13);
+
+    and `value_norms` [T], each ‖v_j‖.
+    """
+    check_head(model, layer, head)
+    names = [f"blocks.{layer}.attn.{name}" for name in ("q", "k", "v", "scores", "pattern")]
+    _, cache = run_with_cache(model, input_ids, names)
+    q, k, v, masked, pattern = (cache[name][0, head].float() for name in names)
+    scores = q @ k.T / math.sqrt(q.shape[-1])  # eq. 9.11, every pair
+    return {
+        "scores": scores,
+        "masked": masked,
+        "pattern": pattern,
+        "contrib": pattern * v.norm(dim=-1),  # [T,T] * [T] over the columns j
+        "value_norms": v.norm(dim=-1),
+    }

@@ -132,11 +132,11 @@ def sampling(body: dict, max_n: int, default_max_tokens: int = 16) -> Sampling:
         )
     logprobs = body.get("logprobs")
     if logprobs is True:  # chat's form: logprobs true with top_logprobs k
-        logprobs = max(1, _number(body, "top_logprobs", 0, 0, 5, integer=True))
+        logprobs = max(1, _number(body, "top_logprobs", 0, 0, 20, integer=True))
     elif logprobs is False:
         logprobs = 0
     else:
-        logprobs = _number(body, "logprobs", 0, 0, 5, integer=True)
+        logprobs = _number(body, "logprobs", 0, 0, 20, integer=True)
     return Sampling(
         max_tokens=_number(body, "max_tokens", default_max_tokens, 1, None, integer=True),
         temperature=float(_number(body, "temperature", 1.0, 0, 2)),
@@ -152,15 +152,29 @@ def sampling(body: dict, max_n: int, default_max_tokens: int = 16) -> Sampling:
     )
 
 
-def prompts(body: dict) -> list[str]:
+def prompts(body: dict) -> list[str | list[int]]:
+    """The request's prompts in any of OpenAI's four forms: a string, a list of strings, a
+    list of token ids, or a list of such lists."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return prompt
+        if _token_ids(prompt):
+            return [prompt]
+        if all(isinstance(p, list) and p and _token_ids(p) for p in prompt):
+            return prompt
     raise ApiError(
-        400, "prompt must be a string or a non-empty list of strings", "prompt", "invalid_type"
+        400,
+        "prompt must be a string, a list of token ids, or a non-empty list of either",
+        "prompt",
+        "invalid_type",
     )
+
+
+def _token_ids(values: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
 
 
 def chat_prompt(body: dict) -> str:
@@ -213,6 +227,7 @@ class Completions:
         offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         return {
             "tokens": tokens,
+            "token_ids": [e.token for e in events],  # a tlm extra: the text can be ambiguous
             "token_logprobs": [e.logprob for e in events],
             "top_logprobs": top,
             "text_offset": offsets,

@@ -12,8 +12,6 @@ are free for the next step. The server's state lives in one `Server` object on t
 from __future__ import annotations
 
 import asyncio
-import json
-from dataclasses import dataclass
 from importlib import resources
 
 from fastapi import APIRouter, FastAPI, Request
@@ -21,6 +19,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Str
 
 from tlm.generate import GenerationConfig
 from tlm.interpret.report import inspect_prompt
+from tlm.serve import explain
 from tlm.serve.engine import Engine, Job, QueueFull
 from tlm.serve.metrics import Metrics
 from tlm.serve.openai import (
@@ -30,29 +29,10 @@ from tlm.serve.openai import (
     Completions,
     Sampling,
     chat_prompt,
-    check_body,
     prompts,
     sampling,
 )
-from tlm.tokenizer import InputTooLong, document_ids
-
-
-@dataclass
-class Server:
-    """What every route reads: the engine, the model's name, the key, the metrics."""
-
-    engine: Engine
-    name: str
-    api_key: str | None
-    metrics: Metrics
-
-    @property
-    def context(self) -> int:
-        return self.engine.slots.model.config.context_length
-
-    @property
-    def max_n(self) -> int:
-        return len(self.engine.slots.rows) * 4
+from tlm.serve.server import Server, authorized, ids, read
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Metrics) -> FastAPI:
@@ -61,6 +41,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Me
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(Exception, server_error)
     app.include_router(router)
+    app.include_router(explain.router)
     return app
 
 
@@ -76,19 +57,21 @@ async def server_error(request: Request, error: Exception) -> JSONResponse:
 
 
 router = APIRouter()
+HEALTH_CONFIG = ("n_layers", "n_heads", "d_model", "context_length", "vocab_size")
 
 
 @router.get("/health")
 async def health(request: Request) -> dict:
     server = request.app.state.server
     engine = server.engine
-    slots = len(engine.slots.rows)
+    slots, config = len(engine.slots.rows), engine.slots.model.config
     return {
         "status": "ok",
         "model": server.name,
         "slots": slots,
         "busy": engine.busy,
         "queued": engine.queued,
+        "config": {name: getattr(config, name) for name in HEALTH_CONFIG},
     }
 
 
@@ -103,7 +86,8 @@ async def models(request: Request) -> dict:
 async def completions(request: Request):
     server, body = await read(request)
     texts, s = prompts(body), sampling(body, max_n=server.max_n)
-    echo = texts if body.get("echo", False) is True else None
+    decode = server.engine.tokenizer.decode
+    echo = [t if isinstance(t, str) else decode(t) for t in texts] if body.get("echo") else None
     shape = Completions(server.name, server.engine.tokenizer, echo, s, server.metrics)
     return await answer(request, texts, s, (), shape)
 
@@ -123,14 +107,7 @@ async def inspect(request: Request):
     if not isinstance(prompt, str):
         raise ApiError(400, "prompt must be a string", "prompt", "invalid_type")
     ids(server, prompt, "the prompt")
-    fmt = getattr(model, "inference_format", None)
-    if fmt not in (None, "float32"):  # its fp32 weights are released
-        raise ApiError(
-            400,
-            f"inspection reads the fp32 weights, which a server started with --dtype {fmt} "
-            "does not keep: start it with --dtype float32",
-            code="unsupported_dtype",
-        )
+    explain.fp32_only(model)
     tokenizer = server.engine.tokenizer
     job = server.engine.call(lambda: inspect_prompt(model, tokenizer, prompt))
     return JSONResponse(await asyncio.wrap_future(job))
@@ -150,34 +127,6 @@ async def explorer() -> str:  # the inspection page of `tlm inspect`, filled in 
 async def prometheus(request: Request) -> PlainTextResponse:
     metrics = request.app.state.server.metrics
     return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
-
-
-def authorized(request: Request) -> Server:
-    server = request.app.state.server
-    wanted = f"Bearer {server.api_key}"
-    if server.api_key is not None and request.headers.get("authorization") != wanted:
-        raise ApiError(
-            401, "a missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key"
-        )
-    return server
-
-
-async def read(request: Request) -> tuple[Server, dict]:
-    """The server and the request's JSON body, authorized and checked."""
-    server = authorized(request)
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
-    return server, check_body(body, server.name)
-
-
-def ids(server: Server, text: str, name: str) -> list[int]:
-    """The text as a document the model reads whole, or a 400 (`tokenizer.within`)."""
-    try:
-        return document_ids(server.engine.tokenizer, text, server.context, name)
-    except InputTooLong as error:
-        raise ApiError(400, str(error), "prompt", "context_length_exceeded") from None
 
 
 async def answer(request: Request, texts: list[str], s: Sampling, extra_stop, shape):

@@ -1,0 +1,70 @@
+"""What every route reads: the `Server` (engine, model name, key, metrics) and the request,
+authorized, parsed and its prompt turned into token ids."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from tlm.serve.engine import Engine
+from tlm.serve.metrics import Metrics
+from tlm.serve.openai import ApiError, check_body
+from tlm.tokenizer import InputTooLong, document_ids, within
+
+
+@dataclass
+class Server:
+    """The server's state, one object on the app."""
+
+    engine: Engine
+    name: str
+    api_key: str | None
+    metrics: Metrics
+
+    @property
+    def context(self) -> int:
+        return self.engine.slots.model.config.context_length
+
+    @property
+    def max_n(self) -> int:
+        return len(self.engine.slots.rows) * 4
+
+
+def authorized(request: Request) -> Server:
+    server = request.app.state.server
+    wanted = f"Bearer {server.api_key}"
+    if server.api_key is not None and request.headers.get("authorization") != wanted:
+        raise ApiError(
+            401, "a missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key"
+        )
+    return server
+
+
+async def read(request: Request) -> tuple[Server, dict]:
+    """The server and the request's JSON body, authorized and checked."""
+    server = authorized(request)
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
+    return server, check_body(body, server.name)
+
+
+def ids(server: Server, prompt: str | list[int], name: str) -> list[int]:
+    """A prompt's token ids, or a 400. A string is a document the model reads whole:
+    <|endoftext|>, then its tokens (`tokenizer.document_ids`); a list of token ids is taken
+    as it is, each checked against the vocabulary."""
+    try:
+        if isinstance(prompt, str):
+            return document_ids(server.engine.tokenizer, prompt, server.context, name)
+        vocab = server.engine.tokenizer.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(
+                400, f"{name} has token id {bad}, outside 0..{vocab - 1}", "prompt", "invalid_value"
+            )
+        return within(list(prompt), server.context, name)
+    except InputTooLong as error:
+        raise ApiError(400, str(error), "prompt", "context_length_exceeded") from None
