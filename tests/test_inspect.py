@@ -10,7 +10,8 @@ import torch
 from conftest import console_errors, varied_char_run
 from tlm import load_model, load_tokenizer
 from tlm.cli import main
-from tlm.interpret import logit_lens
+from tlm.generate.sampling import process_logits
+from tlm.interpret import logit_lens, run_with_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "out" / "test-artifacts"  # screenshots of the page, kept after the run
@@ -157,3 +158,61 @@ def test_inspect_reads_a_hugging_face_gpt2_directory(gpt2_dir, tmp_path):
         "H2",
         "H3",
     ]
+
+
+def test_the_pages_lessons_are_the_models(browser, report, run):
+    """The static page's distribution after the prompt, under the sliders, is the model's
+    filtered by `process_logits`; its attention steps are the hook points' values."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    data = page_data(report)
+    ids, T = data["ids"], len(data["tokens"])
+    model = load_model(run)
+    names = [f"blocks.2.attn.{n}" for n in ("v", "scores", "pattern")]
+    logits, cache = run_with_cache(model, torch.tensor([ids]), names)
+    browser.get((report / "index.html").as_uri())
+    tokens = browser.find_elements(By.CSS_SELECTOR, ".token")
+    assert [int(t.get_attribute("data-id")) for t in tokens] == ids
+
+    def rows():
+        return browser.execute_script(
+            "return [...document.querySelectorAll('#dist tr[data-token]')]"
+            ".map(r => [Number(r.dataset.id), Number(r.dataset.p)])"
+        )
+
+    for temperature, k, p in [(1, 0, 1), (0.5, 0, 1), (1.5, 5, 0.8)]:
+        for name, value in (("temperature", temperature), ("top-k", k), ("top-p", p)):
+            browser.execute_script(
+                "const s = document.getElementById(arguments[0]); s.value = arguments[1];"
+                "s.dispatchEvent(new Event('input'));",
+                name,
+                str(value),
+            )
+        want = process_logits(logits[0, -1], temperature, k or None, p if p < 1 else None)
+        want = want.softmax(dim=-1)
+        got = rows()
+        assert len(got) == 20 and all(abs(q - float(want[t])) < 1e-4 for t, q in got)
+
+    Select(browser.find_element(By.ID, "layer")).select_by_value("2")
+    Select(browser.find_element(By.ID, "head")).select_by_value("1")
+    scores, pattern = cache[names[1]][0, 1], cache[names[2]][0, 1]
+    for panel, want in (("masked", scores), ("pattern", pattern)):
+        cells = browser.execute_script(
+            "return [...document.querySelectorAll(`#${arguments[0]} td[data-row]`)]"
+            ".map(c => [Number(c.dataset.row), Number(c.dataset.col), c.dataset.value])",
+            panel,
+        )
+        got = torch.full((T, T), float("nan"))
+        for i, j, value in cells:
+            got[i, j] = float(value)
+        assert torch.equal(got.isinf(), want.isinf())
+        assert torch.allclose(got[~want.isinf()], want[~want.isinf()], atol=1e-5, rtol=0)
+    contrib = browser.execute_script(
+        "return [...document.querySelectorAll('#contrib td[data-row]')]"
+        ".map(c => Number(c.dataset.value))"
+    )
+    norms = cache[names[0]][0, 1].norm(dim=-1)
+    assert torch.allclose(torch.tensor(contrib), pattern[T - 1] * norms, atol=1e-5, rtol=0)
+    browser.save_screenshot(str(ARTIFACTS / "inspect-page-lessons.png"))
+    assert console_errors(browser) == []

@@ -52,25 +52,29 @@ def cross_attention_of(
 
 
 @torch.no_grad()
-def attention_steps(model: TransformerLM, input_ids: Tensor, layer: int, head: int) -> dict:
-    """One head's attention on input_ids [1, T], step by step (eq. 9.10-9.14), each [T, T]:
+def attention_steps(
+    model: TransformerLM, input_ids: Tensor, layer: int, head: int | None = None
+) -> dict[str, Tensor]:
+    """One head's attention on input_ids [1, T], step by step (eq. 9.10-9.14), each [T, T]
+    (with `head` None, every head's: [H, T, T]):
 
     - `scores`: q_i · k_j / √d_k for every pair, before the mask (eq. 9.11);
     - `masked`: the same with -inf where j > i (Fig. 9.9), as `attn.scores` holds it;
     - `pattern`: α = softmax of each masked row (eq. 9.12), as `attn.pattern` holds it;
     - `contrib`: ‖α_ij v_j‖ = α_ij ‖v_j‖, what source j adds to query i's output (eq. 9.13);
 
-    and `value_norms` [T], each ‖v_j‖.
+    and `value_norms` [T] (or [H, T]), each ‖v_j‖.
     """
     check_head(model, layer, head)
     names = [f"blocks.{layer}.attn.{name}" for name in ("q", "k", "v", "scores", "pattern")]
     _, cache = run_with_cache(model, input_ids, names)
-    q, k, v, masked, pattern = (cache[name][0, head].float() for name in names)
-    scores = q @ k.T / math.sqrt(q.shape[-1])  # eq. 9.11, every pair
+    pick = slice(None) if head is None else head
+    q, k, v, masked, pattern = (cache[name][0, pick].float() for name in names)
+    norms = v.norm(dim=-1)  # [..., T]
     return {
-        "scores": scores,
+        "scores": q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]),  # eq. 9.11, every pair
         "masked": masked,
         "pattern": pattern,
-        "contrib": pattern * v.norm(dim=-1),  # [T,T] * [T] over the columns j
-        "value_norms": v.norm(dim=-1),
+        "contrib": pattern * norms.unsqueeze(-2),  # [..., T, T] * [..., 1, T] over columns j
+        "value_norms": norms,
     }

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tlm.interpret.attention import attention_patterns
+from tlm.interpret.attention import attention_patterns, attention_steps
 from tlm.interpret.attribution import direct_logit_attribution
 from tlm.interpret.hooks import HookError
 from tlm.interpret.lens import logit_lens, residual_stream
@@ -55,8 +55,11 @@ def inspect_prompt(
     target: str | None = None,
     foil: str | None = None,
     top_k: int = 5,
+    lessons: bool = True,
 ) -> dict[str, Any]:
-    """Patterns, logit lens, residual norms, attribution and (with `corrupted`) patching."""
+    """Patterns, logit lens, residual norms, attribution and (with `corrupted`) patching;
+    with `lessons`, also the next-token distribution after the prompt (`next`) and every
+    head's attention step by step (`steps`), which the page's panels draw."""
     device = next(model.parameters()).device
     ids = encode_prompt(model, tokenizer, prompt, "clean")
     x = torch.tensor([ids], device=device)
@@ -86,6 +89,10 @@ def inspect_prompt(
         "attribution": None,
         "patching": None,
     }
+    if lessons:
+        data["ids"] = ids
+        data["next"] = next_token(tokenizer, logits, places=6)
+        data["steps"] = _steps(model, x)
     if model.config.norm == "pre":
         attribution = direct_logit_attribution(model, x, target_id)
         data["attribution"] = {
@@ -97,6 +104,40 @@ def inspect_prompt(
     if corrupted is not None:
         data["patching"] = _patching(model, tokenizer, x, corrupted, target_id, foil, tokens)
     return data
+
+
+def next_token(
+    tokenizer: Tokenizer,
+    logits: torch.Tensor,
+    top: int = 20,
+    token: int | None = None,
+    places: int | None = None,
+) -> dict[str, Any]:
+    """The model's next-token distribution from one position's logits [V]: every
+    log-probability, largest first (`places` rounds them); the `top` likeliest tokens with
+    their ids and text; and where `token` ranks. The panels filter it as tlm samples."""
+    values, order = logits.float().cpu().log_softmax(dim=-1).sort(descending=True)
+    answer: dict[str, Any] = {
+        "top": [
+            {"id": int(t), "token": tokenizer.decode([int(t)]), "logprob": float(lp)}
+            for t, lp in zip(order[:top], values[:top], strict=True)
+        ],
+        "logprobs": values.tolist() if places is None else rounded(values, places),
+    }
+    if token is not None:
+        rank = int((order == token).nonzero()[0, 0])
+        answer["token"] = {"id": token, "token": tokenizer.decode([token]), "rank": rank}
+        answer["token"]["logprob"] = float(values[rank])
+    return answer
+
+
+def _steps(model: TransformerLM, x: torch.Tensor) -> dict[str, Any]:
+    """Every head's scores before the mask, pattern and ‖v_j‖, [L, H, ...] (6 places)."""
+    layers = [attention_steps(model, x, layer) for layer in range(model.config.n_layers)]
+    return {
+        name: rounded(torch.stack([steps[name] for steps in layers]), 6)
+        for name in ("scores", "pattern", "value_norms")
+    }
 
 
 def _patching(model, tokenizer, x, corrupted, target_id, foil, tokens) -> dict[str, Any]:
@@ -123,6 +164,15 @@ def _patching(model, tokenizer, x, corrupted, target_id, foil, tokens) -> dict[s
     }
 
 
+def page(package: str) -> str:
+    """A package's page.html with the panels both pages share (`panels.js`) inlined where it
+    says PANELS: one self-contained file."""
+    files = resources.files
+    panels = files("tlm.interpret").joinpath("panels.js").read_text(encoding="utf-8")
+    template = files(package).joinpath("page.html").read_text(encoding="utf-8")
+    return template.replace("/*PANELS*/", panels, 1)
+
+
 def write_report(data: dict[str, Any], out: Path, layer: int = 0, head: int = 0) -> list[Path]:
     """The PNGs and index.html for `data` (from `inspect_prompt`) in folder `out`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -145,7 +195,7 @@ def write_report(data: dict[str, Any], out: Path, layer: int = 0, head: int = 0)
             title = f"activation patching over {over}: {data['patching']['metric']} restored"
             recovery = torch.tensor(sweep["recovery"])
             plot_patching(recovery, sweep["rows"], sweep["columns"], written[-1], title)
-    template = resources.files("tlm.interpret").joinpath("page.html").read_text(encoding="utf-8")
+    template = page("tlm.interpret")
     inline = json.dumps(data, ensure_ascii=False).replace("</", "<\\/")  # safe inside <script>
     written.append(out / "index.html")
     write_text_atomic(written[-1], template.replace("/*DATA*/", inline))

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 
 from tlm.interpret.attention import attention_steps
 from tlm.interpret.hooks import HookError
+from tlm.interpret.report import next_token
 from tlm.serve.openai import ApiError
 from tlm.serve.server import Server, ids, read
 
@@ -47,24 +48,11 @@ async def distribution(request: Request) -> dict:
 
     @torch.no_grad()
     def compute():
-        logits = model(torch.tensor([prompt], device=device))[0, -1].float().cpu()
-        return logits.log_softmax(dim=-1).sort(descending=True)
+        return model(torch.tensor([prompt], device=device))[0, -1]
 
-    values, order = await _in_engine(server, compute)
-    decode = server.engine.tokenizer.decode
-    answer = {
-        "position": len(prompt),
-        "top": [
-            {"id": int(t), "token": decode([int(t)]), "logprob": float(lp)}
-            for t, lp in zip(order[:top], values[:top], strict=True)
-        ],
-        "logprobs": values.tolist(),
-    }
-    if token is not None:
-        rank = int((order == token).nonzero()[0, 0])
-        answer["token"] = {"id": token, "token": decode([token]), "rank": rank}
-        answer["token"]["logprob"] = float(values[rank])
-    return answer
+    logits = await _in_engine(server, compute)
+    answer = next_token(server.engine.tokenizer, logits, top, token)
+    return {"position": len(prompt), **answer}
 
 
 @router.post("/v1/attention")

@@ -12,13 +12,13 @@ are free for the next step. The server's state lives in one `Server` object on t
 from __future__ import annotations
 
 import asyncio
-from importlib import resources
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from tlm.generate import GenerationConfig
 from tlm.interpret.report import inspect_prompt
+from tlm.interpret.report import page as filled_page
 from tlm.serve import explain
 from tlm.serve.engine import Engine, Job, QueueFull
 from tlm.serve.metrics import Metrics
@@ -109,18 +109,18 @@ async def inspect(request: Request):
     ids(server, prompt, "the prompt")
     explain.fp32_only(model)
     tokenizer = server.engine.tokenizer
-    job = server.engine.call(lambda: inspect_prompt(model, tokenizer, prompt))
+    job = server.engine.call(lambda: inspect_prompt(model, tokenizer, prompt, lessons=False))
     return JSONResponse(await asyncio.wrap_future(job))
 
 
 @router.get("/", response_class=HTMLResponse)
 async def page() -> str:
-    return resources.files("tlm.serve").joinpath("page.html").read_text(encoding="utf-8")
+    return filled_page("tlm.serve")
 
 
 @router.get("/explorer.html", response_class=HTMLResponse)
 async def explorer() -> str:  # the inspection page of `tlm inspect`, filled in by the page
-    return resources.files("tlm.interpret").joinpath("page.html").read_text(encoding="utf-8")
+    return filled_page("tlm.interpret")
 
 
 @router.get("/metrics")
