@@ -3,6 +3,7 @@ against the API and tlm's own filters, attention step by step held against the m
 hook points, the keyboard, narrow windows, and what a bad prompt or a dying server shows."""
 
 import math
+import urllib.request
 
 import openai
 import pytest
@@ -108,6 +109,8 @@ def test_tokens_stream_with_their_positions_and_ids(page, server, served_run):
     assert [t for _, t in tokens] == prompt + expected.tokens + ended
     first = page.find_elements(by("CSS_SELECTOR"), "#output .token.generated")[0]
     assert "p = " in first.get_attribute("title")  # probability and alternatives on hover
+    html = urllib.request.urlopen(server + "/").read().decode()
+    assert "http://" not in html and "https://" not in html and " src=" not in html  # offline
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.save_screenshot(str(ARTIFACTS / "serve-page.png"))
 
@@ -123,8 +126,10 @@ def test_the_distribution_panel_is_the_models_filtered_in_tlms_order(page, serve
     knobs(page, 1, 0, 1)  # the model's own distribution: exp of the API's log-probabilities
     body = {"prompt": ids[:at], "max_tokens": 1, "temperature": 0, "logprobs": 20}
     status, answer, _ = post(server + "/v1/completions", body)
-    top = answer["choices"][0]["logprobs"]["top_logprobs"][0]  # {text: logprob}
-    assert status == 200 and answer["choices"][0]["logprobs"]["token_ids"] == [ids[at]]
+    logprobs = answer["choices"][0]["logprobs"]
+    top = logprobs["top_logprobs"][0]  # {text: logprob}
+    assert status == 200 and logprobs["token_ids"] == [ids[at]]
+    assert abs(logprobs["rest"][0] - (1 - sum(math.exp(lp) for lp in top.values()))) < 1e-6
     on_page = {text: p for _, text, p in rows(page)}
     assert len(top) == len(on_page) == 20
     for text, logprob in top.items():

@@ -19,6 +19,7 @@ and the reply stops at "\\nUser:" (as well as at the end of text and the caller'
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -227,7 +228,8 @@ class Completions:
         offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         return {
             "tokens": tokens,
-            "token_ids": [e.token for e in events],  # a tlm extra: the text can be ambiguous
+            "token_ids": [e.token for e in events],  # tlm extras: a text can be ambiguous,
+            "rest": [_rest(e.top) for e in events],  # and the mass past top_logprobs
             "token_logprobs": [e.logprob for e in events],
             "top_logprobs": top,
             "text_offset": offsets,
@@ -278,6 +280,11 @@ class Completions:
             offsets[index] = offsets.get(index, 0) + len(text)
             yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def _rest(top: list[tuple[int, float]]) -> float:
+    """The probability of every token not in `top` (ids and log-probabilities)."""
+    return max(0.0, 1.0 - math.fsum(math.exp(lp) for _, lp in top))
 
 
 class Chat(Completions):
