@@ -78,6 +78,15 @@ def docs_chars(tmp_path_factory):
     return folder
 
 
+def assert_same_logits(hf, model, lengths=(1, 13, 32), batch=3, seed=4):
+    """A `transformers` model's logits equal tlm's (1e-4) on random ids of a few lengths."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for T in lengths:
+            ids = torch.randint(0, V, (batch, T))
+            assert torch.allclose(hf(ids).logits, model(ids), atol=1e-4, rtol=0)
+
+
 def hf_model(**overrides):
     """A random GPT2LMHeadModel of a small GPT2Config (no network), eval mode."""
     values = dict(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=4)

@@ -1,4 +1,5 @@
-"""Reading a model directory, whatever wrote it: a tlm run or a Hugging Face GPT-2 directory.
+"""Reading a model directory, whatever wrote it: a tlm run or a Hugging Face GPT-2 or GPT-NeoX
+directory.
 
 This dispatch sits above `checkpoint` (run directories) and `interop` (Hugging Face
 formats), so that neither of them needs the other.
@@ -14,8 +15,8 @@ import torch
 from tlm.checkpoint import CheckpointError, load_run, run_model_config, run_weights
 from tlm.config import ModelConfig
 from tlm.inference import check_format, for_inference, in_parts, load_prepared
-from tlm.interop import is_hf_model_dir, load_gpt2
-from tlm.interop.gpt2 import config_from_gpt2, gpt2_weights, read_hf_config, read_hf_weights
+from tlm.interop import is_hf_model_dir
+from tlm.interop.hf import hf_model_config, hf_weights, load_hf
 from tlm.model import EncoderDecoder, TransformerLM
 from tlm.tokenizer import load_tokenizer
 
@@ -29,9 +30,9 @@ __all__ = [
 
 
 def model_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of a run directory or of a Hugging Face GPT-2 directory."""
+    """The ModelConfig of a run directory or of a Hugging Face GPT-2 or GPT-NeoX directory."""
     if is_hf_model_dir(path):
-        return config_from_gpt2(read_hf_config(path))
+        return hf_model_config(path)
     return run_model_config(path)
 
 
@@ -61,7 +62,7 @@ def load_model(
         config = model_config(path)
         if config.model_type == "decoder" and torch.device(device).type == "cpu":
             return _load_packed(path, config, weights, dtype)
-    model = (load_gpt2(path) if hf else load_run(path, weights)).to(device)
+    model = (load_hf(path) if hf else load_run(path, weights)).to(device)
     if dtype is None:
         return model
     if not isinstance(model, TransformerLM):  # dtype prepares language models only
@@ -73,7 +74,7 @@ def _load_packed(path: Path, config: ModelConfig, weights: str, dtype: str) -> T
     """The language model at `path`, each part packed in `dtype` as soon as it is read."""
     model = TransformerLM(config, init=False)  # untouched memory: every weight is assigned
     if is_hf_model_dir(path):
-        pairs = gpt2_weights(read_hf_weights(path), config, lazy_embedding=True)
+        pairs = hf_weights(path, config, lazy_embedding=True)
     else:
         names = in_parts(model.state_dict())  # each product's weights together
         pairs = run_weights(path, weights, names, lazy=("embedding.E",))

@@ -1,4 +1,4 @@
-"""`tlm export-hf`: write a run as a Hugging Face GPT-2 (or MarianMTModel) directory."""
+"""`tlm export-hf`: write a run as a Hugging Face GPT-2, GPT-NeoX or MarianMTModel directory."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ from tlm.model import EncoderDecoder
 EXAMPLE = """example:
   tlm export-hf runs/shakespeare_char out/shakespeare_hf
   tlm export-hf runs/shakespeare_char out/shakespeare_best --weights best   # --keep-best
-  then, in Python: GPT2LMHeadModel.from_pretrained("out/shakespeare_hf")
+  tlm export-hf runs/demo out/demo_hf        # a rotary run: GPTNeoXForCausalLM
+  then, in Python: AutoModelForCausalLM.from_pretrained("out/shakespeare_hf")
 
-GPT-2 is pre-norm with learned absolute positions and d_head = d_model / n_heads; a run
-with rope or no positions, post-norm or another d_head is refused, naming the field.
-Sinusoidal positions are written as GPT-2's position table, missing biases as zeros.
+Learned or sinusoidal positions are written as GPT-2 (sinusoidal as GPT-2's position
+table), rotary ones as GPT-NeoX (full rotary, sequential block). Both are pre-norm with
+d_head = d_model / n_heads and no query/key norm; a run with no positions, post-norm,
+another d_head or qk_norm is refused, naming the field. Missing biases become zeros.
 
 A translation run (encoder-decoder) is written as MarianMTModel, the paper's post-norm
 model: pre-norm, learned positions or another d_head are refused. Give the source's
@@ -26,10 +28,8 @@ attention_mask when calling it: <|endoftext|> is also Marian's pad token.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = add_command(
-        sub, "export-hf", "write a run as a Hugging Face model directory (GPT-2, Marian)", EXAMPLE
-    )
-    parser.add_argument("run", help="run directory (or a Hugging Face GPT-2 directory)")
+    parser = add_command(sub, "export-hf", "write a run as a Hugging Face model directory", EXAMPLE)
+    parser.add_argument("run", help="run directory (or a Hugging Face directory)")
     parser.add_argument("out", help="the folder to create (must not exist or be empty)")
     add_weights_flag(parser)
     parser.set_defaults(handler=run)
@@ -39,6 +39,12 @@ def run(args: argparse.Namespace) -> int:
     card = Path(args.run) / "MODEL_CARD.md"
     model = load_model(args.run, weights=args.weights)
     out = export_hf(model, load_tokenizer(args.run), args.out, card)
-    kind = "MarianMTModel" if isinstance(model, EncoderDecoder) else "GPT2LMHeadModel"
+    kind = (
+        "MarianMTModel"
+        if isinstance(model, EncoderDecoder)
+        else "GPTNeoXForCausalLM"
+        if model.config.position == "rope"
+        else "GPT2LMHeadModel"
+    )
     print(f"wrote {out}: load it with {kind}.from_pretrained({str(out)!r})")
     return 0

@@ -1,7 +1,8 @@
 """`export_hf`: a tlm model -> a directory that Hugging Face `transformers` opens as GPT-2
-(an encoder-decoder: as `MarianMTModel`, `interop/marian.py`).
+(absolute positions), as GPT-NeoX (rotary, `interop/gptneox.py`), or for an encoder-decoder
+as `MarianMTModel` (`interop/marian.py`).
 
-    OUT/config.json              GPT2Config fields (model_type gpt2)
+    OUT/config.json              GPT2Config fields (model_type gpt2), or GPT-NeoX's
     OUT/generation_config.json   <|endoftext|> as bos/eos
     OUT/model.safetensors        the weights under GPT-2's names (a tied head is wte)
     OUT/tokenizer.json           the tokenizer, and for BPE also GPT-2's vocab.json + merges.txt
@@ -25,6 +26,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from tlm._version import __version__
 from tlm.interop.gpt2 import HFFormatError, gpt2_config, state_to_gpt2
+from tlm.interop.gptneox import gptneox_config, state_to_gptneox
 from tlm.interop.marian import marian_config, state_to_marian
 from tlm.io import atomic_path
 from tlm.model import EncoderDecoder, TransformerLM
@@ -49,6 +51,9 @@ def export_hf(
     if isinstance(model, EncoderDecoder):  # the paper's model: Marian's layout
         config = marian_config(model.config, tokenizer.eot_id)
         weights = state_to_marian(model.state_dict(), model.config)
+    elif model.config.position == "rope":  # rotary: GPT-NeoX's layout
+        config = gptneox_config(model.config, tokenizer.eot_id)
+        weights = state_to_gptneox(model.state_dict(), model.config)
     else:
         config = gpt2_config(model.config, tokenizer.eot_id)
         weights = state_to_gpt2(model.state_dict(), model.config)

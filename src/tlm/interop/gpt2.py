@@ -83,12 +83,6 @@ def config_from_gpt2(hf: dict[str, Any]) -> ModelConfig:
     for field, value in unsupported.items():
         if hf.get(field, not value) == value:
             raise HFFormatError(f"{field}={value} has no equivalent in tlm")
-    activation = hf.get("activation_function", "gelu_new")
-    if activation not in ACTIVATIONS_IN:
-        raise HFFormatError(
-            f"activation_function {activation!r} has no equivalent in tlm "
-            f"(known: {', '.join(ACTIVATIONS_IN)})"
-        )
     try:
         return ModelConfig(
             vocab_size=hf.get("vocab_size", 50257),
@@ -99,7 +93,7 @@ def config_from_gpt2(hf: dict[str, Any]) -> ModelConfig:
             context_length=hf.get("n_positions", hf.get("n_ctx", 1024)),
             norm="pre",
             position="learned",
-            activation=ACTIVATIONS_IN[activation],
+            activation=activation_in(hf, "activation_function", "gelu_new"),
             tie_embeddings=hf.get("tie_word_embeddings", True),
             bias=True,
             **dropouts_from_gpt2(hf),
@@ -107,6 +101,16 @@ def config_from_gpt2(hf: dict[str, Any]) -> ModelConfig:
         )
     except ConfigError as exc:
         raise HFFormatError(f"config.json: {exc}") from None
+
+
+def activation_in(hf: dict[str, Any], field: str, default: str) -> str:
+    """A Hugging Face config's activation (`field`, transformers' ACT2FN name) -> tlm's."""
+    activation = hf.get(field, default)
+    if activation not in ACTIVATIONS_IN:
+        raise HFFormatError(
+            f"{field} {activation!r} has no equivalent in tlm (known: {', '.join(ACTIVATIONS_IN)})"
+        )
+    return ACTIVATIONS_IN[activation]
 
 
 def dropouts_from_gpt2(hf: dict[str, Any]) -> dict[str, float | None]:
@@ -124,23 +128,12 @@ def dropouts_from_gpt2(hf: dict[str, Any]) -> dict[str, float | None]:
 
 def gpt2_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
     """ModelConfig -> GPT2Config fields; refuses (naming the field) what GPT-2 cannot express."""
-    refusals = [
-        (config.norm != "pre", f"norm={config.norm!r}: GPT-2 is pre-norm (train with --norm pre)"),
-        (
-            config.position not in ("learned", "sinusoidal"),
-            f"position={config.position!r}: GPT-2 adds absolute positions "
-            "(train with --position learned or sinusoidal)",
-        ),
-        (
-            config.d_attn != config.d_model,
-            f"d_head={config.d_head}: GPT-2 needs d_head = d_model / n_heads "
-            f"= {config.d_model / config.n_heads:g} (leave --d-head unset)",
-        ),
-        (config.qk_norm, "qk_norm: GPT-2's attention has no query/key norm"),
-    ]
-    for refused, message in refusals:
-        if refused:
-            raise HFFormatError(f"cannot export to GPT-2: {message}")
+    refuse_unless_plain(
+        config,
+        "GPT-2",
+        config.position in ("learned", "sinusoidal"),
+        "adds absolute positions (train with --position learned or sinusoidal)",
+    )
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -163,6 +156,25 @@ def gpt2_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
         "use_cache": True,
         "dtype": "float32",
     }
+
+
+def refuse_unless_plain(config: ModelConfig, target: str, position_ok: bool, position: str):
+    """Refuse, naming the field, what a Hugging Face decoder class does not compute: post-norm,
+    another position scheme than `target`'s (which "is/adds ..." `position`), a d_head other
+    than d_model / n_heads, a query/key norm."""
+    refusals = [
+        (config.norm != "pre", f"norm={config.norm!r}: {target} is pre-norm (--norm pre)"),
+        (not position_ok, f"position={config.position!r}: {target} {position}"),
+        (
+            config.d_attn != config.d_model,
+            f"d_head={config.d_head}: {target} needs d_head = d_model / n_heads "
+            f"= {config.d_model / config.n_heads:g} (leave --d-head unset)",
+        ),
+        (config.qk_norm, f"qk_norm: {target}'s attention has no query/key norm"),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise HFFormatError(f"cannot export to {target}: {message}")
 
 
 def load_gpt2(path: str | Path) -> TransformerLM:
