@@ -70,7 +70,8 @@ def test_n_seeds_stops_and_logprobs(client, run):
     echoed = client.completions.create(
         model="run", prompt="The", max_tokens=5, temperature=0, logprobs=3, echo=True
     )
-    assert echoed.choices[0].logprobs.text_offset == [3 + o for o in lp.text_offset]
+    echo = echoed.choices[0].logprobs  # the prompt's token first, as OpenAI answers
+    assert echo.tokens[0] == "The" and echo.text_offset == [0] + [3 + o for o in lp.text_offset]
     assert len(lp.token_logprobs) == 5 and all(len(t) == 3 for t in lp.top_logprobs)
     model, tokenizer = load_model(run), load_tokenizer(run)
     ids = torch.tensor([[tokenizer.eot_id, *tokenizer.encode("The")]])

@@ -99,6 +99,24 @@ def score_prompts(
     return rows
 
 
+@torch.no_grad()
+def token_logprobs(
+    model: nn.Module, ids: list[int], top: int = 0
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """What an echo with log-probabilities reports of a prompt, in one forward pass: for
+    each token after the first, log P(ids[i] | ids[:i]) and the `top` likeliest tokens at
+    that position with theirs (the model's distribution, before any sampling filter)."""
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    logprobs = model(x)[0, :-1].float().log_softmax(dim=-1)  # [T-1, V]
+    chosen = logprobs.gather(1, x[0, 1:, None])[:, 0].tolist()
+    if not top:
+        return [(c, []) for c in chosen]
+    values, order = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
+    pairs = zip(order.tolist(), values.tolist(), strict=True)
+    return [(c, list(zip(o, v, strict=True))) for c, (o, v) in zip(chosen, pairs, strict=True)]
+
+
 def stream_completion(
     model: nn.Module,
     tokenizer: Tokenizer,

@@ -116,7 +116,11 @@ def _bool(body: dict, name: str) -> bool:
     return value
 
 
-def sampling(body: dict, max_n: int, default_max_tokens: int = 16) -> Sampling:
+def sampling(
+    body: dict, max_n: int, default_max_tokens: int = 16, least_tokens: int = 1
+) -> Sampling:
+    """The sampling settings of a request, checked; `max_tokens` may be 0 only where
+    `least_tokens` says so (completions with echo: the prompt scored alone)."""
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -139,7 +143,7 @@ def sampling(body: dict, max_n: int, default_max_tokens: int = 16) -> Sampling:
     else:
         logprobs = _number(body, "logprobs", 0, 0, 20, integer=True)
     return Sampling(
-        max_tokens=_number(body, "max_tokens", default_max_tokens, 1, None, integer=True),
+        max_tokens=_number(body, "max_tokens", default_max_tokens, least_tokens, None, True),
         temperature=float(_number(body, "temperature", 1.0, 0, 2)),
         top_p=_number(body, "top_p", None, 0, 1, low_open=True),
         top_k=_number(body, "top_k", None, 1, None, integer=True),
@@ -215,6 +219,7 @@ class Completions:
         )
         self.id, self.created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         self.streaming = False
+        self.echo_logprobs: list[dict] | None = None  # per prompt, with echo and logprobs
 
     def opening(self, index: int, text: str) -> tuple[str, bool]:
         """The text a choice starts with (the prompt, with echo), and whether it has started."""
@@ -229,14 +234,19 @@ class Completions:
         return {
             "tokens": tokens,
             "token_ids": [e.token for e in events],  # tlm extras: a text can be ambiguous,
-            "rest": [_rest(e.top) for e in events],  # and the mass past top_logprobs
+            "rest": [rest(e.top) for e in events],  # and the mass past top_logprobs
             "token_logprobs": [e.logprob for e in events],
             "top_logprobs": top,
             "text_offset": offsets,
         }
 
-    def choice(self, index: int, text: str, events: list[Event], offset: int) -> dict:
+    def choice(
+        self, index: int, text: str, events: list[Event], offset: int, first: bool = False
+    ) -> dict:
         logprobs, finish = self._logprobs(events, offset), events[-1].finish_reason
+        if first and logprobs is not None and self.echo_logprobs is not None:
+            echoed = self.echo_logprobs[index // self.s.n]  # the prompt's tokens come first
+            logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def body(self, choices: list[dict], usage: dict | None = None) -> dict:
@@ -259,7 +269,7 @@ class Completions:
         for index in sorted(got):
             text, _ = self.opening(index, "".join(e.text for e in got[index]))
             start = len(text) - sum(len(e.text) for e in got[index])  # the echoed prompt
-            choices.append(self.choice(index, text, got[index], start))
+            choices.append(self.choice(index, text, got[index], start, first=True))
         generated = sum(len(v) for v in got.values())
         self.metrics.generated_tokens.inc(generated)
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": generated}
@@ -271,18 +281,19 @@ class Completions:
         offsets: dict[int, int] = {}  # text sent so far per choice
         async for index, event in events:
             self.metrics.generated_tokens.inc()
-            text = event.text
+            text, first = event.text, index not in offsets
             if index not in started:
                 text, begun = self.opening(index, text)
                 if begun:
                     started.add(index)
-            chunk = self.body([self.choice(index, text, [event], offsets.get(index, 0))])
+            offset = offsets.get(index, 0) + len(text) - len(event.text)  # after an echo
+            chunk = self.body([self.choice(index, text, [event], offset, first)])
             offsets[index] = offsets.get(index, 0) + len(text)
             yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 
 
-def _rest(top: list[tuple[int, float]]) -> float:
+def rest(top: list[tuple[int, float]]) -> float:
     """The probability of every token not in `top` (ids and log-probabilities)."""
     return max(0.0, 1.0 - math.fsum(math.exp(lp) for _, lp in top))
 
@@ -313,7 +324,9 @@ class Chat(Completions):
             ]
         }
 
-    def choice(self, index: int, text: str, events: list[Event], offset: int) -> dict:
+    def choice(
+        self, index: int, text: str, events: list[Event], offset: int, first: bool = False
+    ) -> dict:
         return {
             "index": index,
             "delta" if self.streaming else "message": {"role": "assistant", "content": text},

@@ -20,6 +20,7 @@ from tlm.generate import GenerationConfig
 from tlm.interpret.report import inspect_prompt
 from tlm.interpret.report import page as filled_page
 from tlm.serve import explain
+from tlm.serve.echo import echoed, prompt_only, prompt_only_stream
 from tlm.serve.engine import Engine, Job, QueueFull
 from tlm.serve.metrics import Metrics
 from tlm.serve.openai import (
@@ -85,10 +86,20 @@ async def models(request: Request) -> dict:
 @router.post("/v1/completions")
 async def completions(request: Request):
     server, body = await read(request)
-    texts, s = prompts(body), sampling(body, max_n=server.max_n)
+    echoing = body.get("echo") is True
+    texts = prompts(body)
+    s = sampling(body, max_n=server.max_n, least_tokens=0 if echoing else 1)
     decode = server.engine.tokenizer.decode
-    echo = [t if isinstance(t, str) else decode(t) for t in texts] if body.get("echo") else None
+    echo = [t if isinstance(t, str) else decode(t) for t in texts] if echoing else None
     shape = Completions(server.name, server.engine.tokenizer, echo, s, server.metrics)
+    if echoing and s.logprobs:
+        shape.echo_logprobs = await echoed(server, texts, s.logprobs)
+    if s.max_tokens == 0:  # the prompt scored, nothing generated
+        shape.prompt_tokens = sum(len(ids(server, t, "the prompt")) for t in texts)
+        server.metrics.requests.labels(request.url.path, "200").inc()
+        if s.stream:
+            return StreamingResponse(prompt_only_stream(shape, s.n), media_type="text/event-stream")
+        return JSONResponse(prompt_only(shape, s.n))
     return await answer(request, texts, s, (), shape)
 
 
