@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from serving import KEY, post
+from serving import KEY, TEXT, post
 from tlm import load_model, load_tokenizer
 from tlm.cli import main
 from tlm.tasks.score import score_reference
@@ -20,7 +20,11 @@ CHOICES = [
     {"question": "The while statement", "choices": [" repeats it", " sleeps"], "answer": 0},
     {"question": "User: if?\nAssistant:", "choices": [" Once.", " Again.", " It"], "answer": 0},
 ]
-TEXTS = [{"text": "The for statement runs a block once for each item."}, {"text": "User: for?"}]
+TEXTS = [  # the last longer than the model's context (64): scored in windows
+    {"text": "The for statement runs a block once for each item."},
+    {"text": "User: for?"},
+    {"text": TEXT * 4},
+]
 
 TASKS = {
     "tlm_choice": """output_type: multiple_choice
@@ -72,7 +76,8 @@ def evaluate(server, name, tasks, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     args = f"base_url={server}/v1/completions,tokenizer_backend=huggingface,"
-    args += f"tokenizer={tasks / 'hf'},model={name},num_concurrent=1,max_retries=1"
+    args += f"tokenizer={tasks / 'hf'},model={name},num_concurrent=1,max_retries=1,"
+    args += "max_length=65"  # context + 1: lm-eval keeps a token for generation
     return lm_eval.simple_evaluate(
         model="local-completions",
         model_args=args,
@@ -82,9 +87,29 @@ def evaluate(server, name, tasks, monkeypatch):
     )
 
 
-def test_lm_eval_scores_tlm_serve_as_tlm_scores(server, served_run, tasks, monkeypatch):
+def rolling(model, seq, N):
+    """log P of seq[1:] read in windows of N tokens, each predicting N new ones (the last
+    reading N tokens back): lm-eval's rolling windows, restated."""
+    total, done, windows = 0.0, 1, 0
+    with torch.no_grad():
+        while done < len(seq):
+            end = min(done + N, len(seq))  # predict seq[done:end]
+            start = max(0, end - 1 - N)  # from the N tokens before end
+            logprobs = model(torch.tensor([seq[start : end - 1]]))[0].log_softmax(dim=-1)
+            chosen = logprobs.gather(1, torch.tensor(seq[start + 1 : end])[:, None])[:, 0]
+            total, done, windows = total + float(chosen[-(end - done) :].sum()), end, windows + 1
+    return total, windows
+
+
+@pytest.fixture(scope="module")
+def through_serve(server, served_run, tasks):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return evaluate(server, served_run.name, tasks, monkeypatch)
+
+
+def test_lm_eval_scores_tlm_serve_as_tlm_scores(server, served_run, through_serve):
     model, tokenizer = load_model(served_run), load_tokenizer(served_run)
-    out = evaluate(server, served_run.name, tasks, monkeypatch)
+    out = through_serve
 
     for sample in out["samples"]["tlm_choice"]:  # context, continuation: no <|endoftext|>
         for (context, continuation), [(logprob, greedy)] in zip(
@@ -103,9 +128,12 @@ def test_lm_eval_scores_tlm_serve_as_tlm_scores(server, served_run, tasks, monke
         for s in out["samples"]["tlm_choice"]
     ) / len(CHOICES)
 
-    for sample in out["samples"]["tlm_rolling"]:  # a document after <|endoftext|>, as eval reads it
-        ids = torch.tensor([[tokenizer.eot_id, *tokenizer.encode(sample["doc"]["text"])]])
-        assert abs(sample["resps"][0][0] - float(score_reference(model, ids, 1).sum())) < 1e-3
+    for sample in out["samples"]["tlm_rolling"]:  # after <|endoftext|>, in windows of 63:
+        scored = sample["arguments"][0][0]  # the document as the task renders it
+        seq = [tokenizer.eot_id, *tokenizer.encode(scored)]  # an API model's
+        mine, windows = rolling(model, seq, 63)  # request reads its window and 1 new token
+        assert abs(sample["resps"][0][0] - mine) < 1e-3
+    assert windows == 3  # the last document is read in three windows
 
     for sample in out["samples"]["tlm_generate"]:  # greedy up to a newline, from the ids
         body = {"prompt": tokenizer.encode(sample["doc"]["question"]), "max_tokens": 8}
@@ -137,3 +165,80 @@ def test_echo_returns_the_prompts_tokens_first(server, served_run):
     assert logprobs["text_offset"] == [0, 3, 7, 7 + len(logprobs["tokens"][2])]
     status, answer, _ = post(server + "/v1/completions", {"prompt": "a", "max_tokens": 0})
     assert status == 400 and answer["error"]["param"] == "max_tokens"  # 0 only with echo
+
+
+def per_sample(results):
+    """{task: [(doc id, its responses)]}: loglikelihoods and is_greedy, or generated text."""
+    return {
+        task: [(x["doc_id"], x["resps"]) for x in sorted(samples, key=lambda x: x["doc_id"])]
+        for task, samples in results["samples"].items()
+    }
+
+
+def assert_same(a, b, skip=()):
+    for task in TASKS:
+        for (doc, left), (doc_b, right) in zip(a[task], b[task], strict=True):
+            assert doc == doc_b
+            if (task, doc) in skip:
+                continue
+            for [x], [y] in zip(left, right, strict=True):
+                if isinstance(x, str):
+                    assert x == y, (task, doc)
+                elif isinstance(x, (list, tuple)):  # (loglikelihood, is_greedy)
+                    assert abs(x[0] - y[0]) < 1e-3 and bool(x[1]) == bool(y[1]), (task, doc)
+                else:  # a rolling loglikelihood
+                    assert abs(x - y) < 1e-3, (task, doc)
+
+
+def test_tlm_lm_eval_and_the_hf_backend_agree_with_serve(
+    served_run, tasks, through_serve, tmp_path, capsys, monkeypatch
+):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = tmp_path / "out"
+    args = ["lm-eval", str(served_run), "--tasks", ",".join(TASKS), "--include-path", str(tasks)]
+    assert main([*args, "--batch-size", "2", "--output-path", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert all(task in table for task in TASKS) and "acc" in table  # lm-eval's own table
+    written = sorted(p.name.split("_20")[0] for p in out.rglob("*.json*"))
+    assert written == ["results", *(f"samples_{task}" for task in sorted(TASKS))]
+
+    from tlm.tasks.harness import harness_evaluate
+
+    ours = harness_evaluate(str(served_run), list(TASKS), str(tasks), output_path=str(tmp_path))
+    hf = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={tasks / 'hf'},dtype=float32", tasks=list(TASKS),
+        task_manager=TaskManager(include_path=str(tasks)), log_samples=True, batch_size=1,
+        device="cpu",
+    )  # fmt: skip
+    longer = {("tlm_rolling", 2)}  # windowed by 64 here and in hf, by 63 through an API
+    assert_same(per_sample(ours), per_sample(through_serve), skip=longer)
+    assert_same(per_sample(ours), per_sample(hf))
+    long = next(x for x in ours["samples"]["tlm_rolling"] if x["doc_id"] == 2)
+    tokenizer = load_tokenizer(served_run)
+    seq = [tokenizer.eot_id, *tokenizer.encode(long["arguments"][0][0])]
+    rolled = long["resps"][0][0]
+    assert abs(rolled - rolling(load_model(served_run), seq, 64)[0]) < 1e-3
+    for task in TASKS:
+        assert ours["results"][task] == pytest.approx(hf["results"][task], abs=1e-6)
+
+
+def test_tlm_lm_eval_refuses_in_one_line(served_run, tasks, capsys, monkeypatch):
+    args = ["lm-eval", str(served_run), "--tasks", "no_such_task", "--include-path", str(tasks)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "no task 'no_such_task'" in err and len(err.strip().splitlines()) == 1
+    import builtins
+
+    real = builtins.__import__
+
+    def without_lm_eval(name, *args, **kwargs):
+        if name.startswith("lm_eval"):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_lm_eval)
+    assert main(["lm-eval", str(served_run), "--tasks", "x"]) == 2
+    assert 'pip install "tlm[eval]"' in capsys.readouterr().err

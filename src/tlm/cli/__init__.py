@@ -28,6 +28,7 @@ COMMANDS = {
     "demo": "demo",
     "translate": "translate",
     "audit": "audit",
+    "lm-eval": "lm_eval",
 }
 
 

@@ -60,8 +60,31 @@ def complete(
     prompt_logprobs: bool = False,
 ) -> list[Completion]:
     """Completions of every prompt (num_return_sequences each, prompt by prompt)."""
-    device = next(model.parameters()).device
     ids, mask = encode_prompts(tokenizer, prompts, model.config.context_length)
+    return _complete(model, tokenizer, prompts, ids, mask, config, stop, prompt_logprobs)
+
+
+def complete_tokens(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    rows: list[list[int]],
+    config: GenerationConfig,
+    stop: tuple[str, ...] = (),
+) -> list[Completion]:
+    """Completions of prompts given as token ids, each read as it is (no <|endoftext|> put
+    before it), left-padded into one batch."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.eot_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, width - len(row) :], mask[r, width - len(row) :] = torch.tensor(row), 1
+    prompts = [tokenizer.decode(row) for row in rows]
+    mask = None if bool(mask.all()) else mask
+    return _complete(model, tokenizer, prompts, ids, mask, config, stop, False)
+
+
+def _complete(model, tokenizer, prompts, ids, mask, config, stop, prompt_logprobs):
+    device = next(model.parameters()).device
     ids, mask = ids.to(device), None if mask is None else mask.to(device)
     n = config.num_return_sequences
     out = [Completion(prompt) for prompt in prompts for _ in range(n)]

@@ -85,6 +85,26 @@ def score(
     return out
 
 
+def score_tokens(
+    model: TransformerLM, pairs: list[tuple[list[int], list[int]]]
+) -> list[tuple[list[float], bool]]:
+    """(log P of each continuation token given the context and the tokens before it, whether
+    each was the model's argmax) for every (context ids, continuation ids), the context read
+    as given; pairs that share a context share its prefill."""
+    device = next(model.parameters()).device
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (ctx, _) in enumerate(pairs):
+        groups.setdefault(tuple(ctx), []).append(i)
+    out: list[tuple[list[float], bool] | None] = [None] * len(pairs)
+    for ctx, rows in groups.items():
+        conts = [pairs[i][1] for i in rows]
+        for i, (_, logprobs, greedy) in zip(
+            rows, _score_one_context(model, list(ctx), conts, device), strict=True
+        ):
+            out[i] = (logprobs, greedy)
+    return out
+
+
 def _score_one_context(
     model: TransformerLM, ctx: list[int], conts: list[list[int]], device: torch.device
 ) -> list[tuple[list[int], list[float], bool]]:

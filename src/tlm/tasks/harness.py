@@ -1,0 +1,152 @@
+"""tlm models inside EleutherAI's lm-evaluation-harness (`pip install "tlm[eval]"`).
+
+`TlmLM` is an `lm_eval.api.model.LM`, registered as "tlm", so `lm_eval --model tlm
+--model_args pretrained=RUN` and `lm_eval.simple_evaluate(model=TlmLM(RUN))` both score a
+run (or a Hugging Face GPT-2 / GPT-NeoX directory) directly, on any decoder tlm trains. It
+conditions as lm-eval's `hf` backend does, so that its figures compare with published ones:
+a non-empty context is read as it is (no <|endoftext|> before it), an empty one as
+<|endoftext|>; a continuation's tokens are those of context + continuation after the
+context's; rolling log-likelihoods use lm-eval's own windows (each the model's context long,
+the first after <|endoftext|>).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from tlm.errors import UserError
+from tlm.generate import GenerationConfig
+from tlm.generate.text import complete_tokens
+from tlm.load import load_language_model, load_tokenizer
+from tlm.tasks.score import score_tokens
+
+
+@register_model("tlm")
+class TlmLM(LM):
+    def __init__(
+        self,
+        pretrained: str,
+        weights: str = "latest",
+        batch_size: int | str = 16,
+        device: str | None = None,
+        **_: object,  # lm-eval's own settings (max_batch_size, ...) that tlm does not need
+    ) -> None:
+        super().__init__()
+        self.model = load_language_model(pretrained, device or "cpu", weights=weights)
+        self.tokenizer = load_tokenizer(pretrained)
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 16
+        self.context = self.model.config.context_length
+
+    def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """lm-eval's split: the context's trailing spaces go with the continuation, whose
+        tokens are those of the whole after the context's; an empty context is
+        <|endoftext|>. Longer than the model's context: the oldest tokens go."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        if context:
+            whole = self.tokenizer.encode(context + continuation)
+            n = len(self.tokenizer.encode(context))
+            ctx, cont = whole[:n], whole[n:]
+        else:
+            ctx, cont = [self.tokenizer.eot_id], self.tokenizer.encode(continuation)
+        keep = self.context + 1 - len(cont)  # tokens the window holds before the continuation
+        return ctx[-max(keep, 1) :], cont[-self.context :]
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        pairs = [self._pair(*request.args) for request in requests]
+        return [(sum(logprobs), greedy) for logprobs, greedy in score_tokens(self.model, pairs)]
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        out = []
+        for request in requests:
+            tokens = self.tokenizer.encode(request.args[0])
+            windows = get_rolling_token_windows(
+                token_list=tokens, prefix_token=self.tokenizer.eot_id,
+                max_seq_len=self.context, context_len=1,
+            )  # fmt: skip
+            pairs = [make_disjoint_window(w) for w in windows]
+            out.append(sum(sum(lp) for lp, _ in score_tokens(self.model, pairs)))
+        return out
+
+    def generate_until(self, requests) -> list[str]:
+        """Greedy (or sampled, as gen_kwargs say) up to a stop string or max_gen_toks, in
+        batches of requests with the same settings, through tlm's one decoding core."""
+        groups: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            key = json.dumps(request.args[1], sort_keys=True, default=str)
+            groups.setdefault(key, []).append(i)
+        out: list[str] = [""] * len(requests)
+        for indices in groups.values():
+            settings = requests[indices[0]].args[1]
+            until = settings.get("until") or []
+            until = (until,) if isinstance(until, str) else tuple(until)
+            config = GenerationConfig.of(
+                max_new_tokens=int(settings.get("max_gen_toks", 256)),
+                do_sample=bool(settings.get("do_sample", False)),
+                temperature=float(settings.get("temperature") or 0.0),
+                eos_token_id=self.tokenizer.eot_id,
+            )
+            room = self.context - config.max_new_tokens  # the prompt's share of the window
+            for start in range(0, len(indices), self.batch_size):
+                batch = indices[start : start + self.batch_size]
+                rows = [self._prompt(requests[i].args[0], room) for i in batch]
+                done = complete_tokens(self.model, self.tokenizer, rows, config, until)
+                for i, completion in zip(batch, done, strict=True):
+                    out[i] = completion.text
+        return out
+
+    def _prompt(self, context: str, room: int) -> list[int]:
+        ids = self.tokenizer.encode(context) if context else [self.tokenizer.eot_id]
+        return ids[-max(room, 1) :]
+
+
+def harness_evaluate(
+    run: str,
+    tasks: list[str],
+    include_path: str | None = None,
+    limit: float | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 16,
+    output_path: str | None = None,
+    weights: str = "latest",
+) -> dict:
+    """lm-eval's `simple_evaluate` on a tlm model, its results as lm-eval returns them; with
+    `output_path`, written there as `lm_eval --output_path P --log_samples` writes them
+    (the aggregated results and one samples file per task)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=include_path)
+    unknown = [task for task in tasks if task not in manager.all_tasks]
+    if unknown:
+        raise HarnessError(
+            f"lm-eval has no task {unknown[0]!r}" + ("" if include_path else " (--include-path?)")
+        )
+    tracker = EvaluationTracker(output_path=output_path) if output_path else None
+    results = simple_evaluate(
+        model=TlmLM(run, weights=weights, batch_size=batch_size),
+        tasks=tasks,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        log_samples=output_path is not None,
+        evaluation_tracker=tracker,
+        task_manager=manager,
+    )
+    if tracker is not None:  # it rewrites what it saves: a copy, so the results stay as they are
+        samples = results.pop("samples")
+        tracker.save_results_aggregated(results=copy.deepcopy(results), samples=samples)
+        for task in results["configs"]:
+            tracker.save_results_samples(task_name=task, samples=copy.deepcopy(samples[task]))
+        results["samples"] = samples
+    return results
+
+
+class HarnessError(UserError):
+    """A task lm-eval does not know, or a model it cannot score."""
