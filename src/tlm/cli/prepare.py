@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--val-fraction", type=float, help="held-out share (0.1; translation 0.05)")
     parser.add_argument("--line-docs", action="store_true", help="one document per line")
     parser.add_argument(
+        "--text-field", default="text", help="the text's field or column (.jsonl, .parquet, .arrow)"
+    )
+    parser.add_argument(
         "--force",
         action="store_true",
         help="replace --out if tlm prepare wrote it (and nothing else is in it)",
@@ -116,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         val_fraction=0.1 if args.val_fraction is None else args.val_fraction,
         line_docs=args.line_docs,
         force=args.force,
+        text_field=args.text_field,
         progress=not args.quiet,
         clean=clean_config(args),
         shard_tokens=args.shard_tokens,

@@ -1,12 +1,14 @@
 """Corpora: where text comes from, read as a stream of documents.
 
 A source is a `.txt` file (one document, or one per line with `line_docs`), a `.jsonl` file
-(one document per line, in its `text` field), or a built-in corpus: one read from the running
-Python (`python-docs`, the topics of `pydoc_data.topics`; `python-stdlib`, the standard
-library's docstrings and those topics; see `python_corpora`), or one of the text files shipped
-gzip-compressed in `tlm/data/corpora/` (`tinyshakespeare`, `names`), read exactly as the
-`.txt` file it came from. Folders contribute their `.txt` and `.jsonl` files; globs are
-expanded. Every source is read in pieces of about `CHUNK_BYTES`, so a corpus larger than
+(one document per line, in its `text` field, or the field `text_field` names), a `.parquet`
+or `.arrow` file (one document per row of that column; `columnar.py`), or a built-in corpus:
+one read from the running Python (`python-docs`, the topics of `pydoc_data.topics`;
+`python-stdlib`, the standard library's docstrings and those topics; see `python_corpora`),
+or one of the text files shipped gzip-compressed in `tlm/data/corpora/` (`tinyshakespeare`,
+`names`), read exactly as the `.txt` file it came from. Folders contribute their files of
+those kinds (so a `datasets.save_to_disk` folder gives its Arrow files); globs are expanded.
+Every source is read in pieces of about `CHUNK_BYTES`, so a corpus larger than
 memory streams through; a piece never splits a BPE pre-token (see `_safe_split`), so the
 tokens do not depend on the chunk size.
 """
@@ -24,6 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import BinaryIO
 
+from tlm.data.columnar import COLUMNAR, column_texts
 from tlm.data.python_corpora import python_docs, python_stdlib
 from tlm.errors import UserError
 
@@ -32,7 +35,7 @@ BUILTIN_PYTHON = {"python-docs": python_docs, "python-stdlib": python_stdlib}
 # built-in text corpora: name -> gzip file in tlm/data/corpora/ (origins in its README.md)
 BUILTIN_TEXT = {"tinyshakespeare": "tinyshakespeare.txt.gz", "names": "names.txt.gz"}
 BUILTIN = (*BUILTIN_PYTHON, *BUILTIN_TEXT)
-SUFFIXES = (".txt", ".jsonl")
+SUFFIXES = (".txt", ".jsonl", *COLUMNAR)
 CHUNK_BYTES = 1 << 22  # 4 MiB per read
 
 
@@ -59,6 +62,7 @@ class Source:
     name: str
     path: Path | None
     line_docs: bool = False
+    text_field: str = "text"
     bytes: int = 0
     sha256: str = ""
     _hash: object = field(default=None, repr=False)
@@ -70,6 +74,8 @@ class Source:
             yield from self._texts(BUILTIN_PYTHON[self.name]())
         elif self.path is not None and self.path.suffix == ".jsonl":
             yield from self._jsonl()
+        elif self.path is not None and self.path.suffix in COLUMNAR:
+            yield from self._columnar()
         elif self.line_docs:
             yield from self._lines()
         else:
@@ -113,9 +119,17 @@ class Source:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 raise CorpusError(f"{self.name}:{number}: not valid JSON") from None
-            text = record.get("text") if isinstance(record, dict) else None
+            text = record.get(self.text_field) if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise CorpusError(f"{self.name}:{number}: no string field 'text'")
+                raise CorpusError(f"{self.name}:{number}: no string field {self.text_field!r}")
+            if text.strip():
+                yield Piece(text)
+
+    def _columnar(self) -> Iterator[Piece]:
+        with open(self.path, "rb") as f:  # the file's own bytes describe it
+            while raw := f.read(CHUNK_BYTES):
+                self._count(raw)
+        for text in column_texts(self.path, self.name, self.text_field):
             if text.strip():
                 yield Piece(text)
 
@@ -191,15 +205,18 @@ def _safe_split(data: bytes) -> tuple[bytes, bytes]:
     return b"", data
 
 
-def resolve_sources(inputs: list[str], line_docs: bool = False) -> list[Source]:
-    """Files, folders (their .txt/.jsonl files, recursively), globs, or a built-in name."""
+def resolve_sources(
+    inputs: list[str], line_docs: bool = False, text_field: str = "text"
+) -> list[Source]:
+    """Files, folders (their .txt/.jsonl/.parquet/.arrow files, recursively), globs, or a
+    built-in name."""
     sources: list[Source] = []
     for item in inputs:
         if item in BUILTIN:
-            sources.append(Source(item, None, line_docs=line_docs))
+            sources.append(Source(item, None, line_docs=line_docs, text_field=text_field))
             continue
         for path in _expand(item):
-            sources.append(Source(str(path), path, line_docs=line_docs))
+            sources.append(Source(str(path), path, line_docs=line_docs, text_field=text_field))
     if not sources:
         raise CorpusError("no input files were given")
     return sources
@@ -210,7 +227,7 @@ def _expand(item: str) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
         if not files:
-            raise CorpusError(f"{item}: folder has no .txt or .jsonl files")
+            raise CorpusError(f"{item}: folder has no .txt, .jsonl, .parquet or .arrow files")
         return files
     if path.is_file():
         return [path]

@@ -49,6 +49,7 @@ def prepare(
     val_fraction: float = 0.1,
     line_docs: bool = False,
     force: bool = False,
+    text_field: str = "text",
     progress: bool = True,
     clean: CleanConfig | None = None,
     shard_tokens: int | None = None,
@@ -77,7 +78,7 @@ def prepare(
     if out.exists() and not force:
         raise CorpusError(f"{out} already exists; pass --force to replace it")
     check_replaceable(out, FILES, "meta.json", "a folder written by tlm prepare")
-    sources = resolve_sources(inputs, line_docs)
+    sources = resolve_sources(inputs, line_docs, text_field)
     total_bytes = sum(s.path.stat().st_size for s in sources if s.path is not None)
     scanner = None if pii is None else Scanner(pii, pii_region)
     documents = _Documents(sources, Cleaner(clean) if clean else None, scanner)
