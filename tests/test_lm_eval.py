@@ -19,6 +19,11 @@ CHOICES = [
     {"question": "The for statement", "choices": [" runs a block", " is", " eats"], "answer": 0},
     {"question": "The while statement", "choices": [" repeats it", " sleeps"], "answer": 0},
     {"question": "User: if?\nAssistant:", "choices": [" Once.", " Again.", " It"], "answer": 0},
+    {  # a seam: "The f" + "or" is "The" " for", not "The" " f" "or"
+        "question": "The f",
+        "choices": ["or statement runs a block", "or while it repeats", "ast and slow"],
+        "answer": 0,
+    },
 ]
 TEXTS = [  # the last longer than the model's context (64): scored in windows
     {"text": "The for statement runs a block once for each item."},
@@ -115,8 +120,9 @@ def test_lm_eval_scores_tlm_serve_as_tlm_scores(server, served_run, through_serv
         for (context, continuation), [(logprob, greedy)] in zip(
             sample["arguments"], sample["resps"], strict=True
         ):
-            whole, n = tokenizer.encode(context + continuation), len(tokenizer.encode(context))
-            ids = torch.tensor([whole])
+            ctx = tokenizer.encode(context)  # lm-eval's split: the context's own tokens,
+            cont = tokenizer.encode(context + continuation)[len(ctx) :]  # then the rest's
+            ids, n = torch.tensor([ctx + cont]), len(ctx)
             mine = score_reference(model, ids, n)
             assert abs(logprob - float(mine.sum())) < 1e-3
             with torch.no_grad():
@@ -242,3 +248,15 @@ def test_tlm_lm_eval_refuses_in_one_line(served_run, tasks, capsys, monkeypatch)
     monkeypatch.setattr(builtins, "__import__", without_lm_eval)
     assert main(["lm-eval", str(served_run), "--tasks", "x"]) == 2
     assert 'pip install "tlm[eval]"' in capsys.readouterr().err
+
+
+def test_registering_tlm_keeps_lm_evals_own_models():
+    """lm-eval fills its model registry on first use only while it is empty: registering
+    `tlm` first must not hide `hf` or `local-completions` (a fresh process)."""
+    import subprocess
+    import sys
+
+    code = "import tlm.tasks.harness; from lm_eval.api.registry import get_model; "
+    code += "print(get_model('tlm').__name__, get_model('hf').__name__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.split() == ["TlmLM", "HFLM"], done.stderr

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 
+import lm_eval.models  # noqa: F401  lm-eval's own models first: its registry fills lazily when empty
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -43,16 +44,16 @@ class TlmLM(LM):
         self.context = self.model.config.context_length
 
     def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """lm-eval's split: the context's trailing spaces go with the continuation, whose
-        tokens are those of the whole after the context's; an empty context is
-        <|endoftext|>. Longer than the model's context: the oldest tokens go."""
+        """lm-eval's split: the context's trailing spaces go with the continuation; the
+        context is its own tokens and the continuation the whole's tokens after as many (so
+        a token that merges across the seam is split as lm-eval's hf backend splits it); an
+        empty context is <|endoftext|>. Longer than the model's context: the oldest go."""
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
-        if context:
-            whole = self.tokenizer.encode(context + continuation)
-            n = len(self.tokenizer.encode(context))
-            ctx, cont = whole[:n], whole[n:]
+        if context:  # the context's own tokens, even where the whole merges across the seam
+            ctx = self.tokenizer.encode(context)
+            cont = self.tokenizer.encode(context + continuation)[len(ctx) :]
         else:
             ctx, cont = [self.tokenizer.eot_id], self.tokenizer.encode(continuation)
         keep = self.context + 1 - len(cont)  # tokens the window holds before the continuation
