@@ -260,3 +260,25 @@ def test_registering_tlm_keeps_lm_evals_own_models():
     code += "print(get_model('tlm').__name__, get_model('hf').__name__)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.split() == ["TlmLM", "HFLM"], done.stderr
+
+
+def test_lm_eval_reads_the_servers_own_tokenizer(server, served_run, tasks, through_serve):
+    """With tokenizer_backend auto, lm-eval finds /tokenizer_info, /tokenize and /detokenize
+    and needs no exported tokenizer: the same per-sample results."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    args = f"base_url={server}/v1/completions,tokenizer_backend=auto,auth_token={KEY},"
+    args += f"model={served_run.name},num_concurrent=1,max_retries=1,max_length=65"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("OPENAI_API_KEY", KEY)
+        monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+        remote = lm_eval.simple_evaluate(
+            model="local-completions", model_args=args, tasks=list(TASKS),
+            task_manager=TaskManager(include_path=str(tasks)), log_samples=True,
+        )  # fmt: skip
+    assert_same(per_sample(remote), per_sample(through_serve))
+    status, answer, _ = post(server + "/tokenize", {"prompt": "The", "add_special_tokens": False})
+    assert answer["tokens"] == load_tokenizer(served_run).encode("The")
+    status, answer, _ = post(server + "/detokenize", {"tokens": answer["tokens"]})
+    assert status == 200 and answer["prompt"] == "The"

@@ -17,20 +17,50 @@ from tlm.interpret.attention import attention_steps
 from tlm.interpret.hooks import HookError
 from tlm.interpret.report import next_token
 from tlm.serve.openai import ApiError
-from tlm.serve.server import Server, ids, read
+from tlm.serve.server import Server, authorized, ids, read
+from tlm.tokenizer import EOT, TokenizerError
 
 router = APIRouter()
 
 
 @router.post("/tokenize")
 async def tokenize(request: Request) -> dict:
-    """{"prompt": text} -> its ids as the model reads them (<|endoftext|> first) and each
-    token's text."""
+    """{"prompt": text, "add_special_tokens": true} -> its ids as the model reads them
+    (<|endoftext|> first; without it when add_special_tokens is false) and each token's text."""
     server, body = await read(request)
-    tokens = ids(server, _prompt(body), "the prompt")
+    prompt = _prompt(body)
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be a string", "prompt", "invalid_type")
+    tokenizer = server.engine.tokenizer  # any length: counting is what a client may want
+    tokens = [tokenizer.eot_id, *_encoded(tokenizer, prompt)]
+    if body.get("add_special_tokens", True) is False:
+        tokens = tokens[1:]
     decode = server.engine.tokenizer.decode
     texts = [decode([t]) for t in tokens]
     return {"tokens": tokens, "texts": texts, "count": len(tokens), "max_model_len": server.context}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict:
+    """{"tokens": ids} -> {"prompt": their text}."""
+    server, body = await read(request)
+    tokens = body.get("tokens")
+    if not (isinstance(tokens, list) and _token_ids(tokens)):
+        raise ApiError(400, "tokens must be a list of token ids", "tokens", "invalid_type")
+    return {"prompt": server.engine.tokenizer.decode(ids(server, tokens, "the tokens"))}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict:
+    """What a remote tokenizer client (lm-eval's `tokenizer_backend=remote`) asks first."""
+    server = authorized(request)
+    return {
+        "tokenizer_class": type(server.engine.tokenizer).__name__,
+        "eos_token": EOT,
+        "bos_token": EOT,
+        "pad_token": EOT,
+        "model_max_length": server.context,
+    }
 
 
 @router.post("/v1/distribution")
@@ -105,15 +135,22 @@ def _prompt(body: dict) -> str | list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
+    if isinstance(prompt, list) and prompt and _token_ids(prompt):
         return prompt
     raise ApiError(
         400, "prompt must be a string or a non-empty list of token ids", "prompt", "invalid_type"
     )
+
+
+def _encoded(tokenizer, text: str) -> list[int]:
+    try:
+        return tokenizer.encode(text)
+    except TokenizerError as error:  # a character the vocabulary lacks
+        raise ApiError(400, str(error), "prompt", "invalid_value") from None
+
+
+def _token_ids(values: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
 
 
 def _integer(body: dict, name: str, default: int | None, low: int, high: int) -> int:
