@@ -19,6 +19,7 @@ CHOICES = [
     {"question": "The for statement", "choices": [" runs a block", " is", " eats"], "answer": 0},
     {"question": "The while statement", "choices": [" repeats it", " sleeps"], "answer": 0},
     {"question": "User: if?\nAssistant:", "choices": [" Once.", " Again.", " It"], "answer": 0},
+    {"question": "The while ", "choices": ["statement repeats it", "block"], "answer": 0},  # " s"
     {  # a seam: "The f" + "or" is "The" " for", not "The" " f" "or"
         "question": "The f",
         "choices": ["or statement runs a block", "or while it repeats", "ast and slow"],
@@ -120,7 +121,9 @@ def test_lm_eval_scores_tlm_serve_as_tlm_scores(server, served_run, through_serv
         for (context, continuation), [(logprob, greedy)] in zip(
             sample["arguments"], sample["resps"], strict=True
         ):
-            ctx = tokenizer.encode(context)  # lm-eval's split: the context's own tokens,
+            stripped = context.rstrip()  # lm-eval's split: trailing spaces go with the
+            context, continuation = stripped, context[len(stripped) :] + continuation  # rest,
+            ctx = tokenizer.encode(context)  # the context is its own tokens,
             cont = tokenizer.encode(context + continuation)[len(ctx) :]  # then the rest's
             ids, n = torch.tensor([ctx + cont]), len(ctx)
             mine = score_reference(model, ids, n)
@@ -160,6 +163,7 @@ def test_echo_returns_the_prompts_tokens_first(server, served_run):
     assert torch.allclose(torch.tensor(logprobs["token_logprobs"][1:]), mine, atol=1e-4)
     assert all(len(top) == 2 for top in logprobs["top_logprobs"][1:])
     assert answer["usage"]["completion_tokens"] == 0
+    assert answer["usage"]["prompt_tokens"] == len(ids)  # the ids as given, all counted
 
     body = {"prompt": "The for", "max_tokens": 2, "echo": True, "logprobs": 1, "temperature": 0}
     status, answer, _ = post(server + "/v1/completions", body)  # text: after <|endoftext|>
@@ -221,7 +225,8 @@ def test_tlm_lm_eval_and_the_hf_backend_agree_with_serve(
     )  # fmt: skip
     longer = {("tlm_rolling", 2)}  # windowed by 64 here and in hf, by 63 through an API
     assert_same(per_sample(ours), per_sample(through_serve), skip=longer)
-    assert_same(per_sample(ours), per_sample(hf))
+    spaced = {("tlm_choice", 1)}  # a context ending in a space: hf scores it otherwise (open)
+    assert_same(per_sample(ours), per_sample(hf), skip=spaced)
     long = next(x for x in ours["samples"]["tlm_rolling"] if x["doc_id"] == 2)
     tokenizer = load_tokenizer(served_run)
     seq = [tokenizer.eot_id, *tokenizer.encode(long["arguments"][0][0])]

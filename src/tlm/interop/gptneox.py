@@ -144,17 +144,17 @@ def gptneox_weights(
     """GPT-NeoX tensors -> (tlm name, float32 tensor) in the model's order, part by part;
     every weight used exactly once (buffers such as rotary tables are not weights). With
     `lazy_embedding` (and safetensors files), E comes as a `LazyMatrix` left in the file."""
-    names = {k: k for k in tensors if not k.endswith(("rotary_emb.inv_freq", ".attention.bias"))}
-    names = {k: v for k, v in names.items() if not k.endswith(".attention.masked_bias")}
+    buffers = ("rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
+    names = {k for k in tensors if not k.endswith(buffers)}
     if config.tie_embeddings:
-        names.pop("embed_out.weight", None)  # a tied head is embed_in itself
+        names.discard("embed_out.weight")  # a tied head is embed_in itself
     pairs = _pairs(config)
     wanted = {hf for hf, _ in pairs}
     optional = {hf for hf in wanted if hf.endswith(".bias") and ".attention." in hf}
     missing = next((hf for hf in sorted(wanted - optional) if hf not in names), None)
     if missing is not None:
         raise HFFormatError(f"the checkpoint has no {missing} ({config.n_layers} layers)")
-    unexpected = sorted(set(names) - wanted)
+    unexpected = sorted(names - wanted)
     if unexpected:
         raise HFFormatError(f"unexpected tensors in the checkpoint: {', '.join(unexpected[:3])}")
     H, dh = config.n_heads, config.d_head

@@ -22,11 +22,10 @@ from tlm.serve.server import Server, ids
 async def echoed(server: Server, prompts: list[str | list[int]], top: int) -> list[dict]:
     """Per prompt, the logprobs object of its echo (the keys of a completion's)."""
     model, decode = server.engine.slots.model, server.engine.tokenizer.decode
+    given = [ids(server, prompt, f"prompt {p}") for p, prompt in enumerate(prompts)]
+    job = server.engine.call(lambda: [token_logprobs(model, t, top) for t in given])
     out = []
-    for p, prompt in enumerate(prompts):
-        tokens = ids(server, prompt, f"prompt {p}")
-        job = server.engine.call(lambda tokens=tokens: token_logprobs(model, tokens, top))
-        scored = await asyncio.wrap_future(job)
+    for prompt, tokens, scored in zip(prompts, given, await asyncio.wrap_future(job), strict=True):
         if isinstance(prompt, list):  # as given: the first token has no context
             scored = [(None, None), *scored]
         else:  # after <|endoftext|>, which is context, not echo

@@ -16,9 +16,9 @@ from fastapi import APIRouter, Request
 from tlm.interpret.attention import attention_steps
 from tlm.interpret.hooks import HookError
 from tlm.interpret.report import next_token
-from tlm.serve.openai import ApiError
+from tlm.serve.openai import ApiError, token_ids
 from tlm.serve.server import Server, authorized, ids, read
-from tlm.tokenizer import EOT, TokenizerError
+from tlm.tokenizer import EOT
 
 router = APIRouter()
 
@@ -31,8 +31,7 @@ async def tokenize(request: Request) -> dict:
     prompt = _prompt(body)
     if not isinstance(prompt, str):
         raise ApiError(400, "prompt must be a string", "prompt", "invalid_type")
-    tokenizer = server.engine.tokenizer  # any length: counting is what a client may want
-    tokens = [tokenizer.eot_id, *_encoded(tokenizer, prompt)]
+    tokens = ids(server, prompt, "the prompt", whole=False)  # any length: a client may count
     if body.get("add_special_tokens", True) is False:
         tokens = tokens[1:]
     decode = server.engine.tokenizer.decode
@@ -45,7 +44,7 @@ async def detokenize(request: Request) -> dict:
     """{"tokens": ids} -> {"prompt": their text}."""
     server, body = await read(request)
     tokens = body.get("tokens")
-    if not (isinstance(tokens, list) and _token_ids(tokens)):
+    if not (isinstance(tokens, list) and token_ids(tokens)):
         raise ApiError(400, "tokens must be a list of token ids", "tokens", "invalid_type")
     return {"prompt": server.engine.tokenizer.decode(ids(server, tokens, "the tokens"))}
 
@@ -135,22 +134,11 @@ def _prompt(body: dict) -> str | list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and _token_ids(prompt):
+    if isinstance(prompt, list) and prompt and token_ids(prompt):
         return prompt
     raise ApiError(
         400, "prompt must be a string or a non-empty list of token ids", "prompt", "invalid_type"
     )
-
-
-def _encoded(tokenizer, text: str) -> list[int]:
-    try:
-        return tokenizer.encode(text)
-    except TokenizerError as error:  # a character the vocabulary lacks
-        raise ApiError(400, str(error), "prompt", "invalid_value") from None
-
-
-def _token_ids(values: list) -> bool:
-    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
 
 
 def _integer(body: dict, name: str, default: int | None, low: int, high: int) -> int:

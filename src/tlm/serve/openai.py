@@ -166,9 +166,9 @@ def prompts(body: dict) -> list[str | list[int]]:
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return prompt
-        if _token_ids(prompt):
+        if token_ids(prompt):
             return [prompt]
-        if all(isinstance(p, list) and p and _token_ids(p) for p in prompt):
+        if all(isinstance(p, list) and p and token_ids(p) for p in prompt):
             return prompt
     raise ApiError(
         400,
@@ -178,7 +178,8 @@ def prompts(body: dict) -> list[str | list[int]]:
     )
 
 
-def _token_ids(values: list) -> bool:
+def token_ids(values: list) -> bool:
+    """Whether a JSON list holds token ids (integers, not booleans)."""
     return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
 
 

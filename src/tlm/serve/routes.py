@@ -95,7 +95,9 @@ async def completions(request: Request):
     if echoing and s.logprobs:
         shape.echo_logprobs = await echoed(server, texts, s.logprobs)
     if s.max_tokens == 0:  # the prompt scored, nothing generated
-        shape.prompt_tokens = sum(len(ids(server, t, "the prompt")) for t in texts)
+        given = [ids(server, t, f"prompt {p}") for p, t in enumerate(texts)]
+        shape.prompt_tokens = prompt_tokens(texts, given)
+        server.metrics.prompt_tokens.inc(shape.prompt_tokens)
         server.metrics.requests.labels(request.url.path, "200").inc()
         if s.stream:
             return StreamingResponse(prompt_only_stream(shape, s.n), media_type="text/event-stream")
@@ -140,6 +142,12 @@ async def prometheus(request: Request) -> PlainTextResponse:
     return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
 
 
+def prompt_tokens(texts: list[str | list[int]], tokens: list[list[int]]) -> int:
+    """The prompts' tokens as the client gave them: a text's after the <|endoftext|> tlm
+    puts before it, a list of ids whole."""
+    return sum(len(t) - isinstance(text, str) for text, t in zip(texts, tokens, strict=True))
+
+
 async def answer(request: Request, texts: list[str], s: Sampling, extra_stop, shape):
     """Submit a job per prompt and answer with the shape: whole, or streamed as events."""
     server = request.app.state.server
@@ -150,7 +158,7 @@ async def answer(request: Request, texts: list[str], s: Sampling, extra_stop, sh
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
     started = jobs(server, texts, s, extra_stop, queue, loop)
     submit(server.engine, started)
-    shape.prompt_tokens = sum(len(j.prompt) - 1 for j in started)  # after <|endoftext|>
+    shape.prompt_tokens = prompt_tokens(texts, [j.prompt for j in started])
     server.metrics.prompt_tokens.inc(shape.prompt_tokens)
     server.metrics.requests.labels(request.url.path, "200").inc()
     events = _events(server.engine, started, queue, s.n)

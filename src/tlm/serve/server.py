@@ -11,7 +11,7 @@ from fastapi import Request
 from tlm.serve.engine import Engine
 from tlm.serve.metrics import Metrics
 from tlm.serve.openai import ApiError, check_body
-from tlm.tokenizer import InputTooLong, document_ids, within
+from tlm.tokenizer import InputTooLong, TokenizerError, document_ids, within
 
 
 @dataclass
@@ -52,19 +52,22 @@ async def read(request: Request) -> tuple[Server, dict]:
     return server, check_body(body, server.name)
 
 
-def ids(server: Server, prompt: str | list[int], name: str) -> list[int]:
-    """A prompt's token ids, or a 400. A string is a document the model reads whole:
-    <|endoftext|>, then its tokens (`tokenizer.document_ids`); a list of token ids is taken
-    as it is, each checked against the vocabulary."""
+def ids(server: Server, prompt: str | list[int], name: str, whole: bool = True) -> list[int]:
+    """A prompt's token ids, or a 400. A string is a document: <|endoftext|>, then its
+    tokens (`tokenizer.document_ids`); a list of token ids is taken as it is, each checked
+    against the vocabulary. With `whole`, it must fit the model's context."""
+    limit = server.context if whole else None
     try:
         if isinstance(prompt, str):
-            return document_ids(server.engine.tokenizer, prompt, server.context, name)
+            return document_ids(server.engine.tokenizer, prompt, limit, name)
         vocab = server.engine.tokenizer.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ApiError(
                 400, f"{name} has token id {bad}, outside 0..{vocab - 1}", "prompt", "invalid_value"
             )
-        return within(list(prompt), server.context, name)
+        return within(list(prompt), limit, name)
     except InputTooLong as error:
         raise ApiError(400, str(error), "prompt", "context_length_exceeded") from None
+    except TokenizerError as error:  # a character a character vocabulary lacks
+        raise ApiError(400, str(error), "prompt", "invalid_value") from None

@@ -24,7 +24,7 @@ from tlm.errors import UserError
 from tlm.generate import GenerationConfig
 from tlm.generate.text import complete_tokens
 from tlm.load import load_language_model, load_tokenizer
-from tlm.tasks.score import score_tokens
+from tlm.tasks.score import score_tokens, split_at_context
 
 
 @register_model("tlm")
@@ -48,9 +48,7 @@ class TlmLM(LM):
         context is its own tokens and the continuation the whole's tokens after as many (so
         a token that merges across the seam is split as lm-eval's hf backend splits it); an
         empty context is <|endoftext|>. Longer than the model's context: the oldest go."""
-        spaces = len(context) - len(context.rstrip())
-        if spaces:
-            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        context, continuation = split_at_context(context, continuation)
         if context:  # the context's own tokens, even where the whole merges across the seam
             ctx = self.tokenizer.encode(context)
             cont = self.tokenizer.encode(context + continuation)[len(ctx) :]
