@@ -3,7 +3,6 @@
 from tlm._version import __version__
 from tlm.config import ModelConfig, TrainConfig
 from tlm.errors import UserError
-from tlm.tokenizer import load_tokenizer
 
 __all__ = [
     "ModelConfig",
@@ -17,14 +16,16 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The model's names load PyTorch (about 1.2 s) when first asked for, so that a process
-    that only tokenizes (a `tlm prepare --workers` worker) never imports it."""
+    """The model's names (and `load_tokenizer`, which also reads GGUF files through the
+    model's loaders) load PyTorch (about 1.2 s) when first asked for, so that a process that
+    only tokenizes (a `tlm prepare --workers` worker, which uses `tlm.tokenizer`) never
+    imports it."""
     if name == "TransformerLM":
         from tlm.model import TransformerLM
 
         return TransformerLM
-    if name == "load_model":
-        from tlm.load import load_model
+    if name in ("load_model", "load_tokenizer"):
+        import tlm.load
 
-        return load_model
+        return getattr(tlm.load, name)
     raise AttributeError(f"module 'tlm' has no attribute {name!r}")

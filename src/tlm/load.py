@@ -1,5 +1,5 @@
 """Reading a model directory, whatever wrote it: a tlm run or a Hugging Face GPT-2 or GPT-NeoX
-directory.
+directory (or llama.cpp's GGUF file).
 
 This dispatch sits above `checkpoint` (run directories) and `interop` (Hugging Face
 formats), so that neither of them needs the other.
@@ -16,9 +16,12 @@ from tlm.checkpoint import CheckpointError, load_run, run_model_config, run_weig
 from tlm.config import ModelConfig
 from tlm.inference import check_format, for_inference, in_parts, load_prepared
 from tlm.interop import is_hf_model_dir
+from tlm.interop.gguf import read_gguf
+from tlm.interop.gguf_tokens import read_gguf_tokenizer
 from tlm.interop.hf import hf_model_config, hf_weights, load_hf
 from tlm.model import EncoderDecoder, TransformerLM
-from tlm.tokenizer import load_tokenizer
+from tlm.tokenizer import Tokenizer
+from tlm.tokenizer import load_tokenizer as load_tokenizer_file
 
 __all__ = [
     "load_language_model",
@@ -29,10 +32,24 @@ __all__ = [
 ]
 
 
+def is_gguf(path: Path) -> bool:
+    return path.suffix == ".gguf" and path.is_file()
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a run, a prepared data folder, a Hugging Face directory, a
+    tokenizer.json, or a GGUF file (its `tokenizer.ggml.*` vocabulary)."""
+    if is_gguf(Path(path)):
+        return read_gguf_tokenizer(path)
+    return load_tokenizer_file(path)
+
+
 def model_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a run directory or of a Hugging Face GPT-2 or GPT-NeoX directory."""
     if is_hf_model_dir(path):
         return hf_model_config(path)
+    if is_gguf(Path(path)):
+        return read_gguf(path)[0].config
     return run_model_config(path)
 
 
@@ -42,9 +59,10 @@ def load_model(
     weights: str = "latest",
     dtype: str | None = None,
 ) -> TransformerLM | EncoderDecoder:
-    """A run directory of ours, or a Hugging Face GPT-2 directory -> the model (TransformerLM,
-    or EncoderDecoder for a translation run) in eval mode, with a run's latest weights or,
-    `weights="best"`, those of its lowest validation loss (a run trained with --keep-best).
+    """A run directory of ours, a Hugging Face GPT-2 or GPT-NeoX directory, or a GGUF file
+    -> the model (TransformerLM, or EncoderDecoder for a translation run) in eval mode, with
+    a run's latest weights or, `weights="best"`, those of its lowest validation loss (a run
+    trained with --keep-best).
 
     `dtype` ("float32", "float16", "bfloat16", "int8") gives a language model prepared for
     inference, as `tlm.inference.for_inference(model, dtype)` would, and on a CPU reads it
@@ -53,10 +71,17 @@ def load_model(
     """
     path = Path(path)
     hf = is_hf_model_dir(path)
-    if hf and weights != "latest":
-        raise CheckpointError(f"{path} is a Hugging Face model: it has one set of weights")
+    if (hf or is_gguf(path)) and weights != "latest":
+        kind = "a Hugging Face model" if hf else "a GGUF file"
+        raise CheckpointError(f"{path} is {kind}: it has one set of weights")
+    if is_gguf(path):  # llama.cpp's file, read whole (quantized matrices expanded)
+        model = read_gguf(path)[0].to(device)
+        return model if dtype is None else for_inference(model, dtype)
     if not hf and not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory (a run, or a Hugging Face GPT-2 model)")
+        raise CheckpointError(
+            f"{path} is not a directory (a run, or a Hugging Face GPT-2 or GPT-NeoX "
+            "model) or a .gguf file"
+        )
     if dtype is not None:
         check_format(dtype, torch.device(device))
         config = model_config(path)

@@ -240,7 +240,8 @@ def gpt2_tokenizer(vocab: Path, merges: Path) -> BPETokenizer:
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load `tokenizer.json` from a file, a run directory, a prepared data directory or a
-    Hugging Face directory (whose GPT-2 tokenizer may be `vocab.json` + `merges.txt`)."""
+    Hugging Face directory (whose GPT-2 tokenizer may be `vocab.json` + `merges.txt`).
+    `tlm.load_tokenizer` also reads a GGUF file's vocabulary."""
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if path.is_dir() and not file.is_file() and (path / "merges.txt").is_file():

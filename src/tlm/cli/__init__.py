@@ -23,6 +23,7 @@ COMMANDS = {
     "scaling": "scaling",
     "serve": "serve",
     "export-hf": "export",
+    "export-gguf": "export",
     "info": "info",
     "inspect": "inspect",
     "demo": "demo",

@@ -1,4 +1,5 @@
-"""`tlm export-hf`: write a run as a Hugging Face GPT-2, GPT-NeoX or MarianMTModel directory."""
+"""`tlm export-hf`: write a run as a Hugging Face GPT-2, GPT-NeoX or MarianMTModel directory;
+`tlm export-gguf`: as one GGUF file for llama.cpp."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 from tlm.cli.args import add_command, add_weights_flag
 from tlm.interop.export import export_hf
+from tlm.interop.gguf import TYPES, export_gguf
 from tlm.load import load_model, load_tokenizer
 from tlm.model import EncoderDecoder
 
@@ -27,12 +29,30 @@ attention_mask when calling it: <|endoftext|> is also Marian's pad token.
 """
 
 
+GGUF_EXAMPLE = """example:
+  tlm export-gguf runs/demo out/demo.gguf                 # f32
+  tlm export-gguf runs/demo out/demo-q8_0.gguf --type q8_0
+  then: llama-cli -m out/demo-q8_0.gguf -p "The" -n 64, or tlm generate out/demo-q8_0.gguf
+
+Learned or sinusoidal positions are written as llama.cpp's gpt2 architecture, rotary ones
+as gptneox (full rotary, sequential block); the vocabulary (BPE or characters) as its gpt2
+tokenizer. Vectors stay f32; --type sets the matrices. llama.cpp computes GELU with the tanh
+approximation; a ReLU run, post-norm, another d_head or qk_norm is refused, naming the field.
+"""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     parser = add_command(sub, "export-hf", "write a run as a Hugging Face model directory", EXAMPLE)
     parser.add_argument("run", help="run directory (or a Hugging Face directory)")
     parser.add_argument("out", help="the folder to create (must not exist or be empty)")
     add_weights_flag(parser)
     parser.set_defaults(handler=run)
+    parser = add_command(sub, "export-gguf", "write a run as a GGUF file (llama.cpp)", GGUF_EXAMPLE)
+    parser.add_argument("run", help="run directory (or a Hugging Face directory)")
+    parser.add_argument("out", help="the .gguf file to write (must not exist)")
+    parser.add_argument("--type", choices=TYPES, default="f32", help="the matrices' type")
+    add_weights_flag(parser)
+    parser.set_defaults(handler=run_gguf)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,4 +67,14 @@ def run(args: argparse.Namespace) -> int:
         else "GPT2LMHeadModel"
     )
     print(f"wrote {out}: load it with {kind}.from_pretrained({str(out)!r})")
+    return 0
+
+
+def run_gguf(args: argparse.Namespace) -> int:
+    model = load_model(args.run, weights=args.weights)
+    out = export_gguf(model, load_tokenizer(args.run), args.out, args.type)
+    size = out.stat().st_size / 2**20
+    print(
+        f"wrote {out} ({args.type}, {size:.1f} MiB): run it with llama.cpp, or tlm generate {out}"
+    )
     return 0

@@ -1,0 +1,241 @@
+"""llama.cpp on tlm's GGUF files (not a test): the same text, the same continuations, the same
+perplexity, and decoding speed beside tlm's, in one run.
+
+    make demo && python bench/gguf.py                 # the demo's model and its data
+    python bench/gguf.py --run RUN --data DATA        # any trained run
+    python bench/gguf.py --gpt2                       # also decode speed, GPT-2 124M shape
+
+`tlm export-gguf` writes the run as f32, f16 and q8_0; llama.cpp reads each through
+`llama-cpp-python` (PyPI's package, compiled here for this CPU, about 6 minutes on 2
+cores, the first time only: it is installed under --work, one folder per CPU's flags).
+
+1. Tokens: llama.cpp's gpt2 tokenizer on the validation text gives tlm's ids.
+2. Greedy: 64 new tokens after a 32-token prompt from the validation split, llama.cpp's
+   (every type) against tlm's float32 `generate`; where they part, the position.
+3. Perplexity on the first --tokens of the validation split, in the windows `tlm eval`
+   scores (context-length windows, each token a target once): tlm's `evaluate_tokens`
+   (what `tlm eval` prints) and llama.cpp's logits of the same windows.
+4. Decoding, batch 1: 1-token prompt, 128 new tokens (the demo: up to its context), greedy;
+   tlm `load_model(path, dtype=...)` + `generate` against llama.cpp's `eval` one token at a
+   time, alternating, best of --rounds: f32 / f16 / q8_0 against float32 / float16 / int8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import importlib
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from _peers import host
+
+from tlm import ModelConfig, TransformerLM, load_model, load_tokenizer
+from tlm.data import TokenData, eval_windows
+from tlm.evaluate import evaluate_tokens
+from tlm.generate import generate
+from tlm.interop.gguf import export_gguf
+from tlm.tokenizer import train_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+TYPES = {"f32": "float32", "f16": "float16", "q8_0": "int8"}  # GGUF type -> tlm's format
+GPT2 = {"vocab_size": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "context_length": 1024}
+
+
+def llama_cpp(work: Path):
+    """The llama_cpp module, its log silenced: installed, or built once into
+    work/llama-cpp-<a hash of this CPU's flags>."""
+    try:
+        module = importlib.import_module("llama_cpp")
+    except ImportError:
+        flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if "flags" in line
+        )
+        target = work / f"llama-cpp-{hashlib.sha256(flags.encode()).hexdigest()[:10]}"
+        if not (target / "llama_cpp").is_dir():
+            print(
+                f"building {LLAMA_CPP_PYTHON} for this CPU into {target} (once; minutes)",
+                flush=True,
+            )
+            pip = [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(target)]
+            subprocess.run([*pip, "--no-deps", LLAMA_CPP_PYTHON, "diskcache"], check=True)
+        sys.path.insert(0, str(target))
+        module = importlib.import_module("llama_cpp")
+    SILENCE.append(module.llama_log_callback(lambda level, text, data: None))
+    module.llama_log_set(SILENCE[-1], ctypes.c_void_p(0))
+    return module
+
+
+SILENCE = []  # the log callback, kept alive for as long as llama.cpp may call it
+
+
+def write_files(model: TransformerLM, tokenizer, folder: Path, name: str) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for kind in TYPES:
+        path = folder / f"{name}-{kind}.gguf"
+        path.unlink(missing_ok=True)  # the run may have changed since the last bench
+        files[kind] = export_gguf(model, tokenizer, path, kind)
+    return files
+
+
+def open_llama(llama, path: Path, context: int, threads: int, all_logits: bool = False):
+    return llama.Llama(
+        str(path), n_ctx=context, n_batch=context, n_threads=threads, n_threads_batch=threads,
+        logits_all=all_logits, verbose=False,
+    )  # fmt: skip
+
+
+def last_logits(llama, llm) -> np.ndarray:
+    """The logits after the last token `llm` evaluated, read from llama.cpp's own buffer."""
+    return np.ctypeslib.as_array(llama.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+
+
+def llama_greedy(llama, llm, prompt: list[int], new: int) -> list[int]:
+    """`new` greedy tokens after `prompt`, one llama.cpp decode per token."""
+    llm.reset()
+    llm.eval(prompt)
+    out = [int(np.argmax(last_logits(llama, llm)))]
+    while len(out) < new:
+        llm.eval(out[-1:])
+        out.append(int(np.argmax(last_logits(llama, llm))))
+    return out
+
+
+def llama_nll(llm, windows: list[np.ndarray]) -> tuple[float, int]:
+    """Summed negative log-likelihood of each window's tokens after the first, and the count."""
+    total, count = 0.0, 0
+    for window in windows:
+        llm.reset()
+        llm.eval(window[:-1].tolist())
+        logits = np.asarray(llm.scores[: len(window) - 1], dtype=np.float64)
+        top = logits.max(axis=1, keepdims=True)
+        logz = np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0]
+        total += float((logz - logits[np.arange(len(logits)), window[1:]]).sum())
+        count += len(window) - 1
+    return total, count
+
+
+def part_agreement(llama, run: Path, data: Path, files, tokens: int, threads: int) -> None:
+    model, tokenizer = load_model(run), load_tokenizer(run)
+    T = model.config.context_length
+    val = TokenData(data).split("val")
+    text = tokenizer.decode(val[: min(len(val), 4096)].tolist())
+    llm = open_llama(llama, files["f32"], T, threads)
+    theirs = llm.tokenize(text.encode(), add_bos=False, special=True)
+    same = theirs == tokenizer.encode(text)
+    verdict = "yes" if same else "NO"
+    print(
+        f"tokens: llama.cpp's of {len(text):,} characters of validation text equal tlm's: {verdict}"
+    )
+    prompt = val[:32].tolist()
+    new = min(64, T - len(prompt))
+    ours = model.generate(torch.tensor([prompt]), max_new_tokens=new)[0, len(prompt) :].tolist()
+    windows = [w.numpy() for chunk in eval_windows(val, T, tokens) for w in chunk]
+    scored = evaluate_tokens(model, val, tokenizer.token_bytes(), max_tokens=tokens)
+    print(
+        f"greedy: {new} new tokens after a 32-token validation prompt; perplexity: the "
+        f"first {scored['tokens']:,} validation tokens in {len(windows)} windows of {T}"
+    )
+    print(f"tlm float32 (tlm eval): perplexity {scored['perplexity']:.4f}")
+    print("llama.cpp  same greedy tokens   perplexity   vs tlm")
+    for kind, path in files.items():
+        llm = open_llama(llama, path, T, threads, all_logits=True)
+        greedy = llama_greedy(llama, llm, prompt, new)
+        parted = next(
+            (i for i, (a, b) in enumerate(zip(greedy, ours, strict=True)) if a != b), None
+        )
+        agree = f"{new}/{new}" if parted is None else f"first {parted}/{new}"
+        total, count = llama_nll(llm, windows)
+        ppl = math.exp(total / count)
+        print(f"{kind:10s} {agree:>19s} {ppl:12.4f} {ppl / scored['perplexity'] - 1:+8.2%}")
+
+
+def decode_rate_llama(llama, llm, new: int) -> float:
+    """tok/s of `new` greedy steps after the first token (the prompt's pass excluded)."""
+    llm.reset()
+    llm.eval([1])
+    token = int(np.argmax(last_logits(llama, llm)))
+    started = time.perf_counter()
+    for _ in range(new):
+        llm.eval([token])
+        token = int(np.argmax(last_logits(llama, llm)))
+    return new / (time.perf_counter() - started)
+
+
+def decode_rate_tlm(model: TransformerLM, new: int) -> float:
+    ids = torch.tensor([[1]])
+    stamps = [time.perf_counter() for _ in generate(model, ids, max_new_tokens=new + 1)]
+    return new / (stamps[-1] - stamps[0])
+
+
+def part_speed(llama, label: str, source, files, new: int, rounds: int, threads: int) -> None:
+    """tok/s after the first token (each side's first token, the prompt's pass, excluded)."""
+    print(f"{label}: batch 1, 1-token prompt, {new} new tokens, greedy; tok/s, best of {rounds}")
+    print("llama.cpp  tlm        llama.cpp tok/s   tlm tok/s   tlm / llama.cpp")
+    for kind, path in files.items():
+        model = load_model(source, dtype=TYPES[kind])
+        context = min(model.config.context_length, new + 2)
+        llm = open_llama(llama, path, context, threads)
+        decode_rate_llama(llama, llm, 4), decode_rate_tlm(model, 4)
+        ours, theirs = [], []
+        for _ in range(rounds):
+            theirs.append(decode_rate_llama(llama, llm, new))
+            ours.append(decode_rate_tlm(model, new))
+        mine, peer = max(ours), max(theirs)
+        print(f"{kind:10s} {TYPES[kind]:10s} {peer:15.1f} {mine:11.1f} {mine / peer:13.2f}x")
+
+
+def gpt2_shape(work: Path) -> tuple[Path, dict[str, Path]]:
+    """A run directory of random GPT-2 124M-shape weights (tanh GELU, as llama.cpp's gpt2),
+    its vocabulary a small BPE padded to 50,257 rows, and its GGUF files."""
+    from tlm.checkpoint import save_weights, write_config
+
+    folder = work / "gpt2-124m-run"
+    if not (folder / "model.safetensors").is_file():
+        from pydoc_data.topics import topics
+
+        torch.manual_seed(0)
+        model = TransformerLM(ModelConfig(**GPT2, position="learned", activation="gelu_tanh"))
+        folder.mkdir(parents=True, exist_ok=True)
+        save_weights(folder / "model.safetensors", model)
+        write_config(folder, model.config, {})
+        train_tokenizer("bpe", list(topics.values()), 1024).save(folder / "tokenizer.json")
+    model, tokenizer = load_model(folder), load_tokenizer(folder)
+    return folder, write_files(model, tokenizer, work / "gguf", "gpt2-124m")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", type=Path, default=ROOT / "runs" / "demo")
+    parser.add_argument("--data", type=Path, default=ROOT / "data" / "demo")
+    parser.add_argument("--tokens", type=int, default=8192, help="validation tokens scored")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gpt2", action="store_true", help="decode speed, GPT-2 124M shape")
+    parser.add_argument("--work", type=Path, default=ROOT / "out" / "bench")
+    args = parser.parse_args()
+    here = Path(__file__).resolve().parent  # this file is gguf.py: the gguf package comes first
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here] + [str(here)]
+    if not (args.run / "config.json").is_file():
+        raise SystemExit(f"no run at {args.run}: run `make demo` first, or give --run and --data")
+    threads = torch.get_num_threads()
+    llama = llama_cpp(args.work)
+    print(f"{host()}, {threads} threads; llama-cpp-python {llama.__version__}")
+    files = write_files(load_model(args.run), load_tokenizer(args.run), args.work / "gguf", "run")
+    part_agreement(llama, args.run, args.data, files, args.tokens, threads)
+    new = min(128, load_model(args.run).config.context_length - 2)
+    part_speed(llama, str(args.run), args.run, files, new, args.rounds, threads)
+    if args.gpt2:
+        folder, gpt2_files = gpt2_shape(args.work)
+        part_speed(llama, "GPT-2 124M shape", folder, gpt2_files, 128, args.rounds, threads)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""GGUF, llama.cpp's file: a tlm decoder as its `gpt2` (absolute positions) or `gptneox`
+(rotary) architecture, written and read with the `gguf` package (the optional `gguf`
+extra).
+
+Both architectures are the pre-norm block of eq. 9.26-9.31 with biases and one fused
+query/key/value product whose rows are all queries, then all keys, then all values. GGUF
+stores a matrix as [out, in] (ggml's [in, out] read backwards), so each of ours, which
+right-multiplies, is transposed.
+
+    GGUF name                        tlm name                          shape
+    token_embd.weight                embedding.E                       [V, d]
+    position_embd.weight (gpt2)      embedding.P (or the sinusoid)     [N, d]
+    blk.{l}.attn_norm.weight / bias  blocks.{l}.ln1.gamma / .beta      [d]
+    blk.{l}.attn_qkv.weight / bias   W_Q, W_K, W_V transposed, stacked [3d, d]
+    blk.{l}.attn_output.weight/bias  W_O transposed / b_O              [d, d]
+    blk.{l}.ffn_norm.weight / bias   blocks.{l}.ln2.gamma / .beta      [d]
+    blk.{l}.ffn_up.weight / bias     W_1 transposed / b_1              [d_ff, d]
+    blk.{l}.ffn_down.weight / bias   W_2 transposed / b_2              [d, d_ff]
+    output_norm.weight / bias        ln_f.gamma / .beta                [d]
+    output.weight                    W_U transposed, or E when tied    [V, d]
+
+llama.cpp computes GELU with the tanh approximation in both architectures; tlm's exact
+GELU is written as it is (`tlm.activation` records it, and a reader here rebuilds it), and
+llama.cpp's result differs from tlm's by that approximation (docs/export.md measures it).
+ReLU and ReLU² have no equivalent there and are refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tlm.config import ConfigError, ModelConfig
+from tlm.interop.gguf_tokens import GGUFError, _gguf, open_gguf, tokenizer_of, vocab_fields
+from tlm.interop.gpt2 import refuse_unless_plain
+from tlm.io import atomic_path
+from tlm.model import TransformerLM
+from tlm.model.positions import sinusoidal_table
+from tlm.tokenizer import Tokenizer, TokenizerError
+
+TYPES = ("f32", "f16", "q8_0")
+ARCHITECTURES = ("gpt2", "gptneox")
+BLOCK = [  # GGUF name after `blk.{l}.`, tlm name after `blocks.{l}.`
+    ("attn_norm.weight", "ln1.gamma"),
+    ("attn_norm.bias", "ln1.beta"),
+    ("attn_qkv.weight", "attn.W_QKV"),
+    ("attn_qkv.bias", "attn.b_QKV"),
+    ("attn_output.weight", "attn.W_O"),
+    ("attn_output.bias", "attn.b_O"),
+    ("ffn_norm.weight", "ln2.gamma"),
+    ("ffn_norm.bias", "ln2.beta"),
+    ("ffn_up.weight", "ffn.W_1"),
+    ("ffn_up.bias", "ffn.b_1"),
+    ("ffn_down.weight", "ffn.W_2"),
+    ("ffn_down.bias", "ffn.b_2"),
+]
+
+
+def export_gguf(
+    model: TransformerLM, tokenizer: Tokenizer, out: str | Path, kind: str = "f32"
+) -> Path:
+    """Write `model` and `tokenizer` as one GGUF file at `out`, its matrices in `kind`
+    ("f32", "f16" or "q8_0"; vectors stay f32, and a matrix whose rows are not a whole
+    number of q8_0's 32-value blocks is written f16). The file appears whole or not at all,
+    and an existing one is never replaced."""
+    gguf = _gguf()
+    if not isinstance(model, TransformerLM):
+        raise GGUFError("llama.cpp's gpt2 and gptneox are decoders: a translation run has no GGUF")
+    if kind not in TYPES:
+        raise GGUFError(f"unknown GGUF type {kind!r}; choose one of {', '.join(TYPES)}")
+    config = model.config
+    arch = _architecture(config)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise GGUFError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens, the model {config.vocab_size}"
+        )
+    try:
+        vocab = vocab_fields(tokenizer, config.vocab_size)
+    except TokenizerError as exc:
+        raise GGUFError(str(exc)) from None
+    out = Path(out)
+    if out.exists():
+        raise GGUFError(f"{out} already exists; choose a new name")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch)
+        _write_fields(writer, gguf, config, vocab, kind)
+        for name, tensor in gguf_tensors(model.state_dict(), config).items():
+            _add_tensor(writer, gguf, name, tensor, kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return out
+
+
+def _architecture(config: ModelConfig) -> str:
+    absolute = config.position in ("learned", "sinusoidal")
+    arch = "gpt2" if absolute else "gptneox"
+    refuse_unless_plain(
+        config, f"GGUF ({arch})", absolute or config.position == "rope", "needs positions"
+    )
+    if config.activation not in ("gelu", "gelu_tanh"):
+        raise GGUFError(
+            f"cannot export to GGUF: activation={config.activation!r}: llama.cpp's gpt2 and "
+            "gptneox compute GELU"
+        )
+    return arch
+
+
+def _write_fields(writer, gguf, config: ModelConfig, vocab: dict[str, Any], kind: str) -> None:
+    writer.add_name("tlm model")
+    writer.add_context_length(config.context_length)
+    writer.add_embedding_length(config.d_model)
+    writer.add_block_count(config.n_layers)
+    writer.add_feed_forward_length(config.d_ff)
+    writer.add_head_count(config.n_heads)
+    writer.add_layer_norm_eps(config.layer_norm_eps)
+    if config.position == "rope":
+        writer.add_rope_dimension_count(config.d_head)  # every dimension of a head rotates
+        writer.add_rope_freq_base(config.rope_base)
+        writer.add_parallel_residual(False)  # the sequential block
+    file_types = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
+    writer.add_file_type(gguf.LlamaFileType[file_types[kind].upper()])
+    if kind == "q8_0":
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_types(vocab["types"])
+    writer.add_token_merges(vocab["merges"])
+    writer.add_bos_token_id(vocab["eot_id"])
+    writer.add_eos_token_id(vocab["eot_id"])
+    writer.add_add_bos_token(False)  # tlm's conditioning puts no token before a prompt
+    writer.add_string("tlm.activation", config.activation)
+    writer.add_string("tlm.tokenizer", vocab["kind"])
+
+
+def gguf_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, np.ndarray]:
+    """A tlm state dict -> GGUF's tensors (float32, [out, in]); missing biases as zeros, a
+    sinusoidal table as position_embd, a tied head written out where gptneox needs it."""
+    weights = {k: v.detach().float() for k, v in state.items()}
+    tensors = {"token_embd.weight": weights["embedding.E"]}
+    if config.position == "learned":
+        tensors["position_embd.weight"] = weights["embedding.P"]
+    elif config.position == "sinusoidal":
+        tensors["position_embd.weight"] = sinusoidal_table(config.context_length, config.d_model)
+    for layer in range(config.n_layers):
+        block = f"blocks.{layer}."
+        for gguf_name, name in BLOCK:
+            if name.endswith("QKV"):
+                parts = [weights.get(block + name.replace("QKV", p)) for p in "QKV"]
+                tensor = None if parts[0] is None else torch.cat(parts, dim=-1)  # [d, 3d]
+            else:
+                tensor = weights.get(block + name)
+            if tensor is None:  # bias=False (no biases, no LayerNorm betas): llama.cpp adds zeros
+                tensor = torch.zeros(tensors[f"blk.{layer}.{gguf_name[:-5]}.weight"].shape[0])
+            tensors[f"blk.{layer}.{gguf_name}"] = tensor.t() if tensor.dim() == 2 else tensor
+    tensors["output_norm.weight"] = weights["ln_f.gamma"]
+    tensors["output_norm.bias"] = weights.get("ln_f.beta", torch.zeros(config.d_model))
+    if not config.tie_embeddings:
+        tensors["output.weight"] = weights["W_U"].t()
+    elif config.position == "rope":  # llama.cpp's gptneox reads its head from output.weight
+        tensors["output.weight"] = weights["embedding.E"]
+    return {name: t.contiguous().numpy() for name, t in tensors.items()}
+
+
+def _add_tensor(writer, gguf, name: str, tensor: np.ndarray, kind: str) -> None:
+    matrix = tensor.ndim == 2 and name != "position_embd.weight"
+    if kind == "q8_0" and matrix and tensor.shape[1] % 32 == 0:
+        quantized = gguf.quants.quantize(tensor, gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    elif kind != "f32" and matrix:
+        writer.add_tensor(name, tensor.astype(np.float16))
+    else:
+        writer.add_tensor(name, tensor)
+
+
+def read_gguf(path: str | Path) -> tuple[TransformerLM, Tokenizer]:
+    """A GGUF file of llama.cpp's gpt2 or gptneox architecture -> (TransformerLM in eval
+    mode, float32, quantized matrices expanded; its tokenizer). A file written by tlm comes
+    back as the model that wrote it; another computes GELU as llama.cpp does (tanh)."""
+    gguf, reader, fields = open_gguf(path)
+    tensors = {t.name: _expand(gguf, t) for t in reader.tensors}
+    head, embedding = tensors.get("output.weight"), tensors.get("token_embd.weight")
+    tied = head is None or (embedding is not None and torch.equal(head, embedding))
+    config = _config(fields, tied, path)
+    model = TransformerLM(config, init=False)
+    model.load_state_dict(_state(tensors, config, path), assign=True)
+    return model.eval(), tokenizer_of(fields, path)
+
+
+def _config(fields: dict[str, Any], tied: bool, path: str | Path) -> ModelConfig:
+    arch = fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{path}: architecture {arch!r}: tlm reads {' and '.join(ARCHITECTURES)}")
+
+    def need(key: str) -> Any:
+        if f"{arch}.{key}" not in fields:
+            raise GGUFError(f"{path} has no {arch}.{key}")
+        return fields[f"{arch}.{key}"]
+
+    d, heads = need("embedding_length"), need("attention.head_count")
+    if arch == "gptneox":
+        if fields.get("gptneox.use_parallel_residual", True):
+            raise GGUFError(
+                f"{path}: gptneox.use_parallel_residual is true (attention and MLP side by "
+                "side): tlm's block is sequential (eq. 9.26-9.31)"
+            )
+        if need("rope.dimension_count") != d // heads:
+            raise GGUFError(
+                f"{path}: gptneox.rope.dimension_count={need('rope.dimension_count')} rotates "
+                f"part of a head of {d // heads}: tlm rotates all of it"
+            )
+    try:
+        return ModelConfig(
+            vocab_size=len(fields["tokenizer.ggml.tokens"]),
+            d_model=d,
+            n_layers=need("block_count"),
+            n_heads=heads,
+            d_ff=need("feed_forward_length"),
+            context_length=need("context_length"),
+            norm="pre",
+            position="learned" if arch == "gpt2" else "rope",
+            activation=fields.get("tlm.activation", "gelu_tanh"),
+            tie_embeddings=tied,  # gptneox writes a tied head out: the same values
+            bias=True,
+            dropout=0.0,
+            layer_norm_eps=float(need("attention.layer_norm_epsilon")),
+            rope_base=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+        )
+    except (ConfigError, KeyError) as exc:
+        raise GGUFError(f"{path}: {exc}") from None
+
+
+def _expand(gguf, tensor) -> torch.Tensor:
+    """A GGUF tensor as float32, in its [out, in] (numpy) shape."""
+    shape = [int(n) for n in reversed(tensor.shape)]
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
+        shape
+    )  # a copy: the file is read-only
+
+
+def _state(tensors: dict[str, torch.Tensor], config: ModelConfig, path) -> dict[str, torch.Tensor]:
+    """GGUF's tensors -> a tlm state dict; every tensor used once, each one there."""
+    d = config.d_model
+    taken: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise GGUFError(f"{path} has no tensor {name} ({config.n_layers} layers)")
+        taken.add(name)
+        return tensors[name]
+
+    state = {"embedding.E": take("token_embd.weight")}
+    if config.position == "learned":
+        state["embedding.P"] = take("position_embd.weight")
+    for layer in range(config.n_layers):
+        for gguf_name, name in BLOCK:
+            tensor = take(f"blk.{layer}.{gguf_name}")
+            tensor = tensor.t() if tensor.dim() == 2 else tensor
+            if name.endswith("QKV"):
+                for part, piece in zip("QKV", tensor.split(d, dim=-1), strict=True):
+                    state[f"blocks.{layer}.{name.replace('QKV', part)}"] = piece.contiguous()
+            else:
+                state[f"blocks.{layer}.{name}"] = tensor.contiguous()
+    state["ln_f.gamma"], state["ln_f.beta"] = take("output_norm.weight"), take("output_norm.bias")
+    head = tensors.get("output.weight")
+    if not config.tie_embeddings:
+        state["W_U"] = take("output.weight").t().contiguous()
+    elif head is not None:
+        taken.add("output.weight")
+    unexpected = sorted(set(tensors) - taken)
+    if unexpected:
+        raise GGUFError(f"{path}: unexpected tensors {', '.join(unexpected[:3])}")
+    return state

@@ -1,0 +1,226 @@
+"""GGUF files for llama.cpp: the tensors and keys its gpt2 and gptneox graphs read, checked
+by a forward pass written from llama.cpp's conventions (not tlm's code); read back into tlm
+(logits equal for f32); the vocabulary as its gpt2 tokenizer; f16 and q8_0; refusals."""
+
+import gguf  # the gguf extra, in dev: missing, it must fail, not skip
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import save_run, tiny_config
+from tlm import TransformerLM, load_model, load_tokenizer
+from tlm.cli import main
+from tlm.interop.gguf import GGUFError, export_gguf, read_gguf
+from tlm.interop.gguf_tokens import spelled
+from tlm.tokenizer import train_tokenizer
+
+TEXT = "Hello, world!  Ünïcode, 数字 and tabs\there.\n<|endoftext|>The end 😀"
+
+
+def random_model(vocab_size, **overrides):
+    """A random tiny decoder whose biases and norms are perturbed (so none is a no-op)."""
+    torch.manual_seed(2)
+    model = TransformerLM(tiny_config(vocab_size=vocab_size, **overrides))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "b_" in name or "gamma" in name or "beta" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model.eval()
+
+
+def read_raw(path):
+    """A GGUF file's key-values and its tensors as float32 [out, in], by gguf alone."""
+    reader = gguf.GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    tensors = {}
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        tensors[t.name] = torch.tensor(values).float().reshape([int(n) for n in reversed(t.shape)])
+    return fields, tensors, {t.name: t.tensor_type.name for t in reader.tensors}
+
+
+def llama_cpp_forward(fields, tensors, ids, approximate="none"):
+    """Logits [T, V] of one sequence as llama.cpp's gpt2 / gptneox graphs compute them:
+    y = x·Wᵀ + b for every [out, in] matrix, one fused qkv product split into all queries,
+    keys, values; gptneox rotates (x_i, x_{i+dh/2}) by pos·base^(-2i/dh) (NEOX mode)."""
+    arch = fields["general.architecture"]
+    d, H = fields[f"{arch}.embedding_length"], fields[f"{arch}.attention.head_count"]
+    eps, dh, T = fields[f"{arch}.attention.layer_norm_epsilon"], d // H, len(ids)
+
+    def linear(x, name):
+        return x @ tensors[f"{name}.weight"].T + tensors[f"{name}.bias"]
+
+    def norm(x, name):
+        return F.layer_norm(x, (d,), tensors[f"{name}.weight"], tensors[f"{name}.bias"], eps)
+
+    def rope(x):  # [T, H, dh]
+        base = fields["gptneox.rope.freq_base"]
+        theta = base ** (-torch.arange(0, dh, 2, dtype=torch.float64) / dh)
+        angle = (torch.arange(T, dtype=torch.float64)[:, None] * theta).float()[:, None, :]
+        x1, x2 = x[..., : dh // 2], x[..., dh // 2 :]
+        return torch.cat(
+            [x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], -1
+        )
+
+    x = tensors["token_embd.weight"][ids]
+    if arch == "gpt2":
+        x = x + tensors["position_embd.weight"][:T]
+    for layer in range(fields[f"{arch}.block_count"]):
+        blk = f"blk.{layer}"
+        q, k, v = linear(norm(x, f"{blk}.attn_norm"), f"{blk}.attn_qkv").split(d, dim=-1)
+        q, k, v = (t.reshape(T, H, dh) for t in (q, k, v))
+        if arch == "gptneox":
+            q, k = rope(q), rope(k)
+        scores = torch.einsum("thd,shd->hts", q, k) / dh**0.5
+        scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+        heads = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T, d)
+        x = x + linear(heads, f"{blk}.attn_output")
+        hidden = F.gelu(
+            linear(norm(x, f"{blk}.ffn_norm"), f"{blk}.ffn_up"), approximate=approximate
+        )
+        x = x + linear(hidden, f"{blk}.ffn_down")
+    head = tensors.get("output.weight", tensors["token_embd.weight"])
+    return norm(x, "output_norm") @ head.T
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    return train_tokenizer("char", [TEXT.replace("<|endoftext|>", "") + "abcdefgh"])
+
+
+CASES = [
+    ({"position": "learned"}, "gpt2"),
+    ({"position": "sinusoidal", "activation": "gelu_tanh", "tie_embeddings": False}, "gpt2"),
+    ({"position": "rope", "rope_base": 500.0}, "gptneox"),
+    ({"position": "rope", "tie_embeddings": False, "bias": False}, "gptneox"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "arch"), CASES)
+def test_llama_cpp_computes_the_exported_model(tmp_path, bpe_tokenizer, overrides, arch):
+    model = random_model(bpe_tokenizer.vocab_size, **overrides)
+    path = export_gguf(model, bpe_tokenizer, tmp_path / "m.gguf")
+    fields, tensors, types = read_raw(path)
+    assert fields["general.architecture"] == arch
+    assert set(types.values()) == {"F32"}
+    assert ("output.weight" in tensors) == (arch == "gptneox" or not model.config.tie_embeddings)
+    if arch == "gptneox":
+        assert fields["gptneox.rope.dimension_count"] == model.config.d_head
+        assert fields["gptneox.use_parallel_residual"] is False
+    ids = torch.randint(0, bpe_tokenizer.vocab_size, (29,))
+    approximate = "tanh" if model.config.activation == "gelu_tanh" else "none"
+    with torch.no_grad():
+        expected = model(ids[None])[0]
+    assert torch.allclose(llama_cpp_forward(fields, tensors, ids, approximate), expected, atol=1e-4)
+    back, tokenizer = read_gguf(path)
+    with torch.no_grad():
+        assert torch.allclose(back(ids[None])[0], expected, atol=1e-5, rtol=0)
+    assert back.config.tie_embeddings == model.config.tie_embeddings
+    assert tokenizer.encode(TEXT) == bpe_tokenizer.encode(TEXT)
+
+
+def test_f16_and_q8_0_store_the_matrices_smaller_and_close(tmp_path, bpe_tokenizer):
+    model = random_model(bpe_tokenizer.vocab_size, position="rope")
+    ids = torch.randint(0, bpe_tokenizer.vocab_size, (1, 25))
+    with torch.no_grad():
+        expected = model(ids)
+    errors = {}
+    for kind, matrix_type in [("f16", "F16"), ("q8_0", "Q8_0")]:
+        path = export_gguf(model, bpe_tokenizer, tmp_path / f"{kind}.gguf", kind)
+        fields, tensors, types = read_raw(path)
+        assert types["blk.0.attn_qkv.weight"] == types["token_embd.weight"] == matrix_type
+        assert types["blk.0.attn_qkv.bias"] == types["output_norm.weight"] == "F32"
+        weight = model.blocks[0].ffn.W_1.detach().t()
+        scale = weight.abs().amax(dim=1, keepdim=True)  # q8_0 keeps 1/127 of a block's largest
+        assert (tensors["blk.0.ffn_up.weight"] - weight).abs().le(scale / 127 + 1e-3).all()
+        with torch.no_grad():
+            errors[kind] = (read_gguf(path)[0](ids) - expected).abs().max().item()
+    assert 0 < errors["f16"] < 0.01 and errors["f16"] < errors["q8_0"] < 0.1
+    assert (tmp_path / "q8_0.gguf").stat().st_size < 0.6 * (tmp_path / "f16.gguf").stat().st_size
+
+
+def bpe_by_rank(pieces, merges):
+    """llama.cpp's BPE on one pre-token: merge the adjacent pair of lowest rank until none
+    is in `merges`."""
+    ranks = {tuple(m.split(" ")): r for r, m in enumerate(merges)}
+    while True:
+        pairs = zip(pieces, pieces[1:], strict=False)
+        known = [(ranks[p], i) for i, p in enumerate(pairs) if p in ranks]
+        if not known:
+            return pieces
+        i = min(known)[1]
+        pieces = [*pieces[:i], pieces[i] + pieces[i + 1], *pieces[i + 2 :]]
+
+
+def test_a_character_vocabulary_is_llama_cpps_gpt2_tokenizer(tmp_path, char_tokenizer):
+    model = random_model(char_tokenizer.vocab_size, position="learned")
+    path = export_gguf(model, char_tokenizer, tmp_path / "char.gguf")
+    fields, _, _ = read_raw(path)
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
+    tokens, merges = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.merges"]
+    assert fields["tokenizer.ggml.eos_token_id"] == char_tokenizer.eot_id
+    assert tokens[char_tokenizer.eot_id] == "<|endoftext|>"
+    index = {t: i for i, t in enumerate(tokens)}
+    text = TEXT.split("<|endoftext|>")[0]
+    by_llama = [index[p] for c in text for p in bpe_by_rank(list(spelled(c)), merges)]
+    assert by_llama == char_tokenizer.encode(text)  # "数" is 3 bytes, "😀" 4: merged back
+    assert load_tokenizer(path).encode(TEXT) == char_tokenizer.encode(TEXT)
+
+
+def test_bpe_merges_go_over_in_rank_order(tmp_path, bpe_tokenizer):
+    path = export_gguf(random_model(bpe_tokenizer.vocab_size), bpe_tokenizer, tmp_path / "b.gguf")
+    fields, _, _ = read_raw(path)
+    tokens, merges = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.merges"]
+    index = {t: i for i, t in enumerate(tokens)}
+    word = spelled(" the")  # one pre-token
+    assert [index[p] for p in bpe_by_rank(list(word), merges)] == bpe_tokenizer.encode(" the")
+    assert fields["tokenizer.ggml.token_type"][bpe_tokenizer.eot_id] == 3  # control
+
+
+def test_cli_exports_and_tlm_runs_the_file(tmp_path, bpe_tokenizer, capsys):
+    model = random_model(bpe_tokenizer.vocab_size + 4, position="rope")  # padded vocabulary
+    run = save_run(tmp_path / "run", model, bpe_tokenizer)
+    out = tmp_path / "out" / "m.gguf"
+    assert main(["export-gguf", str(run), str(out), "--type", "f16"]) == 0
+    fields, _, _ = read_raw(out)
+    assert len(fields["tokenizer.ggml.tokens"]) == model.config.vocab_size
+    assert fields["tokenizer.ggml.token_type"][-1] == 5  # unused padding
+    assert main(["export-gguf", str(run), str(out)]) == 2  # never replaced
+    assert "already exists" in capsys.readouterr().err
+    f32 = tmp_path / "m32.gguf"
+    assert main(["export-gguf", str(run), str(f32)]) == 0
+    capsys.readouterr()
+    for source in (run, f32):
+        argv = ["generate", str(source), "--prompt", "The", "--max-new-tokens", "12", "--seed", "0"]
+        assert main(argv) == 0
+    outputs = capsys.readouterr().out.strip().split("\n")
+    assert outputs[0] == outputs[-1]
+    assert load_model(f32).config.vocab_size == model.config.vocab_size
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"activation": "relu"}, "activation='relu'"),
+        ({"norm": "post"}, "norm='post'"),
+        ({"position": "none"}, "position='none'"),
+        ({"qk_norm": True}, "qk_norm"),
+    ],
+)
+def test_what_llama_cpp_does_not_compute_is_refused(tmp_path, bpe_tokenizer, overrides, field):
+    run = save_run(
+        tmp_path / "run", random_model(bpe_tokenizer.vocab_size, **overrides), bpe_tokenizer
+    )
+    with pytest.raises(Exception, match=field.replace("(", r"\(")):
+        export_gguf(load_model(run), bpe_tokenizer, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_file_that_is_not_gguf_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    assert main(["generate", str(bad), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tlm: error:") and "GGUF" in err and "\n" not in err
+    with pytest.raises(GGUFError):
+        read_gguf(bad)
