@@ -8,12 +8,17 @@ a non-empty context is read as it is (no <|endoftext|> before it), an empty one 
 <|endoftext|>; a continuation's tokens are those of context + continuation after the
 context's; rolling log-likelihoods use lm-eval's own windows (each the model's context long,
 the first after <|endoftext|>).
+
+A character model cannot spell a character its corpus never held: a continuation with one
+has probability 0 (log-likelihood -inf, never greedy), a document with one likewise, and a
+context or prompt is read without them (the model has no way to see them).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 
 import lm_eval.models  # noqa: F401  lm-eval's own models first: its registry fills lazily when empty
 from lm_eval.api.model import LM
@@ -25,6 +30,7 @@ from tlm.generate import GenerationConfig
 from tlm.generate.text import complete_tokens
 from tlm.load import load_language_model, load_tokenizer
 from tlm.tasks.score import score_tokens, split_at_context
+from tlm.tokenizer import CharTokenizer
 
 
 @register_model("tlm")
@@ -42,6 +48,14 @@ class TlmLM(LM):
         self.tokenizer = load_tokenizer(pretrained)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 16
         self.context = self.model.config.context_length
+        chars = isinstance(self.tokenizer, CharTokenizer)
+        self.alphabet = set(self.tokenizer.chars) if chars else None
+
+    def _readable(self, text: str) -> str:
+        """`text` without the characters a character vocabulary lacks (BPE spells any text)."""
+        if self.alphabet is None or set(text) <= self.alphabet:
+            return text
+        return "".join(c for c in text if c in self.alphabet)
 
     def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """lm-eval's split: the context's trailing spaces go with the continuation; the
@@ -58,12 +72,21 @@ class TlmLM(LM):
         return ctx[-max(keep, 1) :], cont[-self.context :]
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        pairs = [self._pair(*request.args) for request in requests]
-        return [(sum(logprobs), greedy) for logprobs, greedy in score_tokens(self.model, pairs)]
+        out: list[tuple[float, bool]] = [(-math.inf, False)] * len(requests)  # unspellable
+        scored = [i for i, r in enumerate(requests) if self._readable(r.args[1]) == r.args[1]]
+        pairs = [
+            self._pair(self._readable(requests[i].args[0]), requests[i].args[1]) for i in scored
+        ]
+        for i, (logprobs, greedy) in zip(scored, score_tokens(self.model, pairs), strict=True):
+            out[i] = (sum(logprobs), greedy)
+        return out
 
     def loglikelihood_rolling(self, requests) -> list[float]:
         out = []
         for request in requests:
+            if self._readable(request.args[0]) != request.args[0]:
+                out.append(-math.inf)  # a character the model cannot spell
+                continue
             tokens = self.tokenizer.encode(request.args[0])
             windows = get_rolling_token_windows(
                 token_list=tokens, prefix_token=self.tokenizer.eot_id,
@@ -101,6 +124,7 @@ class TlmLM(LM):
         return out
 
     def _prompt(self, context: str, room: int) -> list[int]:
+        context = self._readable(context)
         ids = self.tokenizer.encode(context) if context else [self.tokenizer.eot_id]
         return ids[-max(room, 1) :]
 
