@@ -205,7 +205,8 @@ def test_repetition_penalty_never_counts_left_padding(make_model):
         ({"max_new_tokens": -1}, "max_new_tokens must be >= 0, got -1"),
         (
             {"num_beams": 2, "repetition_penalty": 1.2},
-            "repetition_penalty applies to greedy decoding and sampling",
+            "repetition_penalty, frequency_penalty, presence_penalty and logit_bias apply "
+            "to greedy decoding and sampling",
         ),
     ],
 )

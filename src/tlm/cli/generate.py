@@ -36,6 +36,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-k", type=int, help="with --do-sample: keep the k likeliest")
     parser.add_argument("--top-p", type=float, help="with --do-sample: nucleus of mass p")
     parser.add_argument("--repetition-penalty", type=float, help="(1.0: none)")
+    parser.add_argument(
+        "--frequency-penalty", type=float, help="OpenAI's: minus count × this, in [-2, 2] (0)"
+    )
+    parser.add_argument(
+        "--presence-penalty", type=float, help="OpenAI's: minus this once a token appeared (0)"
+    )
+    parser.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID:BIAS",
+        help="add BIAS in [-100, 100] to token ID's logit (repeat; 100 selects it)",
+    )
+    parser.add_argument(
+        "--best-of", type=int, help="draw this many per prompt, print the -n most likely"
+    )
     parser.add_argument("--num-beams", type=int, help="beam search with this many (1: none)")
     parser.add_argument("--length-penalty", type=float, help="for beam search (1.0)")
     parser.add_argument("-n", "--num-return-sequences", type=int, help="per prompt (1)")
@@ -72,11 +88,18 @@ def run(args: argparse.Namespace) -> int:
         num_return_sequences=args.num_return_sequences,
         seed=args.seed,
         use_cache=not args.no_cache,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        logit_bias=_logit_bias(args.logit_bias),
+        best_of=args.best_of,
     )
     if args.stream and (
-        len(prompts) > 1 or config.num_return_sequences > 1 or config.num_beams > 1
+        len(prompts) > 1
+        or config.num_return_sequences > 1
+        or config.num_beams > 1
+        or (config.best_of or 1) > 1
     ):
-        fail("--stream shows one completion: one prompt, -n 1 and --num-beams 1")
+        fail("--stream shows one completion: one prompt, -n 1, --num-beams 1, --best-of 1")
     model = load_language_model(args.run, weights=args.weights, dtype=args.dtype)
     tokenizer = load_tokenizer(args.run)
     if not args.no_eos:
@@ -98,6 +121,18 @@ def run(args: argparse.Namespace) -> int:
                 print(f"--- {i + 1}/{len(completions)} ({c.finish_reason})")
             print(c.prompt + c.text)
     return 0
+
+
+def _logit_bias(pairs: list[str]) -> dict[int, float] | None:
+    """--logit-bias ID:BIAS, repeated -> {id: bias}."""
+    bias = {}
+    for pair in pairs:
+        token, _, value = pair.partition(":")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            fail(f"--logit-bias takes ID:BIAS (such as 50256:-100), got {pair!r}")
+    return bias or None
 
 
 def _unescape(text: str) -> str:

@@ -8,9 +8,12 @@ strings, and `beam.search` is the one beam search (language model and translatio
 
 from tlm.generate.beam import BeamResult, beam_search
 from tlm.generate.config import GenerationConfig
-from tlm.generate.decode import DecodeState, Step, generate
+from tlm.generate.decode import DecodeState, Step, best_rows, generate
 from tlm.generate.sampling import (
     GenerationError,
+    adjust_logits,
+    apply_frequency_presence,
+    apply_logit_bias,
     apply_repetition_penalty,
     apply_temperature,
     choose,
@@ -37,9 +40,13 @@ __all__ = [
     "GenerationError",
     "Step",
     "StopText",
+    "adjust_logits",
+    "apply_frequency_presence",
+    "apply_logit_bias",
     "apply_repetition_penalty",
     "apply_temperature",
     "beam_search",
+    "best_rows",
     "choose",
     "complete",
     "encode_prompts",

@@ -27,8 +27,15 @@ class GenerationConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     seed: int | None = None
     use_cache: bool = True
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is accepted
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):  # frozen: the one normal form, sorted pairs
+            pairs = tuple(sorted((int(t), float(b)) for t, b in self.logit_bias.items()))
+            object.__setattr__(self, "logit_bias", pairs)
         rules = {
             "max_new_tokens": (self.max_new_tokens >= 0, ">= 0"),
             "temperature": (self.temperature >= 0, ">= 0"),
@@ -37,14 +44,29 @@ class GenerationConfig:
             "repetition_penalty": (self.repetition_penalty > 0, "> 0"),
             "num_beams": (self.num_beams >= 1, ">= 1"),
             "num_return_sequences": (self.num_return_sequences >= 1, ">= 1"),
+            "frequency_penalty": (-2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            "presence_penalty": (-2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            "logit_bias": (
+                all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+                "token ids >= 0 with biases in [-100, 100]",
+            ),
+            "best_of": (
+                self.best_of is None or self.best_of >= self.num_return_sequences,
+                ">= num_return_sequences (the best of that many candidates are returned)",
+            ),
         }
         for name, (ok, allowed) in rules.items():
             if not ok:
                 raise GenerationError(f"{name} must be {allowed}, got {getattr(self, name)}")
         if self.num_beams > 1 and self.do_sample:
             raise GenerationError("beam search is deterministic: use num_beams=1 to sample")
-        if self.num_beams > 1 and self.repetition_penalty != 1.0:
-            raise GenerationError("repetition_penalty applies to greedy decoding and sampling")
+        if self.num_beams > 1 and self.adjusts_logits:
+            raise GenerationError(
+                "repetition_penalty, frequency_penalty, presence_penalty and logit_bias apply "
+                "to greedy decoding and sampling"
+            )
+        if self.num_beams > 1 and (self.best_of or 1) > 1:
+            raise GenerationError("best_of chooses among samples: use num_beams=1")
         if self.num_beams > 1 and self.num_return_sequences > 1:
             raise GenerationError("beam search returns one sequence per prompt")
 
@@ -56,6 +78,21 @@ class GenerationConfig:
         if unknown:
             raise GenerationError(f"no generation setting {unknown[0]!r}")
         return cls(**{name: value for name, value in settings.items() if value is not None})
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the model's logits change before the choice (`sampling.adjust_logits`)."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.logit_bias
+        )
+
+    @property
+    def counts_output(self) -> bool:
+        """Whether the choice needs each token's count in the output so far."""
+        return bool(self.frequency_penalty or self.presence_penalty)
 
     @property
     def greedy(self) -> bool:

@@ -110,6 +110,10 @@ def generate(
     config = config or GenerationConfig(**settings)
     if config.num_beams > 1:
         raise GenerationError("beam search returns whole sequences: use tlm.generate.beam_search")
+    if (config.best_of or 1) > config.num_return_sequences:
+        raise GenerationError(
+            "best_of chooses among whole samples: use model.generate or tlm.generate.complete"
+        )
     n = config.num_return_sequences
     ids = input_ids.repeat_interleave(n, dim=0)
     mask = None if attention_mask is None else attention_mask.repeat_interleave(n, dim=0)
@@ -153,17 +157,19 @@ def _decode(state: DecodeState, c: GenerationConfig) -> Iterator[Step]:
     device = state.ids.device
     eos = torch.tensor(c.eos_ids, device=device, dtype=torch.long)
     generators = _row_generators(c, B, device)
-    seen = None
+    seen = counts = None
     if c.repetition_penalty != 1.0:
         real = torch.ones_like(state.ids) if state.mask is None else state.mask.long()
-        counts = torch.zeros(B, V, dtype=torch.long, device=device)
-        seen = counts.scatter_add_(1, state.ids, real) > 0  # [B,V]: padding counts 0
+        in_prompt = torch.zeros(B, V, dtype=torch.long, device=device)
+        seen = in_prompt.scatter_add_(1, state.ids, real) > 0  # [B,V]: padding counts 0
+    if c.counts_output:
+        counts = torch.zeros(B, V, device=device)  # the output's tokens, none yet
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     last = torch.zeros(B, dtype=torch.long, device=device)
     for _ in range(c.max_new_tokens):
         logits = state.next_logits().float()  # [B,V]
         with torch.no_grad():
-            tokens = torch.where(finished, last, choose(logits, c, generators, seen))
+            tokens = torch.where(finished, last, choose(logits, c, generators, seen, counts))
             logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
         logprobs = torch.where(finished, 0.0, logprobs)
         finished = finished | torch.isin(tokens, eos)
@@ -174,6 +180,8 @@ def _decode(state: DecodeState, c: GenerationConfig) -> Iterator[Step]:
         state.append(tokens)
         if seen is not None:
             seen[torch.arange(B, device=device), tokens] = True
+        if counts is not None:
+            counts[torch.arange(B, device=device), tokens] += 1
 
 
 def _row_generators(c: GenerationConfig, rows: int, device: torch.device) -> list | None:
@@ -182,3 +190,11 @@ def _row_generators(c: GenerationConfig, rows: int, device: torch.device) -> lis
         return None
     seed = random_seed() if c.seed is None else c.seed
     return [row_generator(seed, row % c.num_return_sequences, device) for row in range(rows)]
+
+
+def best_rows(totals: Tensor, candidates: int, keep: int) -> Tensor:
+    """`best_of`: of each prompt's `candidates` consecutive rows, the `keep` whose total
+    log-probability is highest, best first (ties: the earlier sample) -> row indices."""
+    per_prompt = totals.reshape(-1, candidates)
+    order = per_prompt.argsort(dim=1, descending=True, stable=True)[:, :keep]
+    return (order + torch.arange(len(per_prompt))[:, None] * candidates).flatten()

@@ -1,9 +1,18 @@
 """Decoding steps as pure functions on logits (J&M §10.8). Filtered entries become -inf.
 
 They compose in the order users of other toolkits expect, and `choose` is the one place
-that composes them: repetition penalty, then temperature, then top-k, then top-p; then
-argmax (greedy, or temperature 0) or a draw from the softmax. Randomness is explicit:
-every draw takes a `torch.Generator`.
+that composes them:
+
+1. logit bias (OpenAI's `logit_bias`: a token's bias added to its logit),
+2. repetition penalty (CTRL's, over the prompt and the output),
+3. frequency and presence penalties (OpenAI's, over the output),
+4. temperature, 5. top-k, 6. top-p,
+
+then argmax (greedy, or temperature 0) or a draw from the softmax. Steps 1-3 change the
+logits greedy decoding sees too (a bias of 100 selects its token); 4-6 shape the
+distribution a sample is drawn from. Randomness is explicit: every draw takes a
+`torch.Generator`. The log-probability reported for a token is the model's, before any
+of these.
 """
 
 from __future__ import annotations
@@ -69,6 +78,46 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Te
     return torch.where(seen, penalised, logits)
 
 
+def apply_logit_bias(logits: Tensor, bias: tuple[tuple[int, float], ...]) -> Tensor:
+    """u_j + bias_j for each (token id j, bias) given (OpenAI's `logit_bias`): [..., V]."""
+    if not bias:
+        return logits
+    ids = torch.tensor([t for t, _ in bias], device=logits.device)
+    if int(ids.max()) >= logits.shape[-1]:
+        raise GenerationError(
+            f"logit_bias names token {int(ids.max())}; the vocabulary has {logits.shape[-1]}"
+        )
+    values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(-1, ids, values.expand(*logits.shape[:-1], len(bias)))
+
+
+def apply_frequency_presence(
+    logits: Tensor, counts: Tensor, frequency: float, presence: float
+) -> Tensor:
+    """OpenAI's penalties: u_j - c_j·α_frequency - [c_j > 0]·α_presence, where `counts` c
+    [..., V] holds how often each token was generated so far (the prompt does not count).
+    Positive values make repeating less likely; 0 and 0 change nothing."""
+    if not frequency and not presence:
+        return logits
+    counts = counts.to(logits.dtype)
+    return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
+
+
+def adjust_logits(
+    logits: Tensor, config, seen: Tensor | None = None, counts: Tensor | None = None
+) -> Tensor:
+    """Steps 1-3 of the order above, as `config` (a `GenerationConfig`) says; `seen` [B,V]
+    marks each row's tokens (prompt and output) and `counts` [B,V] counts its output."""
+    logits = apply_logit_bias(logits, config.logit_bias)
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
+    if counts is not None:
+        logits = apply_frequency_presence(
+            logits, counts, config.frequency_penalty, config.presence_penalty
+        )
+    return logits
+
+
 def process_logits(
     logits: Tensor,
     temperature: float = 1.0,
@@ -120,13 +169,13 @@ def choose(
     config,
     generators: list[torch.Generator | None] | None = None,
     seen: Tensor | None = None,
+    counts: Tensor | None = None,
 ) -> Tensor:
     """The next token of every row: logits [B,V] -> ids [B], as `config` (a
-    `GenerationConfig`) says; row b draws from generators[b] and `seen` [B,V] marks each
-    row's tokens so far for the repetition penalty."""
-    logits = logits.float()
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
+    `GenerationConfig`) says; row b draws from generators[b], `seen` [B,V] marks each
+    row's tokens so far for the repetition penalty and `counts` [B,V] counts its output
+    for the frequency and presence penalties."""
+    logits = adjust_logits(logits.float(), config, seen, counts)
     if config.greedy:
         return greedy(logits)
     logits = process_logits(logits, config.temperature, config.top_k, config.top_p)

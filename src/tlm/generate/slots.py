@@ -43,6 +43,7 @@ class Sequence:
     config: GenerationConfig
     generator: torch.Generator | None
     seen: Tensor | None  # [V] bool, for the repetition penalty
+    counts: Tensor | None = None  # [V] the output's count of each token, for OpenAI's penalties
     top_logprobs: int = 0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -117,11 +118,17 @@ class Slots:
         generator = None
         if not config.greedy:
             generator = row_generator(random_seed() if seed is None else seed, sample, self.device)
-        seen = None
+        V = self.model.config.vocab_size
+        if config.logit_bias and max(t for t, _ in config.logit_bias) >= V:
+            token = max(t for t, _ in config.logit_bias)
+            raise GenerationError(f"logit_bias names token {token}; the vocabulary has {V}")
+        seen = counts = None
         if config.repetition_penalty != 1.0:
-            seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
+            seen = torch.zeros(V, dtype=torch.bool, device=self.device)
             seen[torch.tensor(prompt, device=self.device)] = True
-        sequence = Sequence(list(prompt), config, generator, seen, top_logprobs)
+        if config.counts_output:
+            counts = torch.zeros(V, device=self.device)
+        sequence = Sequence(list(prompt), config, generator, seen, counts, top_logprobs)
         self.waiting.append(sequence)
         return sequence
 
@@ -197,7 +204,8 @@ class Slots:
             logits = logits.float()
             logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before any filter
             seen = None if sequence.seen is None else sequence.seen[None]
-            token = int(choose(logits[None], c, [sequence.generator], seen)[0])
+            counts = None if sequence.counts is None else sequence.counts[None]
+            token = int(choose(logits[None], c, [sequence.generator], seen, counts)[0])
             if sequence.top_logprobs:
                 values, ids = logprobs.topk(min(sequence.top_logprobs, len(logprobs)))
                 top = list(zip(ids.tolist(), values.tolist(), strict=True))
@@ -206,6 +214,8 @@ class Slots:
         sequence.logprobs.append(logprob)
         if sequence.seen is not None:
             sequence.seen[token] = True
+        if sequence.counts is not None:
+            sequence.counts[token] += 1
         if token in c.eos_ids:
             sequence.finish_reason = "eos"
         elif len(sequence.tokens) >= c.max_new_tokens:
@@ -223,4 +233,5 @@ class Slots:
 
 def _plain_greedy(sequence: Sequence) -> bool:
     """Whether a sequence takes the likeliest token, as is, with no top-k list to report."""
-    return sequence.config.greedy and sequence.seen is None and not sequence.top_logprobs
+    c = sequence.config
+    return c.greedy and not c.adjusts_logits and not sequence.top_logprobs

@@ -9,15 +9,16 @@ token.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
 
 from tlm.generate.beam import beam_search
 from tlm.generate.config import GenerationConfig
-from tlm.generate.decode import generate
+from tlm.generate.decode import best_rows, generate
 from tlm.generate.stops import StopText
 from tlm.tokenizer import Tokenizer, document_ids
 
@@ -84,9 +85,13 @@ def complete_tokens(
 
 
 def _complete(model, tokenizer, prompts, ids, mask, config, stop, prompt_logprobs):
+    """With `best_of` m, m samples of each prompt are completed and the n of highest total
+    log-probability (of the text returned) kept, best first."""
     device = next(model.parameters()).device
     ids, mask = ids.to(device), None if mask is None else mask.to(device)
-    n = config.num_return_sequences
+    keep = config.num_return_sequences
+    n = max(keep, config.best_of or keep)  # candidates per prompt
+    config = replace(config, num_return_sequences=n, best_of=None)
     out = [Completion(prompt) for prompt in prompts for _ in range(n)]
     if prompt_logprobs:
         for row, (tokens, logprobs) in enumerate(score_prompts(model, ids, mask)):
@@ -105,6 +110,9 @@ def _complete(model, tokenizer, prompts, ids, mask, config, stop, prompt_logprob
         tokens = [int(step.tokens[row]) for step in steps]
         logprobs = [float(step.logprobs[row]) for step in steps]
         _finish(completion, tokenizer, tokens, logprobs, stop, config.eos_ids)
+    if n > keep:
+        totals = torch.tensor([math.fsum(c.logprobs) for c in out], dtype=torch.float64)
+        out = [out[i] for i in best_rows(totals, n, keep).tolist()]
     return out
 
 

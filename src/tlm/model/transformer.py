@@ -141,9 +141,13 @@ class TransformerLM(nn.Module):
 
         A convenience over `tlm.generate` (which yields the tokens step by step): rows
         that end early are padded with their end token. More settings (repetition_penalty,
-        length_penalty, num_return_sequences) pass through `settings`.
+        length_penalty, num_return_sequences, frequency_penalty, presence_penalty,
+        logit_bias, best_of) pass through `settings`; with `best_of` m, m samples are drawn
+        per prompt and the n of highest total log-probability returned, best first.
         """
-        from tlm.generate import GenerationConfig, beam_search, generate  # the layer above
+        from dataclasses import replace
+
+        from tlm.generate import GenerationConfig, beam_search, best_rows, generate
 
         config = GenerationConfig.of(
             max_new_tokens=max_new_tokens,
@@ -159,9 +163,18 @@ class TransformerLM(nn.Module):
         )
         if num_beams > 1:
             return beam_search(self, input_ids, config, attention_mask).sequences
-        steps = [step.tokens for step in generate(self, input_ids, config, attention_mask)]
-        prompts = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
-        return torch.cat([prompts, torch.stack(steps, dim=1)], dim=1) if steps else prompts
+        n = config.num_return_sequences
+        candidates = max(n, config.best_of or n)
+        config = replace(config, num_return_sequences=candidates, best_of=None)
+        steps = list(generate(self, input_ids, config, attention_mask))
+        prompts = input_ids.repeat_interleave(candidates, dim=0)
+        if not steps:
+            return prompts[:: candidates // n] if candidates > n else prompts
+        out = torch.cat([prompts, torch.stack([s.tokens for s in steps], dim=1)], dim=1)
+        if candidates > n:  # a row's log-probabilities are 0 once it has ended
+            totals = torch.stack([s.logprobs for s in steps], dim=1).sum(dim=1)
+            out = out[best_rows(totals.cpu(), candidates, n).to(out.device)]
+        return out
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters counted once each (a tied E is one matrix); Kaplan's N if non_embedding."""

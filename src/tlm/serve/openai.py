@@ -1,13 +1,14 @@
 """The OpenAI API's shapes: request bodies in, completion objects out.
 
-Request bodies are checked by hand so that every mistake gets the OpenAI error shape:
-{"error": {"message", "type", "param", "code"}} with its status. `Completions` and `Chat`
+Request bodies are validated by the models of `schema.py`; what needs more than one field
+or the model is checked here. Every mistake gets OpenAI's error shape,
+{"error": {"message", "type", "param", "code"}}, with its status. `Completions` and `Chat`
 turn the engine's events into the text_completion and chat.completion objects, whole or
 as server-sent chunks.
 
 The chat template (documented in docs/serve.md) renders messages to one plain prompt:
 
-    System: <content>
+    System: <content>         (system or developer)
     User: <content>
     Assistant: <content>
     ...
@@ -26,8 +27,9 @@ from dataclasses import dataclass
 
 from tlm.serve.engine import Event
 from tlm.serve.metrics import Metrics
+from tlm.serve.schema import ChatRequest, CompletionRequest, Message, Sampled, unsupported
 
-ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 CHAT_STOP = "\nUser:"
 
 
@@ -59,7 +61,7 @@ class ApiError(Exception):
 
 @dataclass
 class Sampling:
-    """The settings both endpoints share, checked."""
+    """The settings both endpoints share, from a validated request (`schema.Sampled`)."""
 
     max_tokens: int
     temperature: float
@@ -69,113 +71,108 @@ class Sampling:
     stop: tuple[str, ...]
     seed: int | None
     repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    logit_bias: tuple[tuple[int, float], ...]
+    best_of: int  # candidates per prompt (n unless best_of is given)
     stream: bool
-    logprobs: int
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    logprobs: int | None  # alternatives per token; None: no logprobs object
     ignore_eos: bool  # an extra, as vLLM names it: decode past <|endoftext|>
 
 
-def check_body(body: object, model_name: str) -> dict:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model", model_name)
-    if model != model_name:
+def check_model(request: Sampled, model_name: str) -> None:
+    if request.model is not None and request.model != model_name:
         raise ApiError(
             404,
-            f"the model {model!r} does not exist; this server has {model_name!r}",
+            f"the model {request.model!r} does not exist; this server has {model_name!r}",
             "model",
             "model_not_found",
         )
-    return body
-
-
-def _number(body: dict, name: str, default, low, high, integer=False, low_open=False):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ApiError(
-            400,
-            f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}",
-            name,
-            "invalid_type",
-        )
-    too_low = value <= low if low_open else value < low
-    if too_low or (high is not None and value > high):
-        bound = f"{'>' if low_open else '>='} {low}" + ("" if high is None else f" and <= {high}")
-        raise ApiError(400, f"{name} must be {bound}, got {value!r}", name, "invalid_value")
-    return value
-
-
-def _bool(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ApiError(400, f"{name} must be true or false, got {value!r}", name, "invalid_type")
-    return value
+    refused = unsupported(request)
+    if refused is not None:
+        field, why = refused
+        raise ApiError(400, f"{field}: {why}", field, "unsupported_parameter")
 
 
 def sampling(
-    body: dict, max_n: int, default_max_tokens: int = 16, least_tokens: int = 1
+    request: CompletionRequest | ChatRequest,
+    max_n: int,
+    vocab_size: int,
+    default_max_tokens: int = 16,
+    least_tokens: int = 1,
 ) -> Sampling:
-    """The sampling settings of a request, checked; `max_tokens` may be 0 only where
-    `least_tokens` says so (completions with echo: the prompt scored alone)."""
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not (
-        isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)
-    ):
-        raise ApiError(
-            400,
-            "stop must be a non-empty string or a list of at most 4 of them",
-            "stop",
-            "invalid_value",
-        )
-    logprobs = body.get("logprobs")
-    if logprobs is True:  # chat's form: logprobs true with top_logprobs k
-        logprobs = max(1, _number(body, "top_logprobs", 0, 0, 20, integer=True))
-    elif logprobs is False:
-        logprobs = 0
-    else:
-        logprobs = _number(body, "logprobs", 0, 0, 20, integer=True)
+    """The sampling settings of a validated request, with the checks that need more than one
+    field or the model: `max_tokens` 0 only where `least_tokens` allows it (completions with
+    echo: the prompt scored alone), n and best_of, logit_bias's token ids."""
+    r = request
+    chat = isinstance(r, ChatRequest)
+    max_tokens = (r.max_completion_tokens if chat else None) or r.max_tokens
+    max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    if max_tokens < least_tokens:
+        message = f"max_tokens must be >= {least_tokens}, got {max_tokens}"
+        raise ApiError(400, message, "max_tokens", "invalid_value")
+    n = r.n or 1
+    if n > max_n:
+        raise ApiError(400, f"n must be <= {max_n}, got {n}", "n", "invalid_value")
+    best_of = n if chat or r.best_of is None else r.best_of
+    if best_of < n:
+        raise ApiError(400, f"best_of ({best_of}) must be >= n ({n})", "best_of", "invalid_value")
+    if best_of > n and r.stream:
+        raise ApiError(400, "best_of chooses among whole answers: not with stream", "best_of")
+    stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    if not all(stop):
+        raise ApiError(400, "stop strings must not be empty", "stop", "invalid_value")
+    logprobs = None if chat else r.logprobs  # completions: how many alternatives (0: none)
+    if chat:  # chat: logprobs true, with top_logprobs alternatives
+        if r.top_logprobs is not None and not r.logprobs:
+            message = "top_logprobs needs logprobs: true"
+            raise ApiError(400, message, "top_logprobs", "invalid_value")
+        logprobs = (r.top_logprobs or 0) if r.logprobs else None
     return Sampling(
-        max_tokens=_number(body, "max_tokens", default_max_tokens, least_tokens, None, True),
-        temperature=float(_number(body, "temperature", 1.0, 0, 2)),
-        top_p=_number(body, "top_p", None, 0, 1, low_open=True),
-        top_k=_number(body, "top_k", None, 1, None, integer=True),
-        n=_number(body, "n", 1, 1, max_n, integer=True),
+        max_tokens=max_tokens,
+        temperature=1.0 if r.temperature is None else r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        n=n,
         stop=tuple(stop),
-        seed=_number(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0, None, low_open=True)),
-        stream=_bool(body, "stream"),
-        ignore_eos=_bool(body, "ignore_eos"),
+        seed=r.seed,
+        repetition_penalty=r.repetition_penalty or 1.0,
+        frequency_penalty=r.frequency_penalty or 0.0,
+        presence_penalty=r.presence_penalty or 0.0,
+        logit_bias=logit_bias(r.logit_bias, vocab_size),
+        best_of=best_of,
+        stream=bool(r.stream),
+        include_usage=bool(r.stream_options and r.stream_options.include_usage),
         logprobs=logprobs,
+        ignore_eos=bool(r.ignore_eos),
     )
 
 
-def prompts(body: dict) -> list[str | list[int]]:
+def logit_bias(given: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} -> sorted (id, bias) pairs; an id must be in the vocabulary."""
+    pairs = []
+    for key, bias in (given or {}).items():
+        if not (key.isdigit() and int(key) < vocab_size):
+            raise ApiError(
+                400,
+                f"logit_bias keys are token ids in 0..{vocab_size - 1}, got {key!r}",
+                "logit_bias",
+                "invalid_value",
+            )
+        pairs.append((int(key), bias))
+    return tuple(sorted(pairs))
+
+
+def prompts(request: CompletionRequest) -> list[str | list[int]]:
     """The request's prompts in any of OpenAI's four forms: a string, a list of strings, a
-    list of token ids, or a list of such lists."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
+    list of token ids, or a list of such lists; none is the empty text."""
+    prompt = request.prompt
+    if prompt is None or isinstance(prompt, str):
+        return [prompt or ""]
+    if isinstance(prompt[0], int):
         return [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return prompt
-        if token_ids(prompt):
-            return [prompt]
-        if all(isinstance(p, list) and p and token_ids(p) for p in prompt):
-            return prompt
-    raise ApiError(
-        400,
-        "prompt must be a string, a list of token ids, or a non-empty list of either",
-        "prompt",
-        "invalid_type",
-    )
+    return list(prompt)
 
 
 def token_ids(values: list) -> bool:
@@ -183,24 +180,19 @@ def token_ids(values: list) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
 
 
-def chat_prompt(body: dict) -> str:
-    messages = body.get("messages")
-    if not (isinstance(messages, list) and messages):
-        raise ApiError(400, "messages must be a non-empty list", "messages", "invalid_type")
+def chat_prompt(messages: list[Message]) -> str:
+    """The chat template: a line per message, then "Assistant:" (developer is OpenAI's newer
+    name for system)."""
     lines = []
     for i, message in enumerate(messages):
-        if not (
-            isinstance(message, dict)
-            and message.get("role") in ROLES
-            and isinstance(message.get("content"), str)
-        ):
+        content = message.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        if content is None:
             raise ApiError(
-                400,
-                f"messages[{i}] needs a role ({', '.join(ROLES)}) and a string content",
-                f"messages[{i}]",
-                "invalid_value",
+                400, f"messages[{i}] has no content", f"messages[{i}].content", "invalid_value"
             )
-        lines.append(f"{ROLES[message['role']]}: {message['content']}\n")
+        lines.append(f"{ROLES[message.role]}: {content}\n")
     return "".join(lines) + "Assistant:"
 
 
@@ -227,7 +219,7 @@ class Completions:
         return (self.echo[index // self.s.n] if self.echo is not None else "") + text, True
 
     def _logprobs(self, events: list[Event], offset: int) -> dict | None:
-        if not self.s.logprobs:
+        if self.s.logprobs is None:
             return None
         tokens = [self.tokenizer.decode([e.token]) for e in events]
         top = [{self.tokenizer.decode([t]): lp for t, lp in e.top} for e in events]
@@ -266,22 +258,34 @@ class Completions:
         got: dict[int, list[Event]] = {}
         async for index, event in events:
             got.setdefault(index, []).append(event)
+        generated = sum(len(v) for v in got.values())  # every candidate's tokens
+        if self.s.best_of > self.s.n:
+            got = best_of(got, self.s.best_of, self.s.n)
         choices = []
         for index in sorted(got):
             text, _ = self.opening(index, "".join(e.text for e in got[index]))
             start = len(text) - sum(len(e.text) for e in got[index])  # the echoed prompt
             choices.append(self.choice(index, text, got[index], start, first=True))
-        generated = sum(len(v) for v in got.values())
         self.metrics.generated_tokens.inc(generated)
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": generated}
-        return self.body(choices, usage | {"total_tokens": self.prompt_tokens + generated})
+        return self.body(choices, self.usage(generated))
+
+    def usage(self, generated: int) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": generated,
+            "total_tokens": self.prompt_tokens + generated,
+        }
 
     async def stream(self, events):
+        """Server-sent chunks, one per token; with `stream_options.include_usage` every
+        chunk has `usage: null` and a last one, with no choices, the usage."""
         self.streaming = True
         started: set[int] = set()
         offsets: dict[int, int] = {}  # text sent so far per choice
+        generated = 0
         async for index, event in events:
             self.metrics.generated_tokens.inc()
+            generated += 1
             text, first = event.text, index not in offsets
             if index not in started:
                 text, begun = self.opening(index, text)
@@ -289,9 +293,26 @@ class Completions:
                     started.add(index)
             offset = offsets.get(index, 0) + len(text) - len(event.text)  # after an echo
             chunk = self.body([self.choice(index, text, [event], offset, first)])
+            if self.s.include_usage:
+                chunk["usage"] = None
             offsets[index] = offsets.get(index, 0) + len(text)
             yield f"data: {json.dumps(chunk)}\n\n"
+        if self.s.include_usage:
+            yield f"data: {json.dumps(self.body([], self.usage(generated)))}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def best_of(got: dict[int, list[Event]], candidates: int, keep: int) -> dict[int, list[Event]]:
+    """Of each prompt's `candidates` answers (indices p·candidates + j), the `keep` whose
+    tokens' total log-probability is highest, best first, as choices p·keep + rank."""
+    out = {}
+    for p in range(max(got) // candidates + 1):
+        mine = [got.get(p * candidates + j, []) for j in range(candidates)]
+        totals = [math.fsum(e.logprob or 0.0 for e in events) for events in mine]
+        ranked = sorted(range(candidates), key=lambda j: -totals[j])  # stable: earlier first
+        for rank, j in enumerate(ranked[:keep]):
+            out[p * keep + rank] = mine[j]
+    return out
 
 
 def rest(top: list[tuple[int, float]]) -> float:
@@ -311,18 +332,19 @@ class Chat(Completions):
         return text, bool(text)
 
     def _logprobs(self, events: list[Event], offset: int) -> dict | None:
-        if not self.s.logprobs:
+        if self.s.logprobs is None:
             return None
-        decode = self.tokenizer.decode
+
+        def entry(token: int, logprob: float) -> dict:
+            text = self.tokenizer.decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
         return {
             "content": [
-                {
-                    "token": decode([e.token]),
-                    "logprob": e.logprob,
-                    "top_logprobs": [{"token": decode([t]), "logprob": lp} for t, lp in e.top],
-                }
+                entry(e.token, e.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in e.top]}
                 for e in events
-            ]
+            ],
+            "refusal": None,
         }
 
     def choice(
@@ -330,7 +352,11 @@ class Chat(Completions):
     ) -> dict:
         return {
             "index": index,
-            "delta" if self.streaming else "message": {"role": "assistant", "content": text},
+            "delta" if self.streaming else "message": {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,  # OpenAI's schema requires it; tlm never refuses
+            },
             "logprobs": self._logprobs(events, offset),
             "finish_reason": events[-1].finish_reason,
         }

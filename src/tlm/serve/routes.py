@@ -12,10 +12,13 @@ are free for the next step. The server's state lives in one `Server` object on t
 from __future__ import annotations
 
 import asyncio
+import json
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
+from tlm._version import __version__
 from tlm.generate import GenerationConfig
 from tlm.interpret.report import inspect_prompt
 from tlm.interpret.report import page as filled_page
@@ -30,26 +33,93 @@ from tlm.serve.openai import (
     Completions,
     Sampling,
     chat_prompt,
+    check_model,
     prompts,
     sampling,
 )
-from tlm.serve.server import Server, authorized, ids, read
+from tlm.serve.schema import (
+    ERRORS,
+    STREAM,
+    ChatCompletion,
+    ChatRequest,
+    Completion,
+    CompletionRequest,
+    ModelList,
+)
+from tlm.serve.server import Authorized, Server, ids, read
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Metrics) -> FastAPI:
-    app = FastAPI(title="tlm serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tlm serve", redoc_url=None, version=__version__)
     app.state.server = Server(engine, model_name, api_key, metrics)
     app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(Exception, server_error)
+    app.add_middleware(BodiesAreJson)
     app.include_router(router)
     app.include_router(explain.router)
     return app
+
+
+class BodiesAreJson:
+    """A request body is read as JSON whatever its Content-Type says: `curl -d` and Python's
+    urllib send form encoding by default, and OpenAI's API takes JSON only."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
 
 
 async def api_error(request: Request, error: ApiError) -> JSONResponse:
     request.app.state.server.metrics.requests.labels(request.url.path, str(error.status)).inc()
     headers = {"Retry-After": "1"} if error.status == 429 else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+    """A body the request models refuse -> 400 in OpenAI's shape, naming the field."""
+    errors = error.errors()
+    if [part for part in errors[0]["loc"] if part != "body"] == []:  # not an object: JSON?
+        try:
+            json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            errors = [{"type": "json_invalid", "loc": ("body",)}]
+    return await api_error(request, refusal(errors))
+
+
+def refusal(errors) -> ApiError:
+    first = errors[0]
+    kind, where = first["type"], [part for part in first["loc"] if part != "body"]
+    if kind == "json_invalid":
+        return ApiError(400, "the request body is not valid JSON", code="invalid_json")
+    if not where:
+        return ApiError(400, "the request body must be a JSON object", code="invalid_type")
+    param = str(where[0])
+    for part in where[1:]:  # fields and list indices, up to the first union member's name
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part.isidentifier() and part not in UNION_MEMBERS:
+            param += f".{part}"
+        else:
+            break
+    if param in ONE_OF:
+        return ApiError(400, f"{param} must be {ONE_OF[param]}", param, "invalid_type")
+    if kind == "extra_forbidden":
+        return ApiError(400, f"unrecognized request argument: {param}", param, "unknown_parameter")
+    code = "invalid_type" if kind.endswith("_type") or kind == "missing" else "invalid_value"
+    return ApiError(400, f"{param}: {first['msg']}", param, code)
+
+
+UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none"}
+ONE_OF = {  # the unions, said once
+    "prompt": "a string, a list of strings, a list of token ids, or a list of such lists",
+    "stop": "a string or a list of at most 4 strings",
+}
 
 
 async def server_error(request: Request, error: Exception) -> JSONResponse:
@@ -76,23 +146,27 @@ async def health(request: Request) -> dict:
     }
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> dict:
-    server = authorized(request)
+@router.get("/v1/models", response_model=ModelList, responses=ERRORS)
+async def models(server: Authorized) -> dict:
     model = {"id": server.name, "object": "model", "created": 0, "owned_by": "tlm"}
     return {"object": "list", "data": [model]}
 
 
-@router.post("/v1/completions")
-async def completions(request: Request):
-    server, body = await read(request)
-    echoing = body.get("echo") is True
+COMPLETION = {200: {"model": Completion, "content": STREAM}} | ERRORS
+CHAT = {200: {"model": ChatCompletion, "content": STREAM}} | ERRORS
+
+
+@router.post("/v1/completions", response_model=None, responses=COMPLETION)
+async def completions(request: Request, body: CompletionRequest, server: Authorized):
+    check_model(body, server.name)
+    echoing = bool(body.echo)
     texts = prompts(body)
-    s = sampling(body, max_n=server.max_n, least_tokens=0 if echoing else 1)
+    vocab = server.engine.tokenizer.vocab_size
+    s = sampling(body, server.max_n, vocab, least_tokens=0 if echoing else 1)
     decode = server.engine.tokenizer.decode
     echo = [t if isinstance(t, str) else decode(t) for t in texts] if echoing else None
     shape = Completions(server.name, server.engine.tokenizer, echo, s, server.metrics)
-    if echoing and s.logprobs:
+    if echoing and s.logprobs is not None:
         shape.echo_logprobs = await echoed(server, texts, s.logprobs)
     if s.max_tokens == 0:  # the prompt scored, nothing generated
         given = [ids(server, t, f"prompt {p}") for p, t in enumerate(texts)]
@@ -105,12 +179,13 @@ async def completions(request: Request):
     return await answer(request, texts, s, (), shape)
 
 
-@router.post("/v1/chat/completions")
-async def chat(request: Request):
-    server, body = await read(request)
-    s = sampling(body, max_n=server.max_n, default_max_tokens=256)
+@router.post("/v1/chat/completions", response_model=None, responses=CHAT)
+async def chat(request: Request, body: ChatRequest, server: Authorized):
+    check_model(body, server.name)
+    vocab = server.engine.tokenizer.vocab_size
+    s = sampling(body, server.max_n, vocab, default_max_tokens=256)
     shape = Chat(server.name, server.engine.tokenizer, s, server.metrics)
-    return await answer(request, [chat_prompt(body)], s, (CHAT_STOP,), shape)
+    return await answer(request, [chat_prompt(body.messages)], s, (CHAT_STOP,), shape)
 
 
 @router.post("/v1/inspect")
@@ -151,9 +226,10 @@ def prompt_tokens(texts: list[str | list[int]], tokens: list[list[int]]) -> int:
 async def answer(request: Request, texts: list[str], s: Sampling, extra_stop, shape):
     """Submit a job per prompt and answer with the shape: whole, or streamed as events."""
     server = request.app.state.server
-    if s.n > server.engine.max_queue:  # could never be queued, however long the client waits
+    if s.best_of > server.engine.max_queue:  # could never be queued, however long it waits
+        name = "n" if s.best_of == s.n else "best_of"
         raise ApiError(
-            400, f"n must be <= {server.engine.max_queue} (--max-queue)", "n", "invalid_value"
+            400, f"{name} must be <= {server.engine.max_queue} (--max-queue)", name, "invalid_value"
         )
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
     started = jobs(server, texts, s, extra_stop, queue, loop)
@@ -161,7 +237,7 @@ async def answer(request: Request, texts: list[str], s: Sampling, extra_stop, sh
     shape.prompt_tokens = prompt_tokens(texts, [j.prompt for j in started])
     server.metrics.prompt_tokens.inc(shape.prompt_tokens)
     server.metrics.requests.labels(request.url.path, "200").inc()
-    events = _events(server.engine, started, queue, s.n)
+    events = _events(server.engine, started, queue, s.best_of)
     if s.stream:
         return StreamingResponse(shape.stream(events), media_type="text/event-stream")
     return JSONResponse(await shape.whole(events))
@@ -175,7 +251,10 @@ def jobs(server: Server, texts: list[str], s: Sampling, extra_stop, queue, loop)
         top_k=s.top_k,
         top_p=s.top_p,
         repetition_penalty=s.repetition_penalty,
-        num_return_sequences=s.n,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        logit_bias=s.logit_bias,
+        num_return_sequences=s.best_of,  # the candidates; the best n are answered
         eos_token_id=None if s.ignore_eos else server.engine.tokenizer.eot_id,
     )
     out = []
@@ -185,7 +264,7 @@ def jobs(server: Server, texts: list[str], s: Sampling, extra_stop, queue, loop)
             loop.call_soon_threadsafe(queue.put_nowait, (p, event))
 
         prompt = ids(server, text, f"prompt {p}")
-        out.append(Job(prompt, config, deliver, s.stop + extra_stop, s.seed, s.logprobs))
+        out.append(Job(prompt, config, deliver, s.stop + extra_stop, s.seed, s.logprobs or 0))
     return out
 
 

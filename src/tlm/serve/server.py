@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from tlm.serve.engine import Engine
 from tlm.serve.metrics import Metrics
-from tlm.serve.openai import ApiError, check_body
+from tlm.serve.openai import ApiError
 from tlm.tokenizer import InputTooLong, TokenizerError, document_ids, within
 
 
@@ -42,14 +43,28 @@ def authorized(request: Request) -> Server:
     return server
 
 
+Authorized = Annotated[Server, Depends(authorized)]  # a route's parameter: the key checked
+
+
 async def read(request: Request) -> tuple[Server, dict]:
-    """The server and the request's JSON body, authorized and checked."""
+    """The server and the request's JSON body, authorized and checked: the page's routes
+    (tlm extras) read their few fields from it; OpenAI's routes take `schema`'s models."""
     server = authorized(request)
     try:
         body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
-    return server, check_body(body, server.name)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
+    model = body.get("model", server.name)
+    if model != server.name:
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; this server has {server.name!r}",
+            "model",
+            "model_not_found",
+        )
+    return server, body
 
 
 def ids(server: Server, prompt: str | list[int], name: str, whole: bool = True) -> list[int]:
