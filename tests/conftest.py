@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -181,4 +182,9 @@ def server(served_run):
     proc, url = start(served_run, "--slots", "4", "--max-queue", "64", "--api-key", KEY)
     yield url
     proc.terminate()
-    proc.wait(timeout=10)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # never leave a server decoding behind the suite
+        proc.kill()
+        proc.wait(timeout=10)
+        raise

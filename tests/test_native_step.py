@@ -323,3 +323,17 @@ def test_a_replaced_parameter_is_read_at_the_next_step(make_model):
     stepped_logits, _ = stepped(fast, ids, 3)
     with torch.no_grad():
         assert torch.allclose(stepped_logits, model(ids)[:, 3:], atol=1e-5)
+
+
+@needs_native
+def test_loading_the_c_step_leaves_the_processs_arithmetic_alone():
+    """The library is built with -ffast-math's parts, not -ffast-math: gcc links that into a
+    shared library with a loader that sets flush-to-zero for the whole process, and numpy's
+    and torch's subnormal results became 0 after the first decoding step."""
+    code = (
+        "import numpy as np, torch; from tlm.inference import native; "
+        "assert native.library() is not None; "
+        "print(np.float32(1e-38) / np.float32(10), float(torch.tensor(1e-38) / 10) > 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1e-39", "True"], out.stdout

@@ -132,6 +132,8 @@ def test_developer_role_null_prompt_and_refusal_null(server):
         ({"modalities": ["text", "audio"]}, 400, "modalities"),
         ({"prediction": {"type": "content", "content": "x"}}, 400, "prediction"),
         ({"no_such_field": 1}, 400, "no_such_field"),
+        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"response_format": {"type": "text"}}, 200, None),
         ({"user": "u1", "store": False, "metadata": {"a": "b"}, "service_tier": "auto"}, 200, None),
         ({"parallel_tool_calls": True, "tool_choice": "none", "modalities": ["text"]}, 200, None),
     ],
@@ -155,3 +157,34 @@ def test_openapi_describes_the_bodies(server):
     answers = spec["paths"]["/v1/completions"]["post"]["responses"]
     assert answers["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/Completion")
     assert answers["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+
+
+def test_a_client_gone_before_a_whole_answer_frees_its_rows(server):
+    """Not only a stream: a request whose client stops waiting is cancelled, not decoded to
+    its max_tokens for nobody."""
+    import socket
+    import time
+
+    from serving import health
+
+    body = {"prompt": "The", "max_tokens": 1_000_000, "ignore_eos": True}
+    with pytest.raises((TimeoutError, socket.timeout, OSError)):
+        request = urllib.request.Request(
+            server + "/v1/completions", json.dumps(body).encode(),
+            {"Authorization": f"Bearer {KEY}"},
+        )  # fmt: skip
+        urllib.request.urlopen(request, timeout=1)
+    deadline = time.monotonic() + 3
+    while health(server)["busy"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert health(server)["busy"] == 0
+
+
+def test_a_negative_seed_is_a_seed(server):
+    """A negative seed stopped the engine thread before (every later request waited
+    forever); now it is a seed like any other."""
+    body = {"prompt": "The", "max_tokens": 6, "temperature": 1.0, "seed": -(2**63)}
+    first, second = (post(server + "/v1/completions", body) for _ in range(2))
+    assert first[0] == second[0] == 200
+    assert first[1]["choices"][0]["text"] == second[1]["choices"][0]["text"]
+    assert post(server + "/v1/completions", {"prompt": "The", "max_tokens": 2})[0] == 200

@@ -176,3 +176,14 @@ def test_cli_flags_reach_the_core(tmp_path, capsys, bpe_tokenizer):
 def _tiny(vocab_size):
     torch.manual_seed(0)
     return TransformerLM(tiny_config(vocab_size=vocab_size)).eval()
+
+
+def test_extreme_settings_still_choose_a_token():
+    """repetition_penalty 1e-38 divides a positive logit past float range: the choice is
+    still one of the penalised-up tokens, never an error (the server answered 500)."""
+    logits = torch.tensor([[2.0, 1.0, -1.0, 3.0]])
+    seen = torch.tensor([[True, True, True, False]])
+    for sampled in ({}, {"do_sample": True, "top_p": 1e-150}):
+        config = GenerationConfig(repetition_penalty=1.175494351e-38, **sampled)
+        token = choose(logits, config, [torch.Generator().manual_seed(0)], seen)
+        assert token.tolist() in ([0], [1])

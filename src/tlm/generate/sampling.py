@@ -60,6 +60,7 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
     drop_sorted = before >= p  # the set reached p already without this token
+    drop_sorted[..., 0] = False  # the likeliest stays, even for a p below float32's range
     drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
     return logits.masked_fill(drop, float("-inf"))
 
@@ -176,6 +177,9 @@ def choose(
     row's tokens so far for the repetition penalty and `counts` [B,V] counts its output
     for the frequency and presence penalties."""
     logits = adjust_logits(logits.float(), config, seen, counts)
+    # an extreme setting (repetition_penalty 1e-38) can push a logit past float range:
+    # +inf becomes the largest float (still first), NaN can never be chosen
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
     if config.greedy:
         return greedy(logits)
     logits = process_logits(logits, config.temperature, config.top_k, config.top_p)

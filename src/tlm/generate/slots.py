@@ -75,8 +75,9 @@ def window_start(length: int, capacity: int) -> int:
 
 
 def row_generator(seed: int, sample: int, device: torch.device | str) -> torch.Generator:
-    """Sample j of a prompt draws from a generator of (seed, j), whatever else is running."""
-    state = np.random.SeedSequence([seed, sample]).generate_state(1, np.uint64)[0]
+    """Sample j of a prompt draws from a generator of (seed, j), whatever else is running.
+    Any integer is a seed: a negative one is read as its 64-bit two's complement."""
+    state = np.random.SeedSequence([seed % 2**64, sample]).generate_state(1, np.uint64)[0]
     return torch.Generator(device=device).manual_seed(int(state))
 
 

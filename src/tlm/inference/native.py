@@ -30,7 +30,11 @@ from pathlib import Path
 from torch import Tensor
 
 SOURCES = [Path(__file__).with_name(name) for name in ("step.c", "products.c")]
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC"]
+# Compiled with -ffast-math (glibc's vector expf and friends need it) and linked without
+# it: linking with it adds gcc's crtfastmath.o, whose loader sets flush-to-zero for the
+# whole process, and every subnormal result of numpy and torch after the first decoding
+# step became 0 (tested)
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
 # OpenMP threads (attention's heads split across the cores), else SIMD pragmas only. With
 # -fopenmp the library needs libgomp.so.1, which resolves to the copy torch has loaded: one
 # thread pool for torch's ops and this file's, whose threads are still awake from the
@@ -102,11 +106,19 @@ def _compiled(flags: list[str]) -> Path:
     handle, temporary = tempfile.mkstemp(dir=folder, suffix=".so.part")
     os.close(handle)
     compiler = os.environ.get("CC", "cc")
+    threads = [flag for flag in flags if "openmp" in flag]  # the runtime is linked too
     try:
-        command = [compiler, *flags, *map(str, SOURCES), "-o", temporary, "-lm"]
-        run = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if run.returncode != 0:
-            raise OSError(f"{compiler} failed: {run.stderr.strip()[:200]}")
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            objects = [str(Path(scratch) / f"{source.stem}.o") for source in SOURCES]
+            steps = [
+                [compiler, *flags, "-c", str(s), "-o", o]
+                for s, o in zip(SOURCES, objects, strict=True)
+            ]
+            steps.append([compiler, "-shared", *threads, *objects, "-o", temporary, "-lm"])
+            for command in steps:
+                run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+                if run.returncode != 0:
+                    raise OSError(f"{compiler} failed: {run.stderr.strip()[:200]}")
         os.replace(temporary, target)
     finally:
         if os.path.exists(temporary):

@@ -35,6 +35,7 @@ class Event:
     logprob: float | None = None
     top: list[tuple[int, float]] = field(default_factory=list)
     finish_reason: str | None = None  # on the last event of a choice: "stop" or "length"
+    error: str | None = None  # the engine could not run the job: what went wrong
 
 
 @dataclass(eq=False)
@@ -137,15 +138,33 @@ class Engine:
                 except Exception as error:  # noqa: BLE001 - handed to the caller
                     future.set_exception(error)
             for job in incoming:
-                self._start(job)
+                try:
+                    self._start(job)
+                except Exception as error:  # noqa: BLE001 - the job fails, the engine goes on
+                    self._fail([job], error)
             for job in cancelled:
                 for choice in job.choices:
                     self._end(choice, None)
             if not self.slots.idle():
-                for emitted in self.slots.step():
+                try:
+                    emitted_all = self.slots.step()
+                except Exception as error:  # noqa: BLE001 - every running job fails, not the engine
+                    running = {c.job for c in self.choices.values()}
+                    self._fail(list(running), error)
+                    continue
+                for emitted in emitted_all:
                     choice = self.choices.get(emitted.sequence)
                     if choice is not None:
                         self._token(choice, emitted)
+
+    def _fail(self, jobs: list[Job], error: Exception) -> None:
+        """Tell each job what went wrong and give its rows back; the engine thread goes on."""
+        for job in jobs:
+            for choice in job.choices:
+                self.choices.pop(choice.sequence, None)
+                self.slots.cancel(choice.sequence)
+            job.deliver(Event(0, "", error=f"{type(error).__name__}: {error}"))
+            job.deliver(None)
 
     def _start(self, job: Job) -> None:
         n = job.config.num_return_sequences

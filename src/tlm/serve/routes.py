@@ -17,6 +17,7 @@ import json
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from tlm._version import __version__
 from tlm.generate import GenerationConfig
@@ -54,6 +55,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Me
     app.state.server = Server(engine, model_name, api_key, metrics)
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, server_error)
     app.add_middleware(BodiesAreJson)
     app.include_router(router)
@@ -79,6 +81,14 @@ async def api_error(request: Request, error: ApiError) -> JSONResponse:
     request.app.state.server.metrics.requests.labels(request.url.path, str(error.status)).inc()
     headers = {"Retry-After": "1"} if error.status == 429 else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """FastAPI's own refusals (a body that is not UTF-8, an unknown path or method) in
+    OpenAI's shape too."""
+    message = "the request body is not valid JSON" if error.status_code == 400 else error.detail
+    code = "invalid_json" if error.status_code == 400 else None
+    return await api_error(request, ApiError(error.status_code, str(message), code=code))
 
 
 async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -161,6 +171,9 @@ async def completions(request: Request, body: CompletionRequest, server: Authori
     check_model(body, server.name)
     echoing = bool(body.echo)
     texts = prompts(body)
+    for p, text in enumerate(texts):  # ids outside the vocabulary: a 400 before any use
+        if not isinstance(text, str):
+            ids(server, text, f"prompt {p}", whole=False)
     vocab = server.engine.tokenizer.vocab_size
     s = sampling(body, server.max_n, vocab, least_tokens=0 if echoing else 1)
     decode = server.engine.tokenizer.decode
@@ -240,7 +253,22 @@ async def answer(request: Request, texts: list[str], s: Sampling, extra_stop, sh
     events = _events(server.engine, started, queue, s.best_of)
     if s.stream:
         return StreamingResponse(shape.stream(events), media_type="text/event-stream")
-    return JSONResponse(await shape.whole(events))
+    return JSONResponse(await until_gone(request, shape.whole(events), server.engine, started))
+
+
+async def until_gone(request: Request, answer, engine: Engine, started: list[Job]):
+    """The whole answer, unless its client goes away first: then its jobs are cancelled and
+    their rows free for the next step, as a stream's are, instead of decoding for nobody."""
+    task = asyncio.ensure_future(answer)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            for job in started:
+                engine.cancel(job)
+            task.cancel()
+            raise ApiError(499, "the client went away", code="client_closed")
 
 
 def jobs(server: Server, texts: list[str], s: Sampling, extra_stop, queue, loop) -> list[Job]:
@@ -289,6 +317,8 @@ async def _events(engine: Engine, started: list[Job], queue: asyncio.Queue, n: i
             p, event = await queue.get()
             if event is None:
                 open_jobs -= 1
+            elif event.error is not None:
+                raise ApiError(500, f"internal error: {event.error}")
             else:
                 yield p * n + event.index, event
     finally:

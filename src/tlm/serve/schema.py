@@ -128,6 +128,11 @@ def unsupported(request: CompletionRequest | ChatRequest) -> tuple[str, str] | N
         ("prediction", "prediction" in given, "predicted outputs are not implemented"),
         ("web_search_options", "web_search_options" in given, "web search is not implemented"),
         ("suffix", bool(given.get("suffix")), "insertion (suffix) is not implemented"),
+        (
+            "response_format",
+            given.get("response_format", {"type": "text"})["type"] != "text",
+            "structured outputs (json_object, json_schema) are not implemented yet",
+        ),
     ]
     for i, message in enumerate(given.get("messages", [])):
         if message.get("tool_calls"):
