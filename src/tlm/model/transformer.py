@@ -168,8 +168,8 @@ class TransformerLM(nn.Module):
         config = replace(config, num_return_sequences=candidates, best_of=None)
         steps = list(generate(self, input_ids, config, attention_mask))
         prompts = input_ids.repeat_interleave(candidates, dim=0)
-        if not steps:
-            return prompts[:: candidates // n] if candidates > n else prompts
+        if not steps:  # max_new_tokens 0: every candidate is its prompt
+            return input_ids.repeat_interleave(n, dim=0)
         out = torch.cat([prompts, torch.stack([s.tokens for s in steps], dim=1)], dim=1)
         if candidates > n:  # a row's log-probabilities are 0 once it has ended
             totals = torch.stack([s.logprobs for s in steps], dim=1).sum(dim=1)

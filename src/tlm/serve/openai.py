@@ -25,6 +25,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import torch
+
+from tlm.generate import best_rows
 from tlm.serve.engine import Event
 from tlm.serve.metrics import Metrics
 from tlm.serve.schema import ChatRequest, CompletionRequest, Message, Sampled, unsupported
@@ -304,15 +307,13 @@ class Completions:
 
 def best_of(got: dict[int, list[Event]], candidates: int, keep: int) -> dict[int, list[Event]]:
     """Of each prompt's `candidates` answers (indices p·candidates + j), the `keep` whose
-    tokens' total log-probability is highest, best first, as choices p·keep + rank."""
-    out = {}
-    for p in range(max(got) // candidates + 1):
-        mine = [got.get(p * candidates + j, []) for j in range(candidates)]
-        totals = [math.fsum(e.logprob or 0.0 for e in events) for events in mine]
-        ranked = sorted(range(candidates), key=lambda j: -totals[j])  # stable: earlier first
-        for rank, j in enumerate(ranked[:keep]):
-            out[p * keep + rank] = mine[j]
-    return out
+    tokens' total log-probability is highest, best first (`decode.best_rows`, as
+    `model.generate` ranks them), as choices p·keep + rank."""
+    answers = [got.get(i, []) for i in range((max(got) // candidates + 1) * candidates)]
+    totals = torch.tensor(
+        [math.fsum(e.logprob or 0.0 for e in a) for a in answers], dtype=torch.float64
+    )
+    return dict(enumerate(answers[i] for i in best_rows(totals, candidates, keep).tolist()))
 
 
 def rest(top: list[tuple[int, float]]) -> float:
