@@ -23,16 +23,17 @@ CHECKS = [
     negative_data_rejection,
 ]
 OPENAI = r"^/v1/(completions|chat/completions|models)$"
+PAGE = r"^/(tokenize|detokenize|tokenizer_info|v1/(distribution|attention|inspect))$"
 SHORT = {
     "max_tokens": 8,
     "max_completion_tokens": 8,
 }  # no bound in the schema: clamping keeps validity
 
 
-def operations(server):
-    api = schemathesis.openapi.from_url(server + "/openapi.json").include(path_regex=OPENAI)
+def operations(server, paths: str = OPENAI, count: int = 3):
+    api = schemathesis.openapi.from_url(server + "/openapi.json").include(path_regex=paths)
     found = [result.ok() for result in api.get_all_operations()]
-    assert len(found) == 3  # completions, chat, models
+    assert len(found) == count  # OpenAI's: completions, chat, models
     return found
 
 
@@ -44,7 +45,8 @@ def short(case, stream: bool) -> None:
             value = case.body.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > most:
                 case.body[name] = most
-        if "stream" in case.body or stream:
+        given = case.body.get("stream")  # an invalid one (a list) stays, to be refused
+        if isinstance(given, bool) or (given is None and stream):
             case.body["stream"] = stream
 
 
@@ -77,3 +79,12 @@ def test_streamed_answers_keep_their_status_codes(server):
     server errors are what is checked."""
     for operation in operations(server):
         fuzz(operation, 40, GenerationMode.POSITIVE, stream=True, checks=CHECKS[:2])
+
+
+def test_the_pages_routes_keep_their_schema(server):
+    """tlm's extras (the page's and lm-eval's remote tokenizer's), typed like OpenAI's:
+    about 250 requests."""
+    for operation in operations(server, PAGE, 6):
+        fuzz(operation, 25, GenerationMode.POSITIVE, stream=False, checks=CHECKS)
+        if operation.method.upper() == "POST":
+            fuzz(operation, 25, GenerationMode.NEGATIVE, stream=False, checks=CHECKS)

@@ -3,6 +3,7 @@ core honours it, the rest accepted or refused by name (never ignored), the fuzzi
 fixed, and the request and response bodies described by /openapi.json."""
 
 import json
+import urllib.error
 import urllib.request
 
 import pytest
@@ -11,6 +12,12 @@ from serving import KEY, local, post
 from tlm.load import load_tokenizer
 
 pytestmark = pytest.mark.slow  # a server process
+
+
+def get(url):
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
 
 
 def chat(server, **body):
@@ -86,6 +93,8 @@ def test_max_completion_tokens_and_stream_usage(server):
         lines = [line.decode() for line in response if line.startswith(b"data: {")]
     chunks = [json.loads(line[6:]) for line in lines]
     assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["choices"] == []
+    deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]  # the role once, as OpenAI's
+    assert deltas[0]["role"] == "assistant" and not any("role" in d for d in deltas[1:])
     assert chunks[-1]["usage"]["completion_tokens"] == 4
 
 
@@ -132,10 +141,28 @@ def test_developer_role_null_prompt_and_refusal_null(server):
         ({"modalities": ["text", "audio"]}, 400, "modalities"),
         ({"prediction": {"type": "content", "content": "x"}}, 400, "prediction"),
         ({"no_such_field": 1}, 400, "no_such_field"),
-        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, 400, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objectx"}},
+                }
+            },
+            400,
+            "response_format",
+        ),
         ({"response_format": {"type": "text"}}, 200, None),
         ({"user": "u1", "store": False, "metadata": {"a": "b"}, "service_tier": "auto"}, 200, None),
         ({"parallel_tool_calls": True, "tool_choice": "none", "modalities": ["text"]}, 200, None),
+        (
+            {"prompt_cache_key": "k", "safety_identifier": "s", "prompt_cache_retention": "24h"},
+            200,
+            None,
+        ),
+        ({"stream_options": {"include_obfuscation": False}}, 200, None),
+        ({"reasoning_effort": "low"}, 400, "reasoning_effort"),
+        ({"verbosity": "low"}, 400, "verbosity"),
     ],
 )
 def test_each_field_is_honoured_accepted_or_refused_by_name(server, extra, status, param):
@@ -188,3 +215,20 @@ def test_a_negative_seed_is_a_seed(server):
     assert first[0] == second[0] == 200
     assert first[1]["choices"][0]["text"] == second[1]["choices"][0]["text"]
     assert post(server + "/v1/completions", {"prompt": "The", "max_tokens": 2})[0] == 200
+
+
+def test_published_schema_findings(server):
+    """OpenAI's published document (openai/openai-openapi) allows these; each was refused."""
+    (served,) = get(server + "/v1/models")["data"]
+    assert get(server + "/v1/models/" + served["id"]) == served
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        get(server + "/v1/models/gpt-4")
+    assert missing.value.code == 404
+    assert json.loads(missing.value.read())["error"]["code"] == "model_not_found"
+    greedy = chat(server, max_tokens=6, temperature=0)[1]["choices"][0]["message"]
+    nucleus_zero = chat(server, max_tokens=6, temperature=1.5, top_p=0, seed=3)
+    assert nucleus_zero[1]["choices"][0]["message"] == greedy  # top_p 0: the likeliest only
+    status, answer, _ = post(server + "/v1/completions", {"prompt": "The", "max_tokens": 0})
+    assert status == 200 and answer["choices"][0]["text"] == ""
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 0

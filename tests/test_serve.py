@@ -128,7 +128,7 @@ def test_greedy_is_unchanged_while_eight_other_requests_decode(client, run):
         ({"prompt": 3}, KEY, 400, "prompt", "invalid_type"),
         ({"prompt": "a", "max_tokens": "9"}, KEY, 400, "max_tokens", "invalid_type"),
         ({"prompt": "a", "temperature": 3}, KEY, 400, "temperature", "invalid_value"),
-        ({"prompt": "a", "top_p": 0}, KEY, 400, "top_p", "invalid_value"),
+        ({"prompt": "a", "top_p": -0.1}, KEY, 400, "top_p", "invalid_value"),
         ({"prompt": "a", "n": 0}, KEY, 400, "n", "invalid_value"),
         ({"prompt": "a", "logprobs": 21}, KEY, 400, "logprobs", "invalid_value"),
         ({"prompt": [0, 99999]}, KEY, 400, "prompt", "invalid_value"),

@@ -2,7 +2,8 @@
 
 Both save to and load from one `tokenizer.json` and share one interface: `encode(str) ->
 list[int]`, `decode(list[int]) -> str`, `eot_id`, `vocab_size`, `token_bytes()` (the UTF-8
-length of each token, for bits per byte). `<|endoftext|>` separates documents.
+length of each token, for bits per byte) and `pieces()` (the bytes each token writes, for
+constrained decoding). `<|endoftext|>` separates documents.
 """
 
 from __future__ import annotations
@@ -20,6 +21,24 @@ from tlm.io import write_text_atomic
 
 EOT = "<|endoftext|>"
 KINDS = ("bpe", "char")
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable Latin-1 bytes stand for themselves, the
+    others (control bytes, space, ...) for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+BYTE_CHARS = _byte_chars()
+CHAR_BYTES = {c: b for b, c in enumerate(BYTE_CHARS)}
 
 
 class TokenizerError(UserError):
@@ -100,6 +119,10 @@ class CharTokenizer:
         lengths = [len(c.encode("utf-8")) for c in self.chars] + [0]
         return np.array(lengths, dtype=np.int64)
 
+    def pieces(self) -> list[bytes]:
+        """The UTF-8 bytes of each token; `<|endoftext|>` (not text) as its name."""
+        return [c.encode("utf-8") for c in self.chars] + [EOT.encode()]
+
     def to_json(self) -> str:
         return json.dumps({"type": "char", "chars": "".join(self.chars), "eot": EOT})
 
@@ -161,6 +184,19 @@ class BPETokenizer:
             if token not in special:
                 lengths[i] = len(token) if byte_level else len(token.encode("utf-8"))
         return lengths
+
+    def pieces(self) -> list[bytes]:
+        """The bytes each token writes (a byte-level token spells one byte per character;
+        any other vocabulary is text); a special token (not text) as its name."""
+        byte_level = isinstance(self.tokenizer.decoder, decoders.ByteLevel)
+        special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
+        pieces = [b""] * self.vocab_size
+        for token, i in self.tokenizer.get_vocab(with_added_tokens=True).items():
+            if byte_level and token not in special:
+                pieces[i] = bytes(CHAR_BYTES[c] for c in token)
+            else:
+                pieces[i] = token.encode("utf-8")
+        return pieces
 
     def to_json(self) -> str:
         return self.tokenizer.to_str()

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from tlm.cli.args import add_command, add_weights_flag, fail, read_text_file
 from tlm.generate import GenerationConfig, complete, stream_completion
+from tlm.generate.constrain import Grammar
 from tlm.inference import FORMATS
 from tlm.load import load_language_model, load_tokenizer
 
@@ -18,6 +19,8 @@ EXAMPLE = """examples:
   tlm generate runs/demo --prompt "A list" --prompt "A dict" --do-sample -n 3 --seed 1 --json
   tlm generate runs/demo --prompt-file question.txt --stop "\\n\\n" --dtype int8
   tlm generate runs/shakespeare_char --weights best   # a run trained with --keep-best
+  tlm generate runs/demo --prompt "A person:" --json-schema person.json   # JSON, valid
+  tlm generate runs/demo --prompt "Call " --regex "[0-9]{3}-[0-9]{4}" --do-sample
 """
 SAMPLING = ("temperature", "top_k", "top_p")
 
@@ -52,6 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--best-of", type=int, help="draw this many per prompt, print the -n most likely"
     )
+    shape = parser.add_mutually_exclusive_group()  # structured outputs (the structured extra)
+    shape.add_argument("--json-schema", metavar="FILE", help="write JSON valid against FILE")
+    shape.add_argument("--regex", metavar="R", help="write text that matches R whole")
+    shape.add_argument("--grammar", metavar="FILE", help="write text of FILE's Lark grammar")
     parser.add_argument("--num-beams", type=int, help="beam search with this many (1: none)")
     parser.add_argument("--length-penalty", type=float, help="for beam search (1.0)")
     parser.add_argument("-n", "--num-return-sequences", type=int, help="per prompt (1)")
@@ -104,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.run)
     if not args.no_eos:
         config = replace(config, eos_token_id=tokenizer.eot_id)
+    grammar = _grammar(args, tokenizer)
+    if grammar is not None:
+        config = replace(config, grammar=grammar)
     stop = tuple(_unescape(s) for s in args.stop)
     if args.stream:
         sys.stdout.write(prompts[0])
@@ -121,6 +131,21 @@ def run(args: argparse.Namespace) -> int:
                 print(f"--- {i + 1}/{len(completions)} ({c.finish_reason})")
             print(c.prompt + c.text)
     return 0
+
+
+def _grammar(args: argparse.Namespace, tokenizer) -> Grammar | None:
+    """--json-schema FILE, --regex R or --grammar FILE (Lark) -> the grammar, if one."""
+    if args.json_schema:
+        try:
+            schema = json.loads(read_text_file(args.json_schema))
+        except json.JSONDecodeError as error:
+            fail(f"--json-schema {args.json_schema}: not JSON ({error})")
+        return Grammar.json_schema(schema, tokenizer)
+    if args.regex:
+        return Grammar.regex(args.regex, tokenizer)
+    if args.grammar:
+        return Grammar.lark(read_text_file(args.grammar), tokenizer)
+    return None
 
 
 def _logit_bias(pairs: list[str]) -> dict[int, float] | None:

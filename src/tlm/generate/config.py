@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from tlm.generate.constrain import Grammar
 from tlm.generate.sampling import GenerationError
 
 
@@ -31,6 +32,7 @@ class GenerationConfig:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is accepted
     best_of: int | None = None
+    grammar: Grammar | None = None  # structured outputs: a JSON schema, regex or Lark grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):  # frozen: the one normal form, sorted pairs
@@ -60,6 +62,10 @@ class GenerationConfig:
                 raise GenerationError(f"{name} must be {allowed}, got {getattr(self, name)}")
         if self.num_beams > 1 and self.do_sample:
             raise GenerationError("beam search is deterministic: use num_beams=1 to sample")
+        if self.num_beams > 1 and self.grammar is not None:
+            raise GenerationError(
+                "a grammar constrains greedy decoding and sampling: use num_beams=1"
+            )
         if self.num_beams > 1 and self.adjusts_logits:
             raise GenerationError(
                 "repetition_penalty, frequency_penalty, presence_penalty and logit_bias apply "
@@ -83,7 +89,8 @@ class GenerationConfig:
     def adjusts_logits(self) -> bool:
         """Whether the model's logits change before the choice (`sampling.adjust_logits`)."""
         return bool(
-            self.repetition_penalty != 1.0
+            self.grammar is not None
+            or self.repetition_penalty != 1.0
             or self.frequency_penalty
             or self.presence_penalty
             or self.logit_bias
@@ -101,6 +108,10 @@ class GenerationConfig:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        if self.eos_token_id is None:
-            return ()
-        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else self.eos_token_id
+        """The end tokens; with a grammar, its tokenizer's `<|endoftext|>` among them (the
+        one token a complete output allows)."""
+        given = self.eos_token_id
+        ids = () if given is None else (given,) if isinstance(given, int) else tuple(given)
+        if self.grammar is not None and self.grammar.eos_id not in ids:
+            ids = (*ids, self.grammar.eos_id)
+        return ids

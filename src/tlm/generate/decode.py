@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from tlm.generate.config import GenerationConfig
+from tlm.generate.constrain import allowed_rows
 from tlm.generate.sampling import GenerationError, choose
 from tlm.generate.slots import Slots, random_seed, row_generator, window_start
 from tlm.inference import decoding_step, for_decoding
@@ -164,14 +165,21 @@ def _decode(state: DecodeState, c: GenerationConfig) -> Iterator[Step]:
         seen = in_prompt.scatter_add_(1, state.ids, real) > 0  # [B,V]: padding counts 0
     if c.counts_output:
         counts = torch.zeros(B, V, device=device)  # the output's tokens, none yet
+    matchers = [c.grammar.start() if c.grammar else None for _ in range(B)]
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     last = torch.zeros(B, dtype=torch.long, device=device)
     for _ in range(c.max_new_tokens):
         logits = state.next_logits().float()  # [B,V]
+        going = [None if done else m for m, done in zip(matchers, finished.tolist(), strict=True)]
+        allowed = allowed_rows(going, logits.shape[-1], device)
         with torch.no_grad():
-            tokens = torch.where(finished, last, choose(logits, c, generators, seen, counts))
+            chosen = choose(logits, c, generators, seen, counts, allowed)
+            tokens = torch.where(finished, last, chosen)
             logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
         logprobs = torch.where(finished, 0.0, logprobs)
+        for matcher, token in zip(going, tokens.tolist(), strict=True):
+            if matcher is not None:
+                matcher.accept(token)
         finished = finished | torch.isin(tokens, eos)
         last = tokens
         yield Step(tokens, logprobs, finished)

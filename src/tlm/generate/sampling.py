@@ -3,12 +3,14 @@
 They compose in the order users of other toolkits expect, and `choose` is the one place
 that composes them:
 
+0. a grammar's mask (structured outputs, `constrain.py`: tokens that cannot continue a
+   valid output get -inf),
 1. logit bias (OpenAI's `logit_bias`: a token's bias added to its logit),
 2. repetition penalty (CTRL's, over the prompt and the output),
 3. frequency and presence penalties (OpenAI's, over the output),
 4. temperature, 5. top-k, 6. top-p,
 
-then argmax (greedy, or temperature 0) or a draw from the softmax. Steps 1-3 change the
+then argmax (greedy, or temperature 0) or a draw from the softmax. Steps 0-3 change the
 logits greedy decoding sees too (a bias of 100 selects its token); 4-6 shape the
 distribution a sample is drawn from. Randomness is explicit: every draw takes a
 `torch.Generator`. The log-probability reported for a token is the model's, before any
@@ -105,10 +107,17 @@ def apply_frequency_presence(
 
 
 def adjust_logits(
-    logits: Tensor, config, seen: Tensor | None = None, counts: Tensor | None = None
+    logits: Tensor,
+    config,
+    seen: Tensor | None = None,
+    counts: Tensor | None = None,
+    allowed: Tensor | None = None,
 ) -> Tensor:
-    """Steps 1-3 of the order above, as `config` (a `GenerationConfig`) says; `seen` [B,V]
-    marks each row's tokens (prompt and output) and `counts` [B,V] counts its output."""
+    """Steps 0-3 of the order above, as `config` (a `GenerationConfig`) says; `allowed`
+    [B,V] marks the tokens each row's grammar allows, `seen` [B,V] each row's tokens
+    (prompt and output) and `counts` [B,V] counts its output."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     logits = apply_logit_bias(logits, config.logit_bias)
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
@@ -171,15 +180,18 @@ def choose(
     generators: list[torch.Generator | None] | None = None,
     seen: Tensor | None = None,
     counts: Tensor | None = None,
+    allowed: Tensor | None = None,
 ) -> Tensor:
     """The next token of every row: logits [B,V] -> ids [B], as `config` (a
     `GenerationConfig`) says; row b draws from generators[b], `seen` [B,V] marks each
-    row's tokens so far for the repetition penalty and `counts` [B,V] counts its output
-    for the frequency and presence penalties."""
-    logits = adjust_logits(logits.float(), config, seen, counts)
+    row's tokens so far for the repetition penalty, `counts` [B,V] counts its output
+    for the frequency and presence penalties and `allowed` [B,V] marks what its grammar
+    allows."""
+    logits = adjust_logits(logits.float(), config, seen, counts, allowed)
     # an extreme setting (repetition_penalty 1e-38) can push a logit past float range:
-    # +inf becomes the largest float (still first), NaN can never be chosen
-    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+    # +inf becomes the largest float (still first), NaN can never be chosen, -inf stays
+    top = torch.finfo(logits.dtype).max
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=top, neginf=float("-inf"))
     if config.greedy:
         return greedy(logits)
     logits = process_logits(logits, config.temperature, config.top_k, config.top_p)

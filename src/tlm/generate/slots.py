@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from tlm.generate.config import GenerationConfig
+from tlm.generate.constrain import Matcher
 from tlm.generate.sampling import GenerationError, choose, greedy_logprob
 from tlm.inference import InferenceLM, SlotCache, decoding_step, for_decoding
 from tlm.inference.step import could_step, listening, slot_step
@@ -44,6 +45,7 @@ class Sequence:
     generator: torch.Generator | None
     seen: Tensor | None  # [V] bool, for the repetition penalty
     counts: Tensor | None = None  # [V] the output's count of each token, for OpenAI's penalties
+    matcher: Matcher | None = None  # where the output stands in its grammar, if it has one
     top_logprobs: int = 0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -129,7 +131,15 @@ class Slots:
             seen[torch.tensor(prompt, device=self.device)] = True
         if config.counts_output:
             counts = torch.zeros(V, device=self.device)
-        sequence = Sequence(list(prompt), config, generator, seen, counts, top_logprobs)
+        matcher = None
+        if config.grammar is not None:
+            if config.grammar.vocab_size > V:
+                raise GenerationError(
+                    f"the grammar's tokenizer has {config.grammar.vocab_size} tokens; "
+                    f"the model has {V}"
+                )
+            matcher = config.grammar.start()
+        sequence = Sequence(list(prompt), config, generator, seen, counts, matcher, top_logprobs)
         self.waiting.append(sequence)
         return sequence
 
@@ -206,7 +216,13 @@ class Slots:
             logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before any filter
             seen = None if sequence.seen is None else sequence.seen[None]
             counts = None if sequence.counts is None else sequence.counts[None]
-            token = int(choose(logits[None], c, [sequence.generator], seen, counts)[0])
+            allowed = None
+            if sequence.matcher is not None:
+                allowed = sequence.matcher.allowed(len(logits)).to(logits.device)[None]
+            generators = [sequence.generator]
+            token = int(choose(logits[None], c, generators, seen, counts, allowed)[0])
+            if sequence.matcher is not None:
+                sequence.matcher.accept(token)
             if sequence.top_logprobs:
                 values, ids = logprobs.topk(min(sequence.top_logprobs, len(logprobs)))
                 top = list(zip(ids.tolist(), values.tolist(), strict=True))

@@ -23,7 +23,15 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from tlm.errors import UserError
-from tlm.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer, TokenizerError
+from tlm.tokenizer import (
+    BYTE_CHARS,
+    CHAR_BYTES,
+    EOT,
+    BPETokenizer,
+    CharTokenizer,
+    Tokenizer,
+    TokenizerError,
+)
 
 
 class GGUFError(UserError):
@@ -66,22 +74,6 @@ def tokenizer_of(fields: dict[str, Any], path: str | Path) -> Tokenizer:
     )
 
 
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-level alphabet: the printable Latin-1 bytes stand for themselves, the
-    others (control bytes, space, ...) for the characters from U+0100 on, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars, extra = [], 0
-    for byte in range(256):
-        if byte in printable:
-            chars.append(chr(byte))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
-
-
-BYTE_CHARS = _byte_chars()
-CHAR_BYTES = {c: b for b, c in enumerate(BYTE_CHARS)}
 NORMAL, CONTROL, UNUSED = 1, 3, 5  # llama.cpp's token types
 
 

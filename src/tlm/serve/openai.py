@@ -27,10 +27,19 @@ from dataclasses import dataclass
 
 import torch
 
-from tlm.generate import best_rows
+from tlm.generate import GenerationError, best_rows
+from tlm.generate.constrain import Grammar
 from tlm.serve.engine import Event
 from tlm.serve.metrics import Metrics
-from tlm.serve.schema import ChatRequest, CompletionRequest, Message, Sampled, unsupported
+from tlm.serve.schema import (
+    ChatRequest,
+    CompletionRequest,
+    Message,
+    ResponseFormat,
+    Sampled,
+    unsupported,
+)
+from tlm.tokenizer import Tokenizer
 
 ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 CHAT_STOP = "\nUser:"
@@ -82,16 +91,22 @@ class Sampling:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: int | None  # alternatives per token; None: no logprobs object
     ignore_eos: bool  # an extra, as vLLM names it: decode past <|endoftext|>
+    grammar: Grammar | None  # response_format json_object or json_schema
 
 
-def check_model(request: Sampled, model_name: str) -> None:
-    if request.model is not None and request.model != model_name:
+def require_model(model: str | None, served: str) -> None:
+    """A 404 for a model name that is not the one served (None: the one served)."""
+    if model is not None and model != served:
         raise ApiError(
             404,
-            f"the model {request.model!r} does not exist; this server has {model_name!r}",
+            f"the model {model!r} does not exist; this server has {served!r}",
             "model",
             "model_not_found",
         )
+
+
+def check_model(request: Sampled, model_name: str) -> None:
+    require_model(request.model, model_name)
     refused = unsupported(request)
     if refused is not None:
         field, why = refused
@@ -101,13 +116,14 @@ def check_model(request: Sampled, model_name: str) -> None:
 def sampling(
     request: CompletionRequest | ChatRequest,
     max_n: int,
-    vocab_size: int,
+    tokenizer: Tokenizer,
     default_max_tokens: int = 16,
     least_tokens: int = 1,
 ) -> Sampling:
     """The sampling settings of a validated request, with the checks that need more than one
     field or the model: `max_tokens` 0 only where `least_tokens` allows it (completions with
-    echo: the prompt scored alone), n and best_of, logit_bias's token ids."""
+    echo: the prompt scored alone), n and best_of, logit_bias's token ids, the schema of a
+    response_format."""
     r = request
     chat = isinstance(r, ChatRequest)
     max_tokens = (r.max_completion_tokens if chat else None) or r.max_tokens
@@ -135,21 +151,37 @@ def sampling(
     return Sampling(
         max_tokens=max_tokens,
         temperature=1.0 if r.temperature is None else r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
+        top_p=None if r.top_p == 0 else r.top_p,  # 0 keeps the likeliest token: top-k 1
+        top_k=1 if r.top_p == 0 else r.top_k,
         n=n,
         stop=tuple(stop),
         seed=r.seed,
         repetition_penalty=r.repetition_penalty or 1.0,
         frequency_penalty=r.frequency_penalty or 0.0,
         presence_penalty=r.presence_penalty or 0.0,
-        logit_bias=logit_bias(r.logit_bias, vocab_size),
+        logit_bias=logit_bias(r.logit_bias, tokenizer.vocab_size),
         best_of=best_of,
         stream=bool(r.stream),
         include_usage=bool(r.stream_options and r.stream_options.include_usage),
         logprobs=logprobs,
         ignore_eos=bool(r.ignore_eos),
+        grammar=grammar(r.response_format, tokenizer),
     )
+
+
+def grammar(given: ResponseFormat | None, tokenizer: Tokenizer) -> Grammar | None:
+    """The grammar of a response_format: None for text, any JSON object for json_object,
+    JSON valid against the schema for json_schema (one without a schema: any JSON)."""
+    if given is None or given.type == "text":
+        return None
+    if given.type == "json_schema" and given.json_schema is None:
+        message = "response_format json_schema needs a json_schema object (name, schema)"
+        raise ApiError(400, message, "response_format", "invalid_value")
+    schema = None if given.type == "json_object" else given.json_schema.schema_ or {}
+    try:
+        return Grammar.json_schema(schema, tokenizer)
+    except GenerationError as error:
+        raise ApiError(400, str(error), "response_format", "invalid_value") from None
 
 
 def logit_bias(given: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -176,11 +208,6 @@ def prompts(request: CompletionRequest) -> list[str | list[int]]:
     if isinstance(prompt[0], int):
         return [prompt]
     return list(prompt)
-
-
-def token_ids(values: list) -> bool:
-    """Whether a JSON list holds token ids (integers, not booleans)."""
-    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
 
 
 def chat_prompt(messages: list[Message]) -> str:
@@ -351,13 +378,12 @@ class Chat(Completions):
     def choice(
         self, index: int, text: str, events: list[Event], offset: int, first: bool = False
     ) -> dict:
+        said = {"content": text, "refusal": None}  # OpenAI's schema requires refusal
+        if first or not self.streaming:  # a stream names the role in its first chunk only
+            said = {"role": "assistant"} | said
         return {
             "index": index,
-            "delta" if self.streaming else "message": {
-                "role": "assistant",
-                "content": text,
-                "refusal": None,  # OpenAI's schema requires it; tlm never refuses
-            },
+            "delta" if self.streaming else "message": said,
             "logprobs": self._logprobs(events, offset),
             "finish_reason": events[-1].finish_reason,
         }

@@ -36,8 +36,10 @@ from tlm.serve.openai import (
     chat_prompt,
     check_model,
     prompts,
+    require_model,
     sampling,
 )
+from tlm.serve.page_schema import PAGE_ERRORS, InspectRequest
 from tlm.serve.schema import (
     ERRORS,
     STREAM,
@@ -45,9 +47,10 @@ from tlm.serve.schema import (
     ChatRequest,
     Completion,
     CompletionRequest,
+    Model,
     ModelList,
 )
-from tlm.serve.server import Authorized, Server, ids, read
+from tlm.serve.server import Authorized, Server, ids
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Metrics) -> FastAPI:
@@ -158,8 +161,17 @@ async def health(request: Request) -> dict:
 
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def models(server: Authorized) -> dict:
-    model = {"id": server.name, "object": "model", "created": 0, "owned_by": "tlm"}
-    return {"object": "list", "data": [model]}
+    return {"object": "list", "data": [described(server)]}
+
+
+@router.get("/v1/models/{model}", response_model=Model, responses=ERRORS)
+async def model(model: str, server: Authorized) -> dict:
+    require_model(model, server.name)
+    return described(server)
+
+
+def described(server: Server) -> dict:
+    return {"id": server.name, "object": "model", "created": 0, "owned_by": "tlm"}
 
 
 COMPLETION = {200: {"model": Completion, "content": STREAM}} | ERRORS
@@ -174,14 +186,15 @@ async def completions(request: Request, body: CompletionRequest, server: Authori
     for p, text in enumerate(texts):  # ids outside the vocabulary: a 400 before any use
         if not isinstance(text, str):
             ids(server, text, f"prompt {p}", whole=False)
-    vocab = server.engine.tokenizer.vocab_size
-    s = sampling(body, server.max_n, vocab, least_tokens=0 if echoing else 1)
+    tokenizer = server.engine.tokenizer
+    s = sampling(body, server.max_n, tokenizer, least_tokens=0)
     decode = server.engine.tokenizer.decode
     echo = [t if isinstance(t, str) else decode(t) for t in texts] if echoing else None
     shape = Completions(server.name, server.engine.tokenizer, echo, s, server.metrics)
     if echoing and s.logprobs is not None:
         shape.echo_logprobs = await echoed(server, texts, s.logprobs)
-    if s.max_tokens == 0:  # the prompt scored, nothing generated
+    if s.max_tokens == 0:  # nothing generated (with echo: the prompt, and its score)
+        shape.echo = shape.echo or [""] * len(texts)
         given = [ids(server, t, f"prompt {p}") for p, t in enumerate(texts)]
         shape.prompt_tokens = prompt_tokens(texts, given)
         server.metrics.prompt_tokens.inc(shape.prompt_tokens)
@@ -195,23 +208,21 @@ async def completions(request: Request, body: CompletionRequest, server: Authori
 @router.post("/v1/chat/completions", response_model=None, responses=CHAT)
 async def chat(request: Request, body: ChatRequest, server: Authorized):
     check_model(body, server.name)
-    vocab = server.engine.tokenizer.vocab_size
-    s = sampling(body, server.max_n, vocab, default_max_tokens=256)
+    s = sampling(body, server.max_n, server.engine.tokenizer, default_max_tokens=256)
     shape = Chat(server.name, server.engine.tokenizer, s, server.metrics)
     return await answer(request, [chat_prompt(body.messages)], s, (CHAT_STOP,), shape)
 
 
-@router.post("/v1/inspect")
-async def inspect(request: Request):
-    server, body = await read(request)
-    prompt, model = body.get("prompt"), server.engine.slots.model
-    if not isinstance(prompt, str):
-        raise ApiError(400, "prompt must be a string", "prompt", "invalid_type")
-    ids(server, prompt, "the prompt")
+@router.post("/v1/inspect", response_model=None, responses=PAGE_ERRORS)
+async def inspect(body: InspectRequest, server: Authorized) -> JSONResponse:
+    require_model(body.model, server.name)
+    model, tokenizer = server.engine.slots.model, server.engine.tokenizer
+    ids(server, body.prompt, "the prompt")
     explain.fp32_only(model)
-    tokenizer = server.engine.tokenizer
-    job = server.engine.call(lambda: inspect_prompt(model, tokenizer, prompt, lessons=False))
-    return JSONResponse(await asyncio.wrap_future(job))
+    inspected = await explain.in_engine(
+        server, lambda: inspect_prompt(model, tokenizer, body.prompt, lessons=False)
+    )  # an empty prompt: a 400 (HookError), not a 500
+    return JSONResponse(inspected)
 
 
 @router.get("/", response_class=HTMLResponse)
@@ -284,6 +295,7 @@ def jobs(server: Server, texts: list[str], s: Sampling, extra_stop, queue, loop)
         logit_bias=s.logit_bias,
         num_return_sequences=s.best_of,  # the candidates; the best n are answered
         eos_token_id=None if s.ignore_eos else server.engine.tokenizer.eot_id,
+        grammar=s.grammar,
     )
     out = []
     for p, text in enumerate(texts):

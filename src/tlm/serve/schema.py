@@ -25,6 +25,22 @@ class Closed(BaseModel):
 
 class StreamOptions(Closed):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # padding against side channels: none is sent
+
+
+class JsonSchema(Closed):
+    name: str
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Closed):
+    """Structured outputs: `json_object` (any JSON object) or `json_schema` (JSON valid
+    against `json_schema.schema`), by constrained decoding (`tlm.generate.constrain`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
 
 
 class Sampled(Closed):
@@ -33,7 +49,7 @@ class Sampled(Closed):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)  # 0: the likeliest token only
     n: int | None = Field(None, ge=1, le=128)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -42,6 +58,7 @@ class Sampled(Closed):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    response_format: ResponseFormat | None = None  # completions too, as vLLM takes it
     user: str | None = None
     # tlm's extras, as vLLM names them
     top_k: int | None = Field(None, ge=1)
@@ -78,18 +95,6 @@ class Message(Closed):
     tool_calls: list[dict[str, Any]] | None = None  # refused when not empty (no tools)
 
 
-class JsonSchema(Closed):
-    name: str
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    description: str | None = None
-    strict: bool | None = None
-
-
-class ResponseFormat(Closed):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchema | None = None
-
-
 class ChatRequest(Sampled):
     """`POST /v1/chat/completions`."""
 
@@ -97,11 +102,13 @@ class ChatRequest(Sampled):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
     # OpenAI's fields that would change the output and that tlm does not implement:
     # accepted by the schema so that `unsupported` refuses them by name
     tools: list[dict[str, Any]] | None = None
@@ -112,6 +119,9 @@ class ChatRequest(Sampled):
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    moderation: dict[str, Any] | None = None
 
 
 def unsupported(request: CompletionRequest | ChatRequest) -> tuple[str, str] | None:
@@ -128,11 +138,9 @@ def unsupported(request: CompletionRequest | ChatRequest) -> tuple[str, str] | N
         ("prediction", "prediction" in given, "predicted outputs are not implemented"),
         ("web_search_options", "web_search_options" in given, "web search is not implemented"),
         ("suffix", bool(given.get("suffix")), "insertion (suffix) is not implemented"),
-        (
-            "response_format",
-            given.get("response_format", {"type": "text"})["type"] != "text",
-            "structured outputs (json_object, json_schema) are not implemented yet",
-        ),
+        ("reasoning_effort", "reasoning_effort" in given, "tlm's models do not reason apart"),
+        ("verbosity", "verbosity" in given, "verbosity is not implemented"),
+        ("moderation", "moderation" in given, "moderation is not implemented"),
     ]
     for i, message in enumerate(given.get("messages", [])):
         if message.get("tool_calls"):

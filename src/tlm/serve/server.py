@@ -1,9 +1,9 @@
-"""What every route reads: the `Server` (engine, model name, key, metrics) and the request,
-authorized, parsed and its prompt turned into token ids."""
+"""What every route reads: the `Server` (engine, model name, key, metrics), the API key
+checked (`Authorized`), and a prompt turned into token ids. Bodies are validated by the
+routes' pydantic models (`schema.py`, `page_schema.py`)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -46,31 +46,12 @@ def authorized(request: Request) -> Server:
 Authorized = Annotated[Server, Depends(authorized)]  # a route's parameter: the key checked
 
 
-async def read(request: Request) -> tuple[Server, dict]:
-    """The server and the request's JSON body, authorized and checked: the page's routes
-    (tlm extras) read their few fields from it; OpenAI's routes take `schema`'s models."""
-    server = authorized(request)
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
-    model = body.get("model", server.name)
-    if model != server.name:
-        raise ApiError(
-            404,
-            f"the model {model!r} does not exist; this server has {server.name!r}",
-            "model",
-            "model_not_found",
-        )
-    return server, body
-
-
-def ids(server: Server, prompt: str | list[int], name: str, whole: bool = True) -> list[int]:
-    """A prompt's token ids, or a 400. A string is a document: <|endoftext|>, then its
-    tokens (`tokenizer.document_ids`); a list of token ids is taken as it is, each checked
-    against the vocabulary. With `whole`, it must fit the model's context."""
+def ids(
+    server: Server, prompt: str | list[int], name: str, whole: bool = True, param: str = "prompt"
+) -> list[int]:
+    """A prompt's token ids, or a 400 naming `param`. A string is a document: <|endoftext|>,
+    then its tokens (`tokenizer.document_ids`); a list of token ids is taken as it is, each
+    checked against the vocabulary. With `whole`, it must fit the model's context."""
     limit = server.context if whole else None
     try:
         if isinstance(prompt, str):
@@ -79,10 +60,10 @@ def ids(server: Server, prompt: str | list[int], name: str, whole: bool = True) 
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ApiError(
-                400, f"{name} has token id {bad}, outside 0..{vocab - 1}", "prompt", "invalid_value"
+                400, f"{name} has token id {bad}, outside 0..{vocab - 1}", param, "invalid_value"
             )
         return within(list(prompt), limit, name)
     except InputTooLong as error:
-        raise ApiError(400, str(error), "prompt", "context_length_exceeded") from None
+        raise ApiError(400, str(error), param, "context_length_exceeded") from None
     except TokenizerError as error:  # a character a character vocabulary lacks
-        raise ApiError(400, str(error), "prompt", "invalid_value") from None
+        raise ApiError(400, str(error), param, "invalid_value") from None
