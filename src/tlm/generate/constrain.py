@@ -12,9 +12,11 @@ model's own, before the mask.
 The matching itself is llguidance's (the `structured` extra: `pip install
 'tlm[structured]'`), chosen by measurement (docs/benchmarks.md, `bench/structured.py`):
 of llguidance, xgrammar and outlines-core it was the only one whose outputs of random
-walks all validated, at 0.1 ms per masked step over a 50,257-token vocabulary. JSON is
-written compact (no whitespace between its tokens); `maxLength`, `minimum`/`maximum` and
-`enum` are enforced, so a schema whose values are bounded always finishes.
+walks all validated, at 0.15-0.25 ms per masked row over a 50,257-token vocabulary. JSON is
+written compact (no whitespace between its tokens); `maxLength`, `minimum`/`maximum`,
+`maxItems` and `enum` are enforced, so a schema whose values are bounded in length (strings
+with maxLength, integers with bounds, enums, arrays with maxItems) always finishes; a
+`number` can take any count of fraction digits, so it is not bounded in length.
 """
 
 from __future__ import annotations
@@ -106,12 +108,14 @@ class Matcher:
         """[size] bool: the tokens that can come next (ids past the tokenizer's vocabulary,
         a model's padding rows, never can)."""
         self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
-        bits = np.unpackbits(self.words.view(np.uint8), bitorder="little")
-        allowed = torch.zeros(size, dtype=torch.bool)
-        allowed[: self.vocab_size] = torch.from_numpy(bits[: min(size, self.vocab_size)]) > 0
+        # numpy, not torch: torch would hand each of these small [V] operations to its
+        # thread pool, which on a busy host waits milliseconds for a core (bench/structured.py)
+        known = min(size, self.vocab_size)
+        allowed = np.zeros(size, dtype=bool)
+        allowed[:known] = np.unpackbits(self.words.view(np.uint8), count=known, bitorder="little")
         if self.matcher.is_error() or not allowed.any():
             raise GenerationError(NO_TOKEN if not allowed.any() else _failed(self.matcher))
-        return allowed
+        return torch.from_numpy(allowed)
 
     def accept(self, token: int) -> None:
         """Advance past `token` (one the mask allowed; llguidance refuses any other)."""
