@@ -217,7 +217,7 @@ def first_step_gradients(docs_chars, tmp_path, **train):
     """A tiny trainer's gradients as its first optimizer step sees them, its reported norm,
     and a fresh copy of its starting model (to compute the same gradients by hand)."""
     values = {"data": str(docs_chars), "out": str(tmp_path / "run"), "max_steps": 1}
-    values |= {"batch_size": 4, **train}
+    values |= {"batch_size": 4, "precision": "float32", **train}  # fp32: compared by hand
     shape = {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}
     model_config, train_config, token_data = new_run_configs(shape, values)
     tokenizer_json = (docs_chars / "tokenizer.json").read_text()
@@ -276,8 +276,9 @@ def test_gradient_clipping_scales_the_whole_gradient_to_the_limit(docs_chars, tm
 def test_eval_tokens_zero_validates_on_the_whole_split(docs_chars, tmp_path):
     """--eval-tokens 0 scores every validation target, as `tlm eval` (tlm.evaluate) does."""
     values = {"data": str(docs_chars), "out": str(tmp_path / "run"), "max_steps": 1}
+    values |= {"eval_tokens": 0, "precision": "float32"}  # tlm eval scores in fp32
     shape = {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}
-    model_config, train_config, token_data = new_run_configs(shape, {**values, "eval_tokens": 0})
+    model_config, train_config, token_data = new_run_configs(shape, values)
     tokenizer_json = (docs_chars / "tokenizer.json").read_text()
     trainer = open_run(model_config, train_config, token_data, tokenizer_json, progress_bar=False)
     val = token_data.split("val")

@@ -119,12 +119,19 @@ def _check_fit(path: Path, missing: list[str], unexpected: list[str]) -> None:
 
 
 def write_config(
-    run: Path, model_config: ModelConfig, train: dict[str, Any], data: dict[str, Any] | None = None
+    run: Path,
+    model_config: ModelConfig,
+    train: dict[str, Any],
+    data: dict[str, Any] | None = None,
+    precision: dict[str, str] | None = None,
 ) -> None:
-    """config.json: the model, the training settings, and what the data was made of."""
+    """config.json: the model, the training settings, what the data was made of, and the
+    precision `--dtype` came to on this machine (`train.precision.Precision`)."""
     payload = {"model": model_config.to_dict(), "train": train, "tlm": __version__}
     if data is not None:
         payload["data"] = data
+    if precision is not None:
+        payload["precision"] = precision
     write_text_atomic(run / "config.json", json.dumps(payload, indent=2) + "\n")
 
 

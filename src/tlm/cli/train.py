@@ -20,6 +20,7 @@ from tlm.train import (
     open_run,
     resume_run_configs,
 )
+from tlm.train.precision import pick_precision
 
 EXAMPLE = """example:
   tlm prepare tinyshakespeare --tokenizer char --out data/shakespeare_char
@@ -69,6 +70,7 @@ def _train(args, model_values, train_values, runtime: Runtime) -> int:
         model_config, train_config, data = resume_run_configs(out, model_values, train_values)
     else:
         model_config, train_config, data = new_run_configs(model_values, train_values)
+    pick_precision(train_config.precision, runtime.device)  # refused before anything exists
     runtime.barrier()  # every rank has checked the run folder before the main rank writes it
     out = Path(train_config.out)
     main = runtime.is_main

@@ -33,8 +33,8 @@ from tlm.checkpoint import (
 from tlm.config import ModelConfig, TrainConfig
 from tlm.train.distributed import Runtime
 from tlm.train.optim import learning_rate
+from tlm.train.precision import Precision, pick_precision
 from tlm.train.report import Metrics, ProgressReport, plot_losses
-from tlm.train.run import pick_precision
 
 
 class Diverged(RuntimeError):
@@ -102,6 +102,7 @@ class Trainer:
         state: Progress | None = None,
         metrics: Metrics | None = None,
         progress_bar: bool = True,
+        precision: Precision | None = None,
     ) -> None:
         self.config, self.model_config, self.batches = config, model_config, batches
         self.model, self.optimizer, self.runtime = model, optimizer, runtime
@@ -110,14 +111,14 @@ class Trainer:
         self.state = state or Progress()
         self.metrics = metrics  # written by the main rank only
         self.run, self.device = Path(config.out), runtime.device
-        self.precision = pick_precision(config.precision, self.device)
+        self.precision = precision or pick_precision(config.precision, self.device)
         self.progress_bar = progress_bar and runtime.is_main
 
     def autocast(self):
         """The training precision's autocast (fp32: none)."""
-        if self.precision == torch.float32:
+        if self.precision.dtype == torch.float32:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.precision)
+        return torch.autocast(self.device.type, dtype=self.precision.dtype)
 
     def train_step(self, step: int) -> tuple[float, float]:
         """One optimizer step; returns the mean training loss of its batch and the gradient
@@ -252,6 +253,7 @@ class Trainer:
             "elapsed": self.state.elapsed,
             "train_loss": train[-1] if train else float("nan"),
             "val_loss": val[-1] if val else None,
+            "precision": str(self.precision),
         }
         if self.config.keep_best:
             results |= {"best_step": self.state.best_step, "best_val_loss": self.state.best_loss}

@@ -22,6 +22,7 @@ from tlm.model import build_model
 from tlm.train.distributed import Runtime
 from tlm.train.loop import Progress, Trainer
 from tlm.train.optim import build_optimizer
+from tlm.train.precision import pick_precision
 from tlm.train.report import Metrics
 from tlm.train.run import RunError
 from tlm.train.translate import PairBatches
@@ -40,6 +41,7 @@ def open_run(
     """A `Trainer` for a new run at config.out, or, with `resume`, for the run there."""
     rt = runtime or Runtime.from_env(config.device)
     _check_batch(config, rt)
+    precision = pick_precision(config.precision, rt.device)  # refused before anything is written
     run = Path(config.out)
     torch.manual_seed(config.seed)
     model = build_model(model_config, init=False)
@@ -55,19 +57,19 @@ def open_run(
         model.load_state_dict(_initial_weights(config.init_from, model_config))
     if not resume and rt.is_main:
         run.mkdir(parents=True, exist_ok=True)
-        write_config(run, model_config, config.to_dict(), data.fingerprint())
+        write_config(run, model_config, config.to_dict(), data.fingerprint(), precision.to_dict())
         write_text_atomic(run / "tokenizer.json", tokenizer_json)
     if rt.rank:  # rank 0 keeps the seeded (or resumed) stream; the others differ from it
         torch.manual_seed(config.seed + rt.rank)  # (dropout masks)
     wrapped = rt.wrap(model)  # DDP, or FSDP2 sharding in place
-    optimizer = build_optimizer(model, config)
+    optimizer = build_optimizer(model, config, ns_dtype=precision.dtype)
     if saved is not None:
         rt.load_optimizer(model, optimizer, saved["optimizer"])
     metrics = None
     if rt.is_main:
         metrics = Metrics(run / "metrics.jsonl", state.step if resume else None)
     parts = (batches, model, wrapped, optimizer, rt, state, metrics, progress_bar)
-    return Trainer(model_config, config, *parts)
+    return Trainer(model_config, config, *parts, precision=precision)
 
 
 def _check_batch(config: TrainConfig, rt: Runtime) -> None:

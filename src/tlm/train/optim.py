@@ -42,7 +42,11 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 OUTSIDE_MUON = ("E", "P", "W_U")  # 2-D, but embeddings and the head: AdamW (Jordan et al.)
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer | Combined:
+def build_optimizer(
+    model: nn.Module, config: TrainConfig, ns_dtype: torch.dtype | None = None
+) -> torch.optim.Optimizer | Combined:
+    """AdamW, or Muon for the hidden matrices (Newton-Schulz in `ns_dtype`, the training
+    precision) beside AdamW for the rest."""
     device = next(model.parameters()).device
     fused = device.type in ("cpu", "cuda")
     betas = (config.beta1, config.beta2)
@@ -60,7 +64,11 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
         for g in parameter_groups(model, config.weight_decay)
     ]
     muon = Muon(
-        matrices, lr=config.lr, weight_decay=config.weight_decay, adjust_lr_fn="match_rms_adamw"
+        matrices,
+        ns_dtype=ns_dtype,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        adjust_lr_fn="match_rms_adamw",
     )
     return Combined(muon, torch.optim.AdamW(rest, lr=config.lr, betas=betas, fused=fused))
 

@@ -137,6 +137,8 @@ Tokenizer: {data_meta["tokenizer"]}, vocabulary {data_meta["vocab_size"]}. Docum
 
 ## Training
 
+Precision: {results.get("precision", "not recorded")}.
+
 ```json
 {train_json}
 ```

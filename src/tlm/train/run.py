@@ -144,10 +144,3 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device cuda was asked for, but no CUDA device is available")
     return torch.device(name)
-
-
-def pick_precision(name: str, device: torch.device) -> torch.dtype:
-    """fp32 on CPU, bf16 autocast on CUDA, unless asked otherwise."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
