@@ -46,9 +46,9 @@ def host() -> str:
     return f"{model}, {os.cpu_count()} cores, {present}; torch {torch.__version__}"
 
 
-def matmul_peak(n: int = 4096, repeats: int = 5) -> float:
-    """Measured fp32 FLOP/s of one large square matmul (the best this machine does)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_peak(n: int = 4096, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Measured FLOP/s of one large square matmul in `dtype` (the best this machine does)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     times = []
     for _ in range(repeats):

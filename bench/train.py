@@ -10,6 +10,10 @@
     python bench/train.py --part nanogpt --nanogpt PATH   # the recipe's whole command against
                                                # nanoGPT's train.py (a checkout at PATH)
 
+Every recipe also prints its precision (`--dtype auto`'s choice on this host) and its MFU:
+tokens/s × the model's training FLOPs a token (6N plus attention, `flops_per_token`) over
+the measured matmul peak of that precision. The host's CPU and flags come first.
+
 Runs the `tlm` commands as a user would (in --work, default out/bench) and prints what they
 measured. The throughput part times both models in one process, in alternating blocks of
 steps, so that a noisy machine affects both alike; it reports medians.
@@ -30,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tlm import ModelConfig, TransformerLM
 from tlm.data import TokenData
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,7 +112,24 @@ def part_recipe(name: str, work: Path) -> None:
     train_s = max(r["time"] for r in rows)  # training steps only, without evaluation
     print(
         f"{what}: val loss {scores['loss']:.4f}, training {train_s:.1f} s, "
-        f"whole command {wall:.1f} s ({compare})"
+        f"whole command {wall:.1f} s ({compare}); {mfu(work / 'runs' / run, rows)}"
+    )
+
+
+def mfu(run: Path, rows: list[dict]) -> str:
+    """The run's precision and model FLOPs utilization: training FLOPs a token × tokens/s
+    over the matmul peak measured in that precision on this host."""
+    from _peers import matmul_peak
+
+    config = json.loads((run / "config.json").read_text())
+    dtype = config.get("precision", {}).get("dtype", "float32")  # runs before issue 33: fp32
+    flops = TransformerLM(ModelConfig.from_dict(config["model"])).flops_per_token(training=True)
+    last = max((r for r in rows if "train_loss" in r), key=lambda r: r["step"])
+    rate = last["tokens"] / last["time"]
+    peak = matmul_peak(dtype=getattr(torch, dtype))
+    return (
+        f"{dtype}, {rate:,.0f} tok/s x {flops / 1e6:.1f} MFLOP/token = "
+        f"{rate * flops / 1e9:.1f} GFLOP/s, MFU {rate * flops / peak:.0%} of {peak / 1e9:.0f}"
     )
 
 
@@ -193,6 +215,9 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    from _peers import host
+
+    print(f"{host()}, {torch.get_num_threads()} threads")
     for part in PARTS if args.part == "all" else [args.part]:
         if part == "throughput":
             part_throughput(work)
