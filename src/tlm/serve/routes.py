@@ -17,6 +17,7 @@ import json
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from tlm._version import __version__
@@ -174,6 +175,12 @@ def described(server: Server) -> dict:
     return {"id": server.name, "object": "model", "created": 0, "owned_by": "tlm"}
 
 
+async def settings(*args, **kwargs) -> Sampling:
+    """`openai.sampling` off the event loop: a response_format's grammar compiles there (up
+    to a few hundred ms for a large schema over a 50k vocabulary)."""
+    return await run_in_threadpool(sampling, *args, **kwargs)
+
+
 COMPLETION = {200: {"model": Completion, "content": STREAM}} | ERRORS
 CHAT = {200: {"model": ChatCompletion, "content": STREAM}} | ERRORS
 
@@ -187,7 +194,7 @@ async def completions(request: Request, body: CompletionRequest, server: Authori
         if not isinstance(text, str):
             ids(server, text, f"prompt {p}", whole=False)
     tokenizer = server.engine.tokenizer
-    s = sampling(body, server.max_n, tokenizer, least_tokens=0)
+    s = await settings(body, server.max_n, tokenizer, least_tokens=0)
     decode = server.engine.tokenizer.decode
     echo = [t if isinstance(t, str) else decode(t) for t in texts] if echoing else None
     shape = Completions(server.name, server.engine.tokenizer, echo, s, server.metrics)
@@ -208,7 +215,7 @@ async def completions(request: Request, body: CompletionRequest, server: Authori
 @router.post("/v1/chat/completions", response_model=None, responses=CHAT)
 async def chat(request: Request, body: ChatRequest, server: Authorized):
     check_model(body, server.name)
-    s = sampling(body, server.max_n, server.engine.tokenizer, default_max_tokens=256)
+    s = await settings(body, server.max_n, server.engine.tokenizer, default_max_tokens=256)
     shape = Chat(server.name, server.engine.tokenizer, s, server.metrics)
     return await answer(request, [chat_prompt(body.messages)], s, (CHAT_STOP,), shape)
 
