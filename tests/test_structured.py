@@ -69,7 +69,7 @@ def test_a_random_model_writes_valid_compact_json(bpe_tokenizer, temperature):
         assert not re.search(r"\s", STRINGS.sub('""', answer.text)), answer.text
 
 
-def test_the_mask_comes_before_bias_and_padding_rows_never_come(bpe_tokenizer):
+def test_a_bias_cannot_bring_an_invalid_token_and_padding_rows_never_come(bpe_tokenizer):
     """A model with more rows than its tokenizer (padding), a bias of +100 on a padding row
     and on the space token: still only valid JSON."""
     V = bpe_tokenizer.vocab_size
@@ -245,3 +245,37 @@ def test_tlm_serve_response_format(server, served_run):
     )
     assert answer["choices"][0]["finish_reason"] == "length"
     assert '{"name":"'.startswith(answer["choices"][0]["text"]) and answer["choices"][0]["text"]
+
+
+@pytest.mark.slow  # a server process
+def test_the_openai_client_gets_structured_outputs_and_the_model(server):
+    """The official client's own shapes: response_format as it sends it, models.retrieve."""
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+    (served,) = client.models.list().data
+    assert client.models.retrieve(served.id).id == served.id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    answer = client.chat.completions.create(
+        model=served.id,
+        messages=[{"role": "user", "content": "for?"}],
+        max_tokens=200,
+        seed=4,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
+    )
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema_rs.validate(PERSON, json.loads(answer.choices[0].message.content))
+    with pytest.raises(openai.BadRequestError, match="invalid json schema") as refused:
+        client.chat.completions.create(
+            model=served.id,
+            messages=[{"role": "user", "content": "for?"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "objectx"}},
+            },
+        )
+    assert refused.value.param == "response_format"

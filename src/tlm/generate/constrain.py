@@ -91,7 +91,7 @@ class Grammar:
 
     def start(self) -> Matcher:
         """A matcher at the start of an output (a copy: the grammar is compiled once)."""
-        return Matcher(self._first.deep_copy(), self.eos_id, self.vocab_size)
+        return Matcher(self._first.deep_copy(), self.vocab_size)
 
     def __repr__(self) -> str:
         return f"Grammar.{self.kind}({self.source[:60]!r})"
@@ -100,8 +100,8 @@ class Grammar:
 class Matcher:
     """Where one row's output stands in its grammar."""
 
-    def __init__(self, matcher, eos_id: int, vocab_size: int) -> None:
-        self.matcher, self.eos_id, self.vocab_size = matcher, eos_id, vocab_size
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self.matcher, self.vocab_size = matcher, vocab_size
         self.words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
 
     def allowed(self, size: int) -> Tensor:
@@ -153,6 +153,7 @@ def _ll_tokenizer(tokenizer: Tokenizer):
     """llguidance's view of a tlm tokenizer: each token's bytes, the end token, and the
     tokenizer itself for text the grammar holds literally. Built once per tokenizer."""
     ll = _llguidance()
+    known = set(getattr(tokenizer, "chars", ()))
 
     class Wrapped:
         eos_token_id, bos_token_id = tokenizer.eot_id, None
@@ -162,7 +163,7 @@ def _ll_tokenizer(tokenizer: Tokenizer):
         def __call__(self, text: bytes) -> list[int]:
             text = text.decode("utf-8", errors="replace")
             if tokenizer.kind == "char":  # a character it lacks cannot be written at all
-                return [tokenizer.chars.index(c) for c in text if c in tokenizer.chars]
+                text = "".join(c for c in text if c in known)
             return tokenizer.encode(text)
 
     return ll.LLTokenizer(ll.TokenizerWrapper(Wrapped()))
