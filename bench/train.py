@@ -7,8 +7,8 @@
     python bench/train.py --part budget25      # issue 16: <= 1.87 in <= 25 s (Muon, QK-norm, ReLU²)
     python bench/train.py --part budget5       # issue 16: <= 1.55 in 5 minutes (the same, ctx 128)
     python bench/train.py --part throughput    # tokens/s vs GPT2LMHeadModel, FLOP/s vs peak
-    python bench/train.py --part nanogpt --nanogpt PATH   # the recipe's whole command against
-                                               # nanoGPT's train.py (a checkout at PATH)
+    python bench/train.py --part nanogpt       # nanoGPT's own train.py beside tlm: tokens/s,
+                                               # time to quality (--quick: steps / 20)
 
 Every recipe also prints its precision (`--dtype auto`'s choice on this host) and its MFU:
 tokens/s × the model's training FLOPs a token (6N plus attention, `flops_per_token`) over
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -159,49 +159,45 @@ def part_throughput(work: Path, blocks: int = 8, steps: int = 15) -> None:
             f"ratio {ours / theirs:.2f}x; tlm {flops / 1e9:.1f} GFLOP/s = "
             f"{flops / peak:.0%} of peak"
         )
+    part_anatomy(work)
 
 
-# nanoGPT's train.py on the recipe: its shakespeare_char config, shrunk to the recipe's shape
-NANOGPT = (
-    "train.py config/train_shakespeare_char.py --device=cpu --compile=False --eval_iters=20 "
-    "--log_interval=100 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 "
-    "--max_iters=2000 --lr_decay_iters=2000 --dropout=0.0 --bias=False"
-)
-# tlm's command for the same recipe, without biases as nanoGPT's run
-NANOGPT_PEER = (
-    SMALL + "--bias false --max-steps 2000 --lr 1e-3 --min-lr 1e-4 --warmup-steps 100 "
-    "--eval-interval 250"
-)
+# nanoGPT's Shakespeare-char shape (issue 33: bf16 against fp32 is judged on it)
+NANOGPT_SHAPE = "--n-layers 6 --n-heads 6 --d-model 384 --context-length 256 --batch-size 16 "
+NANOGPT_SHAPE += "--dropout 0 --max-steps 100"
 
 
-def part_nanogpt(work: Path, checkout: Path | None, rounds: int = 2) -> None:
-    """The recipe's whole command, tlm and nanoGPT's train.py one after the other, `rounds`
-    times; nanoGPT's data is made by its own prepare.py from the same text."""
-    if checkout is None or not (checkout / "train.py").is_file():
-        print("nanogpt: skipped (give --nanogpt PATH, a checkout of nanoGPT)")
+def part_anatomy(work: Path) -> None:
+    """A step of `tlm train` (--dtype auto and float32) beside its products and attention
+    replayed alone (bench/_anatomy.py): the share of a step that is not the products."""
+    from _anatomy import anatomy, describe, trainer_for
+
+    shapes = {"budget25": (RECIPES["budget25"][0], 20), "6-layer": (NANOGPT_SHAPE, 3)}
+    data = work / "data" / "shakespeare_char"
+    for name, (flags, steps) in shapes.items():
+        for dtype in ("auto", "float32"):
+            with tempfile.TemporaryDirectory(dir=work) as folder:
+                trainer = trainer_for(f"{flags} --dtype {dtype}", data, Path(folder) / "run")
+                print(describe(name, str(trainer.precision), anatomy(trainer, steps)))
+
+
+def part_nanogpt(work: Path, checkout: Path | None, quick: bool, rounds: int = 2) -> None:
+    """nanoGPT's own train.py beside tlm (issue 33, part 3; bench/_nanogpt.py): tokens/s on
+    two shapes, alternating `rounds` times, and time to quality. `quick` divides every step
+    count by 20, for a check of the part in a minute or two."""
+    from _nanogpt import TlmSide, compare
+
+    checkout = checkout or work / "nanoGPT"
+    if not (checkout / "train.py").is_file():
+        print(
+            f"nanogpt: skipped, no train.py in {checkout} (git clone "
+            f"https://github.com/karpathy/nanoGPT {checkout}, or --nanogpt PATH)"
+        )
         return
     prepared(work)
-    data = checkout / "data" / "shakespeare_char"
-    if not (data / "train.bin").is_file():
-        shutil.copy(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt", data / "input.txt")
-        stub = work / "stub"  # prepare.py imports requests, used only to download input.txt
-        stub.mkdir(exist_ok=True)
-        (stub / "requests.py").write_text("")
-        env = {**os.environ, "PYTHONPATH": str(stub)}
-        subprocess.run([sys.executable, "prepare.py"], cwd=data, env=env, check=True)
-    times: dict[str, list[float]] = {"nanoGPT": [], "tlm": []}
-    for _ in range(rounds):
-        started = time.perf_counter()
-        out = str(work / "nanogpt_out")
-        command = [sys.executable, *NANOGPT.split(), f"--out_dir={out}"]
-        subprocess.run(command, cwd=checkout, capture_output=True, check=True)
-        times["nanoGPT"].append(time.perf_counter() - started)
-        shutil.rmtree(work / "runs" / "nanogpt_peer", ignore_errors=True)
-        times["tlm"].append(tlm(TRAIN.format(run="nanogpt_peer") + NANOGPT_PEER, work)[1])
-    for name, seconds in times.items():
-        print(f"{name:8s} whole command: {', '.join(f'{t:.1f} s' for t in seconds)}")
-    ratio = statistics.median(times["nanoGPT"]) / statistics.median(times["tlm"])
-    print(f"tlm's speed against nanoGPT's: {ratio:.2f}x (goal >= 1.5x)")
+    recipes = {name: RECIPES[name][0] for name in ("budget25", "budget5")}
+    tlm_side = TlmSide(lambda command: tlm(command, work), work, TRAIN, EVAL, recipes)
+    compare(checkout, tlm_side, rounds, quick)
 
 
 PARTS = [*RECIPES, "throughput", "nanogpt"]
@@ -211,7 +207,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", default="all", choices=["all", *PARTS])
     parser.add_argument("--work", default=str(ROOT / "out" / "bench"))
-    parser.add_argument("--nanogpt", type=Path, help="a checkout of nanoGPT, for --part nanogpt")
+    parser.add_argument(
+        "--nanogpt", type=Path, help="a checkout of nanoGPT for --part nanogpt (WORK/nanoGPT)"
+    )
+    parser.add_argument("--quick", action="store_true", help="--part nanogpt: step counts / 20")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -222,7 +221,7 @@ def main() -> None:
         if part == "throughput":
             part_throughput(work)
         elif part == "nanogpt":
-            part_nanogpt(work, args.nanogpt)
+            part_nanogpt(work, args.nanogpt, args.quick)
         else:
             part_recipe(part, work)
 

@@ -9,6 +9,7 @@ import torch
 
 from tlm.cli import main
 from tlm.config import ConfigError
+from tlm.model.attention import attention_fused, attention_reference, causal_mask
 from tlm.train import new_run_configs, open_run
 from tlm.train import precision as precisions
 from tlm.train.precision import bf16_units, pick_precision
@@ -120,3 +121,17 @@ def test_bf16_training_follows_fp32_and_scores_the_same_either_way(docs_chars, t
     in_bf16 = trainer.validation_loss()
     trainer.precision = pick_precision("float32", CPU)
     assert abs(in_bf16 - trainer.validation_loss()) < 0.01
+
+
+def test_attention_under_bf16_autocast_on_a_cpu_is_fp32_attention_of_the_rounded_inputs():
+    """PyTorch's CPU attention kernel is slower in bf16 than in fp32, so under bf16 autocast
+    it is given the bf16 q, k, v in fp32: its answer is fp32 attention's, not bf16's."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8).bfloat16() for _ in range(3))
+    expected, _ = attention_reference(q.float(), k.float(), v.float(), causal_mask(16, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = attention_fused(q, k, v, is_causal=True)
+    assert fused.dtype == torch.float32
+    assert torch.allclose(fused, expected, atol=1e-5)
+    in_bf16 = attention_fused(q, k, v, is_causal=True)  # no autocast: the bf16 kernel
+    assert not torch.allclose(in_bf16.float(), expected, atol=1e-5)  # which the test tells apart

@@ -89,7 +89,15 @@ def attention_fused(
     """The same attention through PyTorch's fused kernel; the pattern is never materialised.
 
     `is_causal=True` (only with T == S and no mask) lets the kernel skip the masked half.
+    Under bf16 autocast on a CPU it runs in fp32 on the bf16-rounded q, k, v: PyTorch's CPU
+    kernel is slower in bf16 than in fp32 (3.7x at d_head 32, T 64; docs/benchmarks.md), and
+    the products around it still run in bf16.
     """
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), mask, dropout_p, is_causal
+            )
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
     )
@@ -142,12 +150,14 @@ class MultiHeadAttention(nn.Module):
         self.out = HookPoint()  # after W_O  [B,T,d]
 
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Q = XW^Q + b_Q, K = XW^K + b_K, V = XW^V + b_V (eq. 9.34): [B,T,d] -> 3 × [B,T,H*dh]."""
-        return (
-            linear(x, self.W_Q, self.b_Q),
-            linear(x, self.W_K, self.b_K),
-            linear(x, self.W_V, self.b_V),
-        )
+        """Q = XW^Q + b_Q, K = XW^K + b_K, V = XW^V + b_V (eq. 9.34): [B,T,d] -> 3 × [B,T,H*dh].
+
+        One product, [Q K V] = X [W^Q W^K W^V] + [b_Q b_K b_V], split: X is read (and
+        under autocast cast) once, and its gradient is one product instead of a sum of three.
+        """
+        W = torch.cat([self.W_Q, self.W_K, self.W_V], dim=1)  # [d, 3·H*dh]
+        b = None if self.b_Q is None else torch.cat([self.b_Q, self.b_K, self.b_V])
+        return linear(x, W, b).split(self.W_Q.shape[1], dim=-1)
 
     def project_out(self, z: Tensor) -> Tensor:
         """(head_1 ⊕ ... ⊕ head_A) W^O + b_O (eq. 9.19): [B,T,H*dh] -> [B,T,d]."""

@@ -59,24 +59,34 @@ class Muon(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure=None) -> None:
         """Each matrix as torch's step does it, but matrices of one shape are orthogonalised
-        as one stack: a small model's 24 matrices are 2 shapes, 30 products a step instead
-        of 360."""
+        as one stack (a small model's 24 matrices are 2 shapes: 30 products a step instead
+        of 360), and the momentum and weight updates are one `_foreach` call per group or
+        shape instead of one small kernel per matrix."""
         for group in self.param_groups:
-            lr, momentum, same_shape = group["lr"], group["momentum"], {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)  # M ← μ M + (1 - μ) G
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                same_shape.setdefault((p.shape, p.device), []).append((p, update))
+            lr, momentum = group["lr"], group["momentum"]
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            buffers = [self._buffer(p) for p in params]
+            torch._foreach_lerp_(buffers, grads, 1 - momentum)  # M ← μ M + (1 - μ) G
+            updates = (
+                torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+            )
+            same_shape: dict[tuple, list[int]] = {}
+            for i, p in enumerate(params):
+                same_shape.setdefault((p.shape, p.device), []).append(i)
             ns = group["ns_coefficients"], group["ns_steps"], group["eps"]
-            for (shape, device), pairs in same_shape.items():
+            for (shape, device), chosen in same_shape.items():
                 dtype = self.ns_dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
-                stack = orthogonalize(torch.stack([u for _, u in pairs]), *ns, dtype)  # [k,A,B]
-                for (p, _), ortho in zip(pairs, stack, strict=True):
-                    p.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay
-                    p.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+                stack = orthogonalize(torch.stack([updates[i] for i in chosen]), *ns, dtype)
+                weights = [params[i] for i in chosen]
+                torch._foreach_mul_(weights, 1 - lr * group["weight_decay"])  # decoupled decay
+                step = -adjusted_lr(lr, group["adjust_lr_fn"], shape)
+                torch._foreach_add_(weights, list(stack.unbind(0)), alpha=step)
+
+    def _buffer(self, p: Tensor) -> Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        return state["momentum_buffer"]
