@@ -32,6 +32,7 @@ What a reader of the figures must know about nanoGPT's train.py (checked at comm
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import os
@@ -48,10 +49,14 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from _peers import host, matmul_peak
+from _peers import host
+from _peers import matmul_peak as measure_peak
 
+from tlm import ModelConfig
+from tlm.model.counts import flops_per_token
 from tlm.train.precision import bf16_units
 
+matmul_peak = functools.cache(measure_peak)  # measured once a dtype, for the header and MFU
 NANOGPT = "train.py config/train_shakespeare_char.py --device=cpu --compile=False"
 # the README's CPU command, then two of the config's own values, named so that quick shrinks them
 RECIPE = (
@@ -209,10 +214,27 @@ def throughput(shape: Shape, tlm: TlmSide, checkout: Path, rounds: int, factor: 
     theirs, ours = (statistics.median(rates[side]) for side in ("nanoGPT", "tlm"))
     goal = shape.goal if bf16_units() else 1.0
     met = verdict(ours >= goal * theirs)
+    dtype = precision(run)
     print(
-        f"  {shape.name}: nanoGPT {theirs:7,.0f} (float32), tlm {ours:7,.0f} "
-        f"({precision(run)}): {ours / theirs:.2f}x, goal >= {goal:g}x {met}"
+        f"  {shape.name}: nanoGPT {theirs:7,.0f} (float32, {mfu(shape, theirs, 'float32')}), "
+        f"tlm {ours:7,.0f} ({dtype}, {mfu(shape, ours, dtype)}): {ours / theirs:.2f}x, "
+        f"goal >= {goal:g}x {met}"
     )
+
+
+def mfu(shape: Shape, rate: float, dtype: str) -> str:
+    """Model FLOPs utilization: tokens/s × the shape's training FLOPs a token (6N plus
+    attention; the same model on both sides) over this host's GEMM peak in `dtype`."""
+    config = ModelConfig(
+        vocab_size=65,
+        n_layers=shape.n_layers,
+        n_heads=shape.n_heads,
+        d_model=shape.d_model,
+        context_length=shape.context,
+        bias=False,
+    )
+    flops = flops_per_token(config, training=True)
+    return f"MFU {rate * flops / matmul_peak(dtype=getattr(torch, dtype)):.0%}"
 
 
 def nanogpt_recipe(checkout: Path, work: Path, factor: int) -> tuple[float, float, float]:
@@ -263,7 +285,7 @@ def time_to_quality(tlm: TlmSide, checkout: Path, factor: int) -> None:
 def peaks() -> str:
     """The GEMM peaks of this host: fp32, and bf16 where it has bf16 units."""
     units = bf16_units()
-    found = f"fp32 {matmul_peak() / 1e9:.0f}"
+    found = f"fp32 {matmul_peak(dtype=torch.float32) / 1e9:.0f}"
     if units:
         found += f", bf16 {matmul_peak(dtype=torch.bfloat16) / 1e9:.0f}"
     threads = torch.get_num_threads()
