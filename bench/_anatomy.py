@@ -14,6 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,9 +27,21 @@ ATTENTION = {
 }
 
 
+class Layout(NamedTuple):
+    """A recorded tensor argument: what a fresh one needs to be like it."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    def fresh(self) -> torch.Tensor:
+        t = torch.empty_strided(self.size, self.stride, dtype=self.dtype)
+        return t.normal_() if self.dtype.is_floating_point else t.zero_()
+
+
 @dataclass
 class Call:
-    """One recorded aten call: the op and its arguments, tensors kept as their layout."""
+    """One recorded aten call: the op and its arguments, each tensor as its `Layout`."""
 
     op: torch._ops.OpOverload
     args: tuple
@@ -36,19 +49,12 @@ class Call:
 
     def replay_args(self) -> tuple[tuple, dict]:
         """The arguments again, each tensor a fresh random one of the same layout."""
-
-        def fresh(a):
-            if not isinstance(a, tuple) or len(a) != 3 or not isinstance(a[2], torch.dtype):
-                return a
-            size, stride, dtype = a
-            t = torch.empty_strided(size, stride, dtype=dtype)
-            return t.normal_() if dtype.is_floating_point else t.zero_()
-
-        return tuple(fresh(a) for a in self.args), {k: fresh(v) for k, v in self.kwargs.items()}
+        fresh = lambda a: a.fresh() if isinstance(a, Layout) else a  # noqa: E731
+        return tuple(map(fresh, self.args)), {k: fresh(v) for k, v in self.kwargs.items()}
 
 
 class Recorder(TorchDispatchMode):
-    """Records the calls of `ops` (their tensors as (size, stride, dtype)) and counts all."""
+    """Records the calls of `ops` (their tensors as `Layout`s) and counts all."""
 
     def __init__(self, ops: set) -> None:
         super().__init__()
@@ -64,7 +70,7 @@ class Recorder(TorchDispatchMode):
 
 
 def _layout(a):
-    return (a.shape, a.stride(), a.dtype) if torch.is_tensor(a) else a
+    return Layout(a.shape, a.stride(), a.dtype) if torch.is_tensor(a) else a
 
 
 def replay(calls: list[Call], repeats: int = 5) -> float:

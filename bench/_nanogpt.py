@@ -49,7 +49,6 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from _peers import host
 from _peers import matmul_peak as measure_peak
 
 from tlm import ModelConfig
@@ -293,11 +292,11 @@ def peaks() -> str:
 
 
 def compare(checkout: Path, tlm: TlmSide, rounds: int = 2, quick: bool = False) -> None:
-    """The whole part: host, throughput on both shapes, time to quality."""
+    """The whole part: GEMM peaks, throughput on both shapes, time to quality."""
     factor = QUICK if quick else 1
     prepare(checkout)
     print(f"nanoGPT ({checkout}) against tlm{', QUICK: step counts / 20' if quick else ''}")
-    print(f"  {host()}; {peaks()}")
+    print(f"  {peaks()}")  # (the host's line is bench/train.py's first)
     print(f"throughput, tokens/s, median of {rounds} alternating rounds, steps {SKIP + 1} on:")
     for shape in SHAPES:
         throughput(shape, tlm, checkout, rounds, factor)

@@ -242,8 +242,12 @@ def test_tlm_lm_eval_and_the_hf_backend_agree_with_serve(
     seq = [tokenizer.eot_id, *tokenizer.encode(long["arguments"][0][0])]
     rolled = long["resps"][0][0]
     assert abs(rolled - rolling(load_model(served_run), seq, 64)[0]) < 1e-3
-    for task in TASKS:
-        assert ours["results"][task] == pytest.approx(hf["results"][task], abs=1e-6)
+    for task in TASKS:  # perplexities (~16) are exp of a mean: fp32 agrees to ~1e-7 relative
+        mine, theirs = ours["results"][task], hf["results"][task]
+        assert mine.keys() == theirs.keys()
+        for key, value in theirs.items():
+            close = pytest.approx(value, rel=1e-6, abs=1e-6) if isinstance(value, float) else value
+            assert mine[key] == close, (task, key)
 
 
 def test_tlm_lm_eval_refuses_in_one_line(served_run, tasks, capsys, monkeypatch):

@@ -179,6 +179,11 @@ def test_mistakes_are_one_line_errors(bpe_tokenizer, monkeypatch):
     grammar = Grammar.regex("a+", bpe_tokenizer)
     with pytest.raises(GenerationError, match="use num_beams=1"):
         GenerationConfig(num_beams=2, grammar=grammar)
+    small = random_model(bpe_tokenizer.vocab_size - 1)  # fewer rows than the tokenizer
+    for use_cache in (True, False):  # the cached loop and the reference loop alike
+        config = settings(bpe_tokenizer, grammar=grammar, use_cache=use_cache)
+        with pytest.raises(GenerationError, match="the model has"):
+            complete(small, bpe_tokenizer, ["a"], config)
     monkeypatch.setitem(sys.modules, "llguidance", None)
     with pytest.raises(GenerationError, match=r"pip install 'tlm\[structured\]'"):
         Grammar.regex("a+", bpe_tokenizer)

@@ -116,8 +116,9 @@ class CharTokenizer:
         return "".join(EOT if i == self.eot_id else self.chars[i] for i in ids)
 
     def token_bytes(self) -> np.ndarray:
-        lengths = [len(c.encode("utf-8")) for c in self.chars] + [0]
-        return np.array(lengths, dtype=np.int64)
+        lengths = np.array([len(piece) for piece in self.pieces()], dtype=np.int64)
+        lengths[self.eot_id] = 0  # <|endoftext|> writes no text
+        return lengths
 
     def pieces(self) -> list[bytes]:
         """The UTF-8 bytes of each token; `<|endoftext|>` (not text) as its name."""
@@ -175,19 +176,15 @@ class BPETokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def token_bytes(self) -> np.ndarray:
-        """Bytes per token; specials 0. A byte-level token spells one byte per character;
-        any other vocabulary (a character one exported through `tlm export-hf`) is text."""
-        special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
-        byte_level = isinstance(self.tokenizer.decoder, decoders.ByteLevel)
-        lengths = np.zeros(self.vocab_size, dtype=np.int64)
-        for token, i in self.tokenizer.get_vocab(with_added_tokens=True).items():
-            if token not in special:
-                lengths[i] = len(token) if byte_level else len(token.encode("utf-8"))
+        """Bytes per token (the length of its `pieces`); specials 0."""
+        lengths = np.array([len(piece) for piece in self.pieces()], dtype=np.int64)
+        lengths[list(self.tokenizer.get_added_tokens_decoder())] = 0  # keyed by id
         return lengths
 
     def pieces(self) -> list[bytes]:
         """The bytes each token writes (a byte-level token spells one byte per character;
-        any other vocabulary is text); a special token (not text) as its name."""
+        any other vocabulary, a character one exported through `tlm export-hf`, is text);
+        a special token (not text) as its name."""
         byte_level = isinstance(self.tokenizer.decoder, decoders.ByteLevel)
         special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
         pieces = [b""] * self.vocab_size

@@ -106,12 +106,17 @@ class Matcher:
 
     def allowed(self, size: int) -> Tensor:
         """[size] bool: the tokens that can come next (ids past the tokenizer's vocabulary,
-        a model's padding rows, never can)."""
+        a model's padding rows, never can). A model with fewer rows than the tokenizer has
+        tokens cannot be held to the grammar: an error."""
+        if size < self.vocab_size:
+            raise GenerationError(
+                f"the grammar's tokenizer has {self.vocab_size} tokens; the model has {size}"
+            )
         self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
         # numpy, not torch: torch would hand each of these small [V] operations to its
         # thread pool, which on a busy host waits milliseconds for a core (bench/structured.py)
-        known = min(size, self.vocab_size)
         allowed = np.zeros(size, dtype=bool)
+        known = self.vocab_size
         allowed[:known] = np.unpackbits(self.words.view(np.uint8), count=known, bitorder="little")
         if self.matcher.is_error() or not allowed.any():
             raise GenerationError(NO_TOKEN if not allowed.any() else _failed(self.matcher))

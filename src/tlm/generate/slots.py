@@ -131,14 +131,7 @@ class Slots:
             seen[torch.tensor(prompt, device=self.device)] = True
         if config.counts_output:
             counts = torch.zeros(V, device=self.device)
-        matcher = None
-        if config.grammar is not None:
-            if config.grammar.vocab_size > V:
-                raise GenerationError(
-                    f"the grammar's tokenizer has {config.grammar.vocab_size} tokens; "
-                    f"the model has {V}"
-                )
-            matcher = config.grammar.start()
+        matcher = None if config.grammar is None else config.grammar.start()
         sequence = Sequence(list(prompt), config, generator, seen, counts, matcher, top_logprobs)
         self.waiting.append(sequence)
         return sequence

@@ -150,14 +150,12 @@ class MultiHeadAttention(nn.Module):
         self.out = HookPoint()  # after W_O  [B,T,d]
 
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Q = XW^Q + b_Q, K = XW^K + b_K, V = XW^V + b_V (eq. 9.34): [B,T,d] -> 3 × [B,T,H*dh].
-
-        One product, [Q K V] = X [W^Q W^K W^V] + [b_Q b_K b_V], split: X is read (and
-        under autocast cast) once, and its gradient is one product instead of a sum of three.
-        """
-        W = torch.cat([self.W_Q, self.W_K, self.W_V], dim=1)  # [d, 3·H*dh]
-        b = None if self.b_Q is None else torch.cat([self.b_Q, self.b_K, self.b_V])
-        return linear(x, W, b).split(self.W_Q.shape[1], dim=-1)
+        """Q = XW^Q + b_Q, K = XW^K + b_K, V = XW^V + b_V (eq. 9.34): [B,T,d] -> 3 × [B,T,H*dh]."""
+        return (
+            linear(x, self.W_Q, self.b_Q),
+            linear(x, self.W_K, self.b_K),
+            linear(x, self.W_V, self.b_V),
+        )
 
     def project_out(self, z: Tensor) -> Tensor:
         """(head_1 ⊕ ... ⊕ head_A) W^O + b_O (eq. 9.19): [B,T,H*dh] -> [B,T,d]."""
