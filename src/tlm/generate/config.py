@@ -28,6 +28,7 @@ class GenerationConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     seed: int | None = None
     use_cache: bool = True
+    cuda_graph: bool = True  # on a GPU, each cached step one replay of a recorded CUDA graph
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is accepted

@@ -3,10 +3,11 @@
 `generate` yields a `Step` (the next token of every row, its log-probability, which rows
 have ended) as soon as it is chosen; greedy decoding and sampling in the CLI and in
 `TransformerLM.generate` consume this iterator. The cached path runs on `Slots` (each row
-at its own length, as the server's rows). With `use_cache=False` every step runs the whole
-window again (`DecodeState`): the slow reference that the tests hold the cached path equal
-to. Both choose the next token with `sampling.choose` and slide the window by
-`window_start`.
+at its own length, as the server's rows); on a GPU, where the generation allows it, on a
+`GraphedDecoder` (each step one replay of a CUDA graph, `inference/cuda_graph.py`). With
+`use_cache=False` every step runs the whole window again (`DecodeState`): the slow reference
+that the tests hold the cached path equal to. All choose the next token with
+`sampling.choose` and slide the window by `window_start`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tlm.generate.constrain import allowed_rows
 from tlm.generate.sampling import GenerationError, choose
 from tlm.generate.slots import Slots, random_seed, row_generator, window_start
 from tlm.inference import decoding_step, for_decoding
+from tlm.inference.cuda_graph import GraphedDecoder, graphable, graphed_decoder
 from tlm.model.kv_cache import KVCache
 
 
@@ -94,6 +96,24 @@ class DecodeState:
         self.append(tokens)
 
 
+class GraphedState:
+    """The same state over a `GraphedDecoder` (a GPU): the prompt runs once, then each new
+    token is one replay of the recorded step."""
+
+    def __init__(self, decoder: GraphedDecoder, ids: Tensor, mask: Tensor | None) -> None:
+        self.model, self.decoder, self.ids, self.mask = decoder.model, decoder, ids, mask
+        self.new: Tensor | None = None  # the tokens appended since the last step
+
+    def next_logits(self) -> Tensor:
+        if self.new is None:
+            return self.decoder.prefill(self.ids, self.mask)
+        return self.decoder.step(self.new)
+
+    def append(self, tokens: Tensor) -> None:
+        self.new = tokens.to(self.ids.device)
+        self.ids = torch.cat([self.ids, self.new[:, None]], dim=1)
+
+
 def generate(
     model: nn.Module,
     input_ids: Tensor,
@@ -118,7 +138,14 @@ def generate(
     n = config.num_return_sequences
     ids = input_ids.repeat_interleave(n, dim=0)
     mask = None if attention_mask is None else attention_mask.repeat_interleave(n, dim=0)
-    if config.use_cache:
+    if (
+        config.use_cache
+        and config.cuda_graph
+        and graphable(model, ids.shape[1], config.max_new_tokens)
+    ):
+        decoder = graphed_decoder(model, len(ids), ids.shape[1] + config.max_new_tokens)
+        yield from _decode(GraphedState(decoder, ids, mask), config)
+    elif config.use_cache:
         yield from _decode_slots(model, ids, mask, config)
     else:
         yield from _decode(DecodeState(model, ids, mask, use_cache=False), config)
