@@ -178,13 +178,13 @@ def part_imported(rounds: int, work: Path) -> None:
         print(f"  batch {batch}, 128 new: {alternate(ours, theirs, batch, 128, rounds)}")
 
 
-def read_bandwidth(threads: int, nbytes: int, repeats: int = 8) -> tuple[float, str]:
+def read_bandwidth(threads: int, nbytes: int, repeats: int = 8) -> dict[str, float]:
     """Bytes/s of reading memory the way decoding does: the same `nbytes` read again and
     again, every byte once a pass, nothing written back, on the run's threads. Two readers
     of an fp32 matrix of that size, best of `repeats` each: torch.sum, and one row times
     the matrix through the fp32 decoding route (tlm's own loops, or numpy's BLAS:
-    `inference/blas.py`); the faster one is the figure. A working set this size is partly
-    served from the CPU's caches from one pass to the next, as the weights of a step are."""
+    `inference/blas.py`): {reader: bytes/s}. A working set this size is partly served from
+    the CPU's caches from one pass to the next, as the weights of a step are."""
     big, previous = torch.randn(nbytes // 4096, 1024), torch.get_num_threads()
     row, rates = torch.randn(1, 1024), {}
     torch.set_num_threads(threads)
@@ -202,8 +202,7 @@ def read_bandwidth(threads: int, nbytes: int, repeats: int = 8) -> tuple[float, 
             rates[name] = big.numel() * big.element_size() / min(times)
     finally:
         torch.set_num_threads(previous)
-    best = max(rates, key=rates.get)
-    return rates[best], ", ".join(f"{name} {rate / 1e9:.1f}" for name, rate in rates.items())
+    return rates
 
 
 def weight_bytes(config: ModelConfig, fmt: str) -> int:
@@ -227,20 +226,12 @@ def part_limit(rounds: int, work: Path) -> None:
     A step is the time from one token to the next in `generate` (everything a token costs:
     the model, the choice, the loop; the prompt's pass is its own column); "products" is
     one row through the step's weight products alone, back to back (`products_only`).
-    Each round times both, and the medians over rounds are reported."""
+    Each round times both, and the medians over rounds are reported. The limit of every
+    format is its weight bytes over one bandwidth: the fastest reading of weights seen in
+    the run, by the plain readers (`read_bandwidth`) or by a format's products alone."""
     threads, models = torch.get_num_threads(), user_models(saved_gpt2(work))
     smallest = min(weight_bytes(model.config, fmt) for fmt, model in models.items())
-    bandwidth, readers = read_bandwidth(threads, smallest)
-    print(
-        f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({smallest / 1e6:.0f} MB, the smallest "
-        f"format's weights, read again and again on {threads} threads, best of 8: {readers}"
-        " GB/s; the faster counts): limit = bandwidth / weight bytes"
-    )
-    print("GPT-2 124M shape, greedy, prompt 32, 64 new tokens; median of rounds")
-    print(
-        "format    weights MB  limit tok/s  batch 1 tok/s  share  prompt ms  step ms"
-        "  products ms  between  batch 8  batch 32  step@1024"
-    )
+    rows = {}
     for fmt, model in models.items():
         tlm_rate(model, 1, 4)
         rates, prompts, steps, products = [], [], [], []
@@ -249,13 +240,31 @@ def part_limit(rounds: int, work: Path) -> None:
             prompt, step = token_times(model, 64)
             prompts.append(prompt), steps.append(step), products.append(products_only(model))
         eight, many = tlm_rate(model, 8, 32), tlm_rate(model, 32, 32)
-        rate, step, alone = (statistics.median(v) for v in (rates, steps, products))
-        nbytes = weight_bytes(model.config, fmt)
+        medians = [statistics.median(v) for v in (rates, prompts, steps, products)]
+        rows[fmt] = (*medians, eight, many, step_at(model, 1024))
+    readers = dict(read_bandwidth(threads, smallest))
+    for fmt, row in rows.items():  # bytes over seconds of the products alone
+        readers[f"{fmt} products"] = weight_bytes(models[fmt].config, fmt) / row[3]
+    best = max(readers, key=readers.get)
+    bandwidth = readers[best]
+    print(
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({best}); readers, best of 8 on {threads} "
+        f"threads ({smallest / 1e6:.0f} MB read again and again), and each format's products "
+        f"alone: {', '.join(f'{n} {r / 1e9:.1f}' for n, r in readers.items())} GB/s; "
+        "limit = bandwidth / weight bytes"
+    )
+    print("GPT-2 124M shape, greedy, prompt 32, 64 new tokens; median of rounds")
+    print(
+        "format    weights MB  limit tok/s  batch 1 tok/s  share  prompt ms  step ms"
+        "  products ms  between  batch 8  batch 32  step@1024"
+    )
+    for fmt, (rate, prompt, step, alone, eight, many, late) in rows.items():
+        nbytes = weight_bytes(models[fmt].config, fmt)
         print(
             f"{fmt:9s} {nbytes / 1e6:10.0f} {bandwidth / nbytes:12.1f} {rate:14.1f}"
-            f" {rate * nbytes / bandwidth:6.0%} {statistics.median(prompts) * 1e3:10.1f}"
+            f" {rate * nbytes / bandwidth:6.0%} {prompt * 1e3:10.1f}"
             f" {step * 1e3:8.2f} {alone * 1e3:12.2f} {(step - alone) / step:8.0%}"
-            f" {eight:8.1f} {many:9.1f} {step_at(model, 1024) * 1e3:8.1f} ms"
+            f" {eight:8.1f} {many:9.1f} {late * 1e3:8.1f} ms"
         )
     hf = statistics.median(hf_rate(hf_gpt2(), 1, 64) for _ in range(rounds))
     print(f"transformers fp32 batch 1: {hf:.1f} tok/s")
