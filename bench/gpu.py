@@ -17,9 +17,10 @@ lines after the compilation, × training FLOPs a token (6N plus attention,
 `flops_per_token`), over the bf16 matmul peak measured here (8192³).
 
 recipe: nanoGPT's Shakespeare-char GPU settings (6 layers, d 384, context 256, batch 64,
-dropout 0.2, lr 1e-3 -> 1e-4 over 5000 steps, compiled), and tlm's budget flags at the same
-size; each run is watched and stopped at its first validation (whole split) <= 1.47: the wall
-time from launch (the compilation counted) and the training clock at that point are printed.
+dropout 0.2, lr 1e-3 -> 1e-4 over 5000 steps), compiled and eager, and tlm's budget flags at
+the same size, compiled; each run is watched and stopped at its first validation (whole
+split) <= 1.47: the wall time from launch (the compilation counted) and the training clock
+at that point are printed.
 """
 
 from __future__ import annotations
@@ -77,13 +78,9 @@ def part_decode(rounds: int = 3, new: int = 128) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         ours, theirs = tlm_gpt2().to("cuda", dtype), hf_gpt2().to("cuda", dtype)
         ids = torch.randint(0, GPT2["vocab_size"], (2, PROMPT), device="cuda")
-        config = GenerationConfig(max_new_tokens=64)
-        graphed = torch.stack([s.tokens for s in generate(ours, ids, config)])
-        stepped = torch.stack(
-            [
-                s.tokens
-                for s in generate(ours, ids, GenerationConfig(max_new_tokens=64, cuda_graph=False))
-            ]
+        graphed, stepped = (
+            torch.stack([s.tokens for s in generate(ours, ids, max_new_tokens=64, cuda_graph=g)])
+            for g in (True, False)
         )
         same = "identical" if torch.equal(graphed, stepped) else "DIFFERENT"
         print(f"{str(dtype)[6:]}: graphed and step-by-step tokens {same} (2 x 64 greedy)")
@@ -176,6 +173,7 @@ GPU_RECIPE = (
 )
 RECIPES = {
     "nanoGPT's settings (dropout 0.2, AdamW, learned positions)": "--dropout 0.2",
+    "the same, eager (it diverged compiled, 2026-11-26)": "--dropout 0.2 --compile false",
     "budget flags (rope, Muon, QK-norm, ReLU², dropout 0.2, lr 6e-3 -> 6e-4)": (
         "--dropout 0.2 --position rope --optimizer muon --qk-norm --activation relu2 "
         "--lr 6e-3 --min-lr 6e-4"
@@ -232,12 +230,14 @@ def main() -> None:
         sys.exit("bench/gpu.py needs a CUDA GPU")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    parts = ["decode", "mfu", "recipe"] if args.part == "all" else [args.part]
-    for part in parts:
-        print(f"== {part}", flush=True)
-        {"decode": part_decode, "mfu": lambda: part_mfu(work), "recipe": lambda: part_recipe(work)}[
-            part
-        ]()
+    parts = {
+        "decode": part_decode,
+        "mfu": partial(part_mfu, work),
+        "recipe": partial(part_recipe, work),
+    }
+    for name in parts if args.part == "all" else [args.part]:
+        print(f"== {name}", flush=True)
+        parts[name]()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ changes between steps:
   single-token step on its first call and replays it for every token after.
 
 The cache keeps the model's `Cache` interface, so the same `TransformerLM.forward` runs
-eagerly on it (any device: the tests hold it equal to `KVCache` on a CPU) and inside the graph.
+eagerly on it (any device: the tests hold it equal to the uncached model on a CPU) and
+inside the graph.
 """
 
 from __future__ import annotations
