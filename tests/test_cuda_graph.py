@@ -96,6 +96,22 @@ def test_what_is_not_graphed(make_model):
     assert not graphable(model.train(), 4, 8)  # dropout would draw one mask for every step
 
 
+def test_one_recording_is_kept_per_model_for_windows_of_256(make_model):
+    model = make_model(context_length=600)
+    first = graphed_decoder(model, 2, 40)
+    assert first.cache.capacity == 256  # 40 positions, rounded up
+    assert graphed_decoder(model, 2, 200) is first  # the same window: replayed
+    wider = graphed_decoder(model, 2, 300)
+    assert wider is not first and wider.cache.capacity == 512
+    assert graphed_decoder(model, 2, 590).cache.capacity == 600  # at most the context
+    assert graphed_decoder(model, 3, 40) is not graphed_decoder(model, 2, 40)
+    before = graphed_decoder(model, 2, 40)
+    assert graphed_decoder(model, 2, 40) is before
+    W_Q = model.blocks[0].attn.W_Q
+    W_Q.data = W_Q.data.clone()  # moved: a recording would read the old address
+    assert graphed_decoder(model, 2, 40) is not before
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_replays_decode_as_the_slot_path(make_model, dtype):
