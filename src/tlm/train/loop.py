@@ -107,7 +107,12 @@ class Trainer:
         self.config, self.model_config, self.batches = config, model_config, batches
         self.model, self.optimizer, self.runtime = model, optimizer, runtime
         self.wrapped = wrapped  # what a step calls: DDP, FSDP2's sharded model, or the model
-        self.forward = torch.compile(self.wrapped) if config.compile else self.wrapped
+        # static shapes: validation's batches (32 windows, a shorter last one) each get a
+        # graph of their own; made dynamic, SDPA's is_causal became symbolic, the forward
+        # broke into pieces, and from the first validation on training ran them instead
+        self.forward = (
+            torch.compile(self.wrapped, dynamic=False) if config.compile else self.wrapped
+        )
         self.state = state or Progress()
         self.metrics = metrics  # written by the main rank only
         self.run, self.device = Path(config.out), runtime.device
