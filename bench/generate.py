@@ -53,25 +53,44 @@ def hf_gpt2():
     return GPT2LMHeadModel(GPT2Config(**gpt2_config(config, None))).eval()
 
 
-def tlm_rate(
-    model: TransformerLM, batch: int, new: int, use_cache: bool = True, prompt: int = PROMPT
-) -> float:
-    ids = torch.randint(0, GPT2["vocab_size"], (batch, prompt))
-    config = GenerationConfig(max_new_tokens=new, use_cache=use_cache)
+def timed(run, device: torch.device) -> float:
+    """Seconds of `run()`, the work it queued on a GPU included."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    sync()
     started = time.perf_counter()
-    steps = sum(1 for _ in generate(model, ids, config))
-    return batch * steps / (time.perf_counter() - started)
+    run()
+    sync()
+    return time.perf_counter() - started
+
+
+def tlm_rate(
+    model: TransformerLM,
+    batch: int,
+    new: int,
+    use_cache: bool = True,
+    prompt: int = PROMPT,
+    **settings,
+) -> float:
+    """Tokens/s of greedy `generate` from random prompts, on the model's device; `settings`
+    go to `GenerationConfig` (bench/gpu.py: cuda_graph)."""
+    device = next(model.parameters()).device
+    ids = torch.randint(0, GPT2["vocab_size"], (batch, prompt), device=device)
+    config = GenerationConfig(max_new_tokens=new, use_cache=use_cache, **settings)
+    steps = []
+    elapsed = timed(lambda: steps.extend(generate(model, ids, config)), device)
+    return batch * len(steps) / elapsed
 
 
 def hf_rate(model, batch: int, new: int) -> float:
-    ids = torch.randint(0, GPT2["vocab_size"], (batch, PROMPT))
-    with torch.no_grad():
-        started = time.perf_counter()
-        out = model.generate(
-            ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
-        )
-        elapsed = time.perf_counter() - started
-    return batch * (out.shape[1] - PROMPT) / elapsed
+    ids = torch.randint(0, GPT2["vocab_size"], (batch, PROMPT), device=model.device)
+
+    def run():
+        with torch.no_grad():
+            model.generate(
+                ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+            )
+
+    return batch * new / timed(run, model.device)
 
 
 def part_peer(rounds: int) -> None:
@@ -242,7 +261,7 @@ def part_limit(rounds: int, work: Path) -> None:
         eight, many = tlm_rate(model, 8, 32), tlm_rate(model, 32, 32)
         medians = [statistics.median(v) for v in (rates, prompts, steps, products)]
         rows[fmt] = (*medians, eight, many, step_at(model, 1024))
-    readers = dict(read_bandwidth(threads, smallest))
+    readers = read_bandwidth(threads, smallest)
     for fmt, row in rows.items():  # bytes over seconds of the products alone
         readers[f"{fmt} products"] = weight_bytes(models[fmt].config, fmt) / row[3]
     best = max(readers, key=readers.get)

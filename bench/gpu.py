@@ -36,40 +36,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from generate import GPT2, PROMPT, hf_gpt2, hf_rate, timed, tlm_gpt2, tlm_rate
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import GPT2, PROMPT, hf_gpt2, tlm_gpt2  # noqa: E402
-
-from tlm import ModelConfig, TransformerLM  # noqa: E402
-from tlm.generate import GenerationConfig, generate  # noqa: E402
+from tlm import ModelConfig, TransformerLM
+from tlm.generate import generate
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def timed(run) -> float:
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    run()
-    torch.cuda.synchronize()
-    return time.perf_counter() - started
-
-
-def tlm_rate(model, batch: int, new: int, graph: bool) -> float:
-    ids = torch.randint(0, GPT2["vocab_size"], (batch, PROMPT), device="cuda")
-    config = GenerationConfig(max_new_tokens=new, cuda_graph=graph)
-    return batch * new / timed(lambda: sum(1 for _ in generate(model, ids, config)))
-
-
-def hf_rate(model, batch: int, new: int) -> float:
-    ids = torch.randint(0, GPT2["vocab_size"], (batch, PROMPT), device="cuda")
-
-    def run():
-        with torch.no_grad():
-            model.generate(
-                ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
-            )
-
-    return batch * new / timed(run)
+CUDA = torch.device("cuda")
 
 
 def part_decode(rounds: int = 3, new: int = 128) -> None:
@@ -85,13 +58,13 @@ def part_decode(rounds: int = 3, new: int = 128) -> None:
         same = "identical" if torch.equal(graphed, stepped) else "DIFFERENT"
         print(f"{str(dtype)[6:]}: graphed and step-by-step tokens {same} (2 x 64 greedy)")
         for batch in (1, 8):
-            first = timed(partial(tlm_rate, ours, batch, 4, True))  # records the step
-            tlm_rate(ours, batch, 4, False), hf_rate(theirs, batch, 4)  # warm up
+            first = timed(partial(tlm_rate, ours, batch, 4), CUDA)  # records the step
+            tlm_rate(ours, batch, 4, cuda_graph=False), hf_rate(theirs, batch, 4)  # warm up
             rates = {"graph": [], "steps": [], "hf": []}
             for _ in range(rounds):
                 rates["hf"].append(hf_rate(theirs, batch, new))
-                rates["steps"].append(tlm_rate(ours, batch, new, False))
-                rates["graph"].append(tlm_rate(ours, batch, new, True))
+                rates["steps"].append(tlm_rate(ours, batch, new, cuda_graph=False))
+                rates["graph"].append(tlm_rate(ours, batch, new))
             m = {name: statistics.median(r) for name, r in rates.items()}
             print(
                 f"  batch {batch}: tlm {m['graph']:7.1f} (step by step {m['steps']:6.1f}), "
@@ -107,7 +80,7 @@ def bf16_peak(n: int = 8192, repeats: int = 10) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     a @ b
-    return 2 * n**3 * repeats / timed(lambda: [a @ b for _ in range(repeats)])
+    return 2 * n**3 * repeats / timed(lambda: [a @ b for _ in range(repeats)], CUDA)
 
 
 def tlm_command(args: str) -> list[str]:

@@ -64,7 +64,7 @@ def test_static_cache_decodes_as_the_uncached_model_with_left_padding(make_model
 
 def test_a_prompts_mask_is_the_models_padding_mask_over_the_written_columns(make_model):
     ids, mask = left_padded(torch.randint(0, 97, (3, 9)))
-    cache = StaticCache(make_model(), 3, 16, torch.float32, torch.device("cpu"))
+    cache = StaticCache(make_model().config, 3, 16, torch.float32, torch.device("cpu"))
     cache.start(mask, 9)
     positions = cache.positions(9, torch.device("cpu"))
     assert torch.equal(positions, (mask.cumsum(-1) - 1).clamp(min=0))  # as TransformerLM's

@@ -98,7 +98,8 @@ class DecodeState:
 
 class GraphedState:
     """The same state over a `GraphedDecoder` (a GPU): the prompt runs once, then each new
-    token is one replay of the recorded step."""
+    token is one replay of the recorded step. `ids` stay the prompts: the cache on the
+    device holds the rest, and `_decode` reads ids only before its first step."""
 
     def __init__(self, decoder: GraphedDecoder, ids: Tensor, mask: Tensor | None) -> None:
         self.model, self.decoder, self.ids, self.mask = decoder.model, decoder, ids, mask
@@ -110,8 +111,7 @@ class GraphedState:
         return self.decoder.step(self.new)
 
     def append(self, tokens: Tensor) -> None:
-        self.new = tokens.to(self.ids.device)
-        self.ids = torch.cat([self.ids, self.new[:, None]], dim=1)
+        self.new = tokens
 
 
 def generate(
@@ -178,9 +178,10 @@ def _decode_slots(model: nn.Module, ids: Tensor, mask: Tensor | None, c: Generat
         )
 
 
-def _decode(state: DecodeState, c: GenerationConfig) -> Iterator[Step]:
-    """The reference loop. Grad mode is switched off inside each step only: between steps
-    the caller's code runs in its own mode, never in one this generator left on."""
+def _decode(state: DecodeState | GraphedState, c: GenerationConfig) -> Iterator[Step]:
+    """The reference loop (`DecodeState`), and the graphed one's (`GraphedState`). Grad
+    mode is switched off inside each step only: between steps the caller's code runs in its
+    own mode, never in one this generator left on."""
     B, V = state.ids.shape[0], state.model.config.vocab_size
     device = state.ids.device
     eos = torch.tensor(c.eos_ids, device=device, dtype=torch.long)

@@ -27,7 +27,8 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from tlm.model.hooks import HookPoint
+from tlm.config import ModelConfig
+from tlm.inference.step import listening
 from tlm.model.kv_cache import Attend
 from tlm.model.transformer import TransformerLM
 
@@ -39,14 +40,13 @@ class StaticCache:
 
     def __init__(
         self,
-        model: TransformerLM,
+        config: ModelConfig,
         batch_size: int,
         capacity: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        c = model.config
-        shape = (c.n_layers, batch_size, c.n_heads, capacity, c.d_head)
+        shape = (config.n_layers, batch_size, config.n_heads, capacity, config.d_head)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # zeros: a hidden column
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # is never NaN (0 × NaN)
         self.capacity = capacity
@@ -100,7 +100,7 @@ class GraphedDecoder:
     def __init__(self, model: TransformerLM, batch_size: int, capacity: int, graph: bool) -> None:
         weight = next(model.parameters())
         self.model, self.use_graph = model, graph
-        self.cache = StaticCache(model, batch_size, capacity, weight.dtype, weight.device)
+        self.cache = StaticCache(model.config, batch_size, capacity, weight.dtype, weight.device)
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=weight.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None  # the graph's output [B,1,V], overwritten per replay
@@ -157,15 +157,15 @@ _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def graphable(model: nn.Module, prompt_length: int, new_tokens: int) -> bool:
     """Whether a generation can run on a `GraphedDecoder`: a plain language model on a GPU,
-    in eval mode, whose hook points nobody listens to (a graph would call a hook once, at
-    recording), with the whole generation inside its context (no sliding window)."""
+    in eval mode, with no hook registered (a graph would call a hook once, at recording),
+    with the whole generation inside its context (no sliding window)."""
     weight = next(model.parameters())
     return (
         isinstance(model, TransformerLM)
         and weight.device.type == "cuda"
         and not model.training
         and prompt_length + new_tokens <= model.config.context_length
-        and not any(isinstance(m, HookPoint) and m.listening for m in model.modules())
+        and not listening(model)
     )
 
 
