@@ -182,8 +182,8 @@ class Slots:
                 fed = self.cache.feed(slots, [len(feed) for feed in feeds])
                 logits = self.model(ids[None], fed, last_only=True)[0]  # [rows,V]
         picks = picks or [None] * len(slots)
-        rows = zip(slots, logits, picks, strict=True)
-        return [self._choose(self.rows[slot], row, pick) for slot, row, pick in rows]
+        rows = enumerate(zip(slots, picks, strict=True))  # a row's logits taken where needed
+        return [self._choose(self.rows[slot], logits, r, pick) for r, (slot, pick) in rows]
 
     def _admit(self) -> None:
         for slot, row in enumerate(self.rows):
@@ -195,17 +195,17 @@ class Slots:
                 self.rows[slot] = sequence
                 self.cache.clear(slot)
 
-    def _choose(self, sequence: Sequence, logits: Tensor, pick: tuple | None) -> Emitted:
-        """The token of a sequence from its logits [V], or from `pick` (ŵ, log P(ŵ)), the
-        step's own greedy choice, where it made one."""
+    def _choose(self, sequence: Sequence, step: Tensor, r: int, pick: tuple | None) -> Emitted:
+        """The token of a sequence from its logits, row r of the step's [R,V], or from
+        `pick` (ŵ, log P(ŵ)), the step's own greedy choice, where it made one."""
         c = sequence.config
         top = []
         if _plain_greedy(sequence):
             if pick is None or pick[0] < 0:  # no choice made, or logits not all finite
-                pick = greedy_logprob(logits.float())  # no [V] log-softmax to write
+                pick = greedy_logprob(step[r].float())  # no [V] log-softmax to write
             token, logprob = pick
         else:
-            logits = logits.float()
+            logits = step[r].float()
             logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before any filter
             seen = None if sequence.seen is None else sequence.seen[None]
             counts = None if sequence.counts is None else sequence.counts[None]

@@ -59,8 +59,9 @@ SIGNATURES = {  # name: (what it returns, its arguments)
     "decode_step": (
         i64,
         [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr]
-        + [i64, i64, i64, i64, ptr, ptr, ptr],
+        + [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr],
     ),
+    "look_up": (i64, [ptr, ptr, i64, i64, ptr]),
     "decode_products": (i64, [ptr, i64, ptr, i64, i64, i64, i64, ptr]),
 }
 

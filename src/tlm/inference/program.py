@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from tlm.inference import blocked, native
-from tlm.inference.kernels import Float32Linear, PackedLinear
+from tlm.inference.kernels import Float32Linear, PackedLinear, PackedRows
+from tlm.tensor_files import FileRows
 
 i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -66,19 +67,47 @@ class Block(ctypes.Structure):
 INT8, FLOAT16, ROWS, DOTS, FLOAT32 = range(5)  # Product.kind, as step.c's `product`
 
 
+class Rows(ctypes.Structure):
+    """Where the token embeddings come from, as step.c's look_up reads them."""
+
+    _fields_ = [
+        ("kind", i64),
+        ("table", ptr),
+        ("scale", ptr),
+        ("fd", i64),
+        ("start", i64),
+        ("n", i64),
+        ("times", f32),
+    ]
+
+
+ROW_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
+
+
 class Program:
-    """What decode_step reads: the blocks, the head, the first norm, and the tensors whose
-    addresses they hold (kept alive here)."""
+    """What decode_step reads: the blocks, the head, the first norm, the token embeddings
+    (`rows`, or None where step.py looks them up), and the tensors and lookup whose
+    addresses and file they hold (kept alive here)."""
 
     def __init__(
-        self, blocks: list[Block], head: Product, first: Norm, keep: list[Tensor], watch: bool
+        self,
+        blocks: list[Block],
+        head: Product,
+        first: Norm,
+        rows: tuple[Rows | None, object],
+        keep: list[Tensor],
+        watch: bool,
     ) -> None:
         self.blocks = (Block * len(blocks))(*blocks)
         self.head, self.first, self.keep = head, first, keep
+        self.rows, self.lookup = rows
         self.addresses = [t.data_ptr() for t in keep] if watch else None
 
-    def current(self) -> bool:
-        """Whether every address still holds (always, for packed weights: not watched)."""
+    def current(self, embedding) -> bool:
+        """Whether every address still holds (always, for packed weights: not watched),
+        and the model's token lookup is the one described."""
+        if getattr(embedding, "lookup", None) is not self.lookup:
+            return False
         if self.addresses is None:
             return True
         return all(t.data_ptr() == a for t, a in zip(self.keep, self.addresses, strict=True))
@@ -108,7 +137,7 @@ def program(model, layers, rows: int) -> Program | None:
             return None
     made = model.__dict__.setdefault("_programs", {})
     found = made.get(route, False)
-    if found is False or (found is not None and not found.current()):
+    if found is False or (found is not None and not found.current(model.embedding)):
         try:
             found = _described(model, layers, route == "blocks")
         except _NoKernel:
@@ -177,5 +206,36 @@ def _described(model, layers, copies: bool) -> Program:
             block.qkv[i] = part
         block.cos, block.sin, block.qk_eps = cos, sin, qk_eps
         blocks.append(block)
+    rows = _rows(model.embedding, keep)
     watch = model.inference_format == "float32"  # the parameters of a model that may train
-    return Program(blocks, one(model.head), norm(*first), keep, watch)
+    return Program(blocks, one(model.head), norm(*first), rows, keep, watch)
+
+
+def _rows(embedding, keep: list[Tensor]) -> tuple[Rows | None, object]:
+    """The token embeddings for look_up, and the lookup they belong to: E's own rows
+    (lookup None), a `PackedRows`, or a `FileRows` (its file stays open while the lookup
+    lives: the Program keeps it). (None, lookup) for any other lookup, or rows look_up
+    cannot read: step.py looks those up itself."""
+    lookup, times = getattr(embedding, "lookup", None), float(embedding.scale)
+    if isinstance(lookup, FileRows):
+        if lookup.dtype not in ROW_KINDS:
+            return None, lookup
+        kind = ROW_KINDS[lookup.dtype]
+        return Rows(kind, None, None, lookup.fd, lookup.start, lookup.n, times), lookup
+    if lookup is None:
+        table, scale = embedding.E.detach(), None
+    elif isinstance(lookup, PackedRows):
+        table, scale = lookup.rows, lookup.scale
+    else:
+        return None, lookup
+    if table.dim() != 2 or table.dtype not in ROW_KINDS or not table.is_contiguous():
+        return None, lookup
+    if (table.dtype == torch.int8) != (scale is not None):
+        return None, lookup
+    if scale is not None:
+        if scale.dtype != torch.float32 or not scale.is_contiguous():
+            return None, lookup
+        keep.append(scale)
+    keep.append(table)
+    kind, address = ROW_KINDS[table.dtype], native.address(scale)
+    return Rows(kind, table.data_ptr(), address, -1, 0, len(table), times), lookup

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* x += a (when a is given), then h = gamma * (x - mu) / sqrt(var + eps) + beta (eq. 9.22-9.25),
  * for each of `rows` rows of width d; beta may be NULL (no bias). Row r adds row r of a, or
@@ -178,6 +179,76 @@ int64_t greedy_pick(const float *logits, int64_t n, float *logprob) {
     return best;
 }
 
+/* Where a step's token embeddings E[w] come from (inference/prepare.py keeps them three
+ * ways): rows in memory (`table`), fp32, fp16, bf16, or int8 with one scale per row
+ * (kernels.PackedRows); or rows left in the model's file (`table` NULL: read from `fd`,
+ * the rows starting at byte `start`, as tensor_files.FileRows reads them). Each row is
+ * widened to fp32 and multiplied by `times`, the embedding's scale. */
+typedef struct {
+    int64_t kind; /* 0 fp32, 1 fp16, 2 bf16, 3 int8 */
+    const void *table;
+    const float *scale;
+    int64_t fd, start, n;
+    float times;
+} Rows;
+
+static float from_half(uint16_t h) { /* IEEE binary16 to binary32, exactly */
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu;
+    uint32_t mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13); /* inf, nan */
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        uint32_t e = 113u;
+        while (!(mantissa & 0x400u)) mantissa <<= 1, e--;
+        bits = sign | (e << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* x[r] = times * E[ids[r]] for `rows` rows of width d. Returns 0, -3 where an id is not a
+ * row of E, -4 where the file holds fewer bytes than a row (changed since it was opened). */
+int64_t look_up(const Rows *E, const int64_t *ids, int64_t rows, int64_t d, float *x) {
+    const size_t width = E->kind == 0 ? 4 : E->kind == 3 ? 1 : 2;
+    const size_t bytes = width * (size_t)d;
+    for (int64_t r = 0; r < rows; r++)
+        if (ids[r] < 0 || ids[r] >= E->n) return -3;
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * d;
+        unsigned char buffer[E->table ? 1 : bytes];
+        const void *row = E->table ? (const char *)E->table + ids[r] * bytes : (const void *)buffer;
+        if (!E->table) {
+            for (size_t done = 0; done < bytes;) {
+                const ssize_t got = pread((int)E->fd, buffer + done, bytes - done,
+                                          (off_t)(E->start + ids[r] * (int64_t)bytes + (int64_t)done));
+                if (got <= 0) return -4;
+                done += (size_t)got;
+            }
+        }
+        if (E->kind == 0) {
+            memcpy(xr, row, bytes);
+        } else if (E->kind == 1) {
+            for (int64_t i = 0; i < d; i++) xr[i] = from_half(((const uint16_t *)row)[i]);
+        } else if (E->kind == 2) {
+            for (int64_t i = 0; i < d; i++) {
+                const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+                memcpy(xr + i, &bits, sizeof(float));
+            }
+        } else {
+            const float s = E->scale[ids[r]];
+            for (int64_t i = 0; i < d; i++) xr[i] = (float)((const int8_t *)row)[i] * s;
+        }
+        if (E->times != 1.0f)
+            for (int64_t i = 0; i < d; i++) xr[i] *= E->times;
+    }
+    return 0;
+}
+
 /* The whole step in one call, for a model whose every product has a kernel in products.c
  * (program.py builds these descriptions once per model; step.py calls it); with `picks`,
  * each row's greedy choice and its log-probability too (greedy_pick, -1 where it has none). */
@@ -234,16 +305,21 @@ static int64_t product(const Product *p, const float *x, int64_t rows, float *y,
 }
 
 /* Logits [rows, V] of a step in which each row feeds one token (step.py's loop, in C):
- * x [rows, d] holds E[w] and becomes the residual stream; P (or NULL) the position
+ * x [rows, d] holds E[w], or with E, is given the rows of the tokens `ids` (look_up), and
+ * becomes the residual stream; P (or NULL) the position
  * embeddings added by pos; K, V the cache, `layer_floats` apart per layer; `activation`
- * as `activate`'s kind. Returns 0, or the first product's error. */
+ * as `activate`'s kind. Returns 0, look_up's error, or the first product's error. */
 int64_t decode_step(const Block *blocks, int64_t n_blocks, const Product *head,
                     const Norm *first, const float *P, float *x, int64_t rows, int64_t d,
                     int64_t d_ff, float *K, float *V, int64_t layer_floats,
                     const int64_t *slots, const int64_t *pos, int64_t H, int64_t d_head,
                     int64_t capacity, int64_t activation, float *logits, int64_t *picks,
-                    float *pick_logprobs) {
+                    float *pick_logprobs, const Rows *E, const int64_t *ids) {
     const int64_t width = H * d_head;
+    if (E) {
+        const int64_t looked = look_up(E, ids, rows, d, x);
+        if (looked) return looked;
+    }
     float *h = malloc(sizeof(float) * (size_t)(rows * (2 * d + 4 * width + d_ff)));
     if (!h) return -2;
     float *o = h + rows * d, *qkv = o + rows * d, *z = qkv + rows * 3 * width;

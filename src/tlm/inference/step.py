@@ -39,9 +39,11 @@ from tlm.inference import native, program
 from tlm.inference.slot_cache import SlotCache, SlotPass
 from tlm.model.kv_cache import KVCache
 from tlm.model.layers import LayerNorm, PreNormBlock
+from tlm.tensor_files import TensorFileError
 
 RMS_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default, the qk_norm of attention
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "relu2": 3}  # step.c's `activate`
+LOOKUP_RANGE, LOOKUP_READ = -3, -4  # look_up's errors: an id out of range, a short read
 
 
 def rows_of(cache: object, input_ids: Tensor) -> tuple[list[int], list[int]] | None:
@@ -119,17 +121,70 @@ def slot_step(
     checks around it, for a loop (`Slots`) that has checked `can_step` and keeps every
     row's length within the cache's capacity. With `greedy`, also each row's (ŵ, log P(ŵ))
     as `sampling.greedy_logprob` gives them, where the whole step is one C call (token -1
-    for a row whose logits are not all finite), else None."""
+    for a row whose logits are not all finite), else None.
+
+    Where the whole step is one C call, it reads and writes the cache's `Scratch`, and the
+    logits are a view of it: valid until the cache's next step (clone them to keep them)."""
     positions = [cache.lengths[slot] for slot in slots]
     model.check_context(max(positions) + 1)
     R = len(slots)
-    picks = (torch.empty(R, dtype=torch.int64), torch.empty(R)) if greedy else None
-    logits, picked = run(model, torch.tensor(tokens), cache.k, cache.v, slots, positions, picks)
+    whole = program.program(model, layers_of(model), R)
+    if whole is not None and whole.rows is not None:
+        logits, picks = _scratch_step(model, whole, cache, slots, positions, tokens, greedy)
+    else:
+        chosen = (torch.empty(R, dtype=torch.int64), torch.empty(R)) if greedy else None
+        ids = torch.tensor(tokens)
+        logits, picked = run(model, ids, cache.k, cache.v, slots, positions, chosen)
+        picks = list(zip(chosen[0].tolist(), chosen[1].tolist(), strict=True)) if picked else None
     for slot in slots:
         cache.lengths[slot] += 1
-    if not picked:
-        return logits, None
-    return logits, list(zip(picks[0].tolist(), picks[1].tolist(), strict=True))
+    return logits, picks
+
+
+class Scratch:
+    """What a whole step of a `SlotCache` reads and writes, made once and reused, so that
+    such a step runs no torch operation: its rows' token ids, positions and slots, the
+    residual stream, the logits and greedy's choices, for up to every slot at once, with
+    numpy views of what Python writes and reads, and their addresses. Python's work
+    between two steps runs after the step's weights have streamed through the caches,
+    and a torch operation then costs 30-45 µs (docs/benchmarks.md)."""
+
+    def __init__(self, slots: int, d: int, vocab: int) -> None:
+        self.vocab = vocab
+        self.places = torch.empty(3 * slots, dtype=torch.int64)  # ids, positions, slots
+        self.x, self.logits = torch.empty(slots, d), torch.empty(slots, vocab)
+        self.words, self.logprobs = torch.empty(slots, dtype=torch.int64), torch.empty(slots)
+        self.places_, self.words_, self.logprobs_ = (
+            t.numpy() for t in (self.places, self.words, self.logprobs)
+        )
+        self.views = [self.logits[:R] for R in range(slots + 1)]  # logits of R rows
+        self.at, self.size = self.places.data_ptr(), self.places.element_size()
+        self.addresses = [t.data_ptr() for t in (self.x, self.logits, self.words, self.logprobs)]
+
+    @classmethod
+    def of(cls, cache: SlotCache, d: int, vocab: int) -> Scratch:
+        made = cache.__dict__.get("_scratch")
+        if made is None or made.vocab != vocab:
+            made = cache.__dict__["_scratch"] = cls(len(cache.lengths), d, vocab)
+        return made
+
+
+def _scratch_step(
+    model, whole, cache: SlotCache, slots: list[int], positions: list[int], tokens, greedy
+) -> tuple[Tensor, list[tuple[int, float]] | None]:
+    """`slot_step`'s whole step as one C call on the cache's `Scratch`."""
+    R, s = len(slots), Scratch.of(cache, model.config.d_model, whole.head.out)
+    s.places_[: 3 * R] = tokens + positions + slots
+    (x, logits, words, logprobs), at, size = s.addresses, s.at, s.size
+    if not greedy:
+        words = logprobs = None
+    _decode_step(
+        model, whole, R, x, at, cache.k, cache.v, at + R * size, at + 2 * R * size, logits,
+        words, logprobs,
+    )  # fmt: skip
+    if not greedy:
+        return s.views[R], None
+    return s.views[R], list(zip(s.words_[:R].tolist(), s.logprobs_[:R].tolist(), strict=True))
 
 
 def run(
@@ -148,35 +203,62 @@ def run(
     given; otherwise the products run from here, and C between them. Also whether picks
     were written."""
     places = torch.tensor(positions + slots)  # [2R]: each row's position, then its slot
-    embedding, R = model.embedding, len(slots)
+    R = len(slots)
     with torch.no_grad():
-        x = embedding.tokens(ids)  # E[w], [R,d]
-        x = _dense(x if embedding.scale == 1.0 else x * embedding.scale)
         layers = layers_of(model)
         whole = program.program(model, layers, R)
         if whole is not None:
-            return _in_one_call(model, whole, x, K, V, places, picks), picks is not None
+            return _in_one_call(model, whole, ids, K, V, places, picks), picks is not None
         with model.decoding(R):  # the products' route for R rows
-            return _product_by_product(model, layers, x, K, V, places), False
+            return _product_by_product(model, layers, looked_up(model, ids), K, V, places), False
+
+
+def looked_up(model, ids: Tensor) -> Tensor:
+    """E[w] [R,d] of ids [R], times the embedding's scale, in fp32 (step.c's look_up)."""
+    embedding = model.embedding
+    x = embedding.tokens(ids)
+    return _dense(x if embedding.scale == 1.0 else x * embedding.scale)
 
 
 def _in_one_call(
-    model, whole: program.Program, x: Tensor, K, V, places: Tensor, picks: tuple | None
+    model, whole: program.Program, ids: Tensor, K, V, places: Tensor, picks: tuple | None
 ) -> Tensor:
-    config, R = model.config, len(x)
+    config, R = model.config, len(ids)
+    if whole.rows is None:  # looked up here
+        x = looked_up(model, ids)
+    else:  # looked up by decode_step
+        ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.long().contiguous()
+        x = torch.empty(R, config.d_model)
     logits, at = x.new_empty(R, whole.head.out), places.data_ptr()
     words, logprobs = (None, None) if picks is None else picks
+    _decode_step(
+        model, whole, R, x.data_ptr(), ids.data_ptr(), K, V, at, at + R * places.element_size(),
+        logits.data_ptr(), native.address(words), native.address(logprobs),
+    )  # fmt: skip
+    return logits
+
+
+def _decode_step(
+    model, whole: program.Program, R: int, x: int, ids: int, K: Tensor, V: Tensor,
+    positions: int, slots: int, logits: int, words: int | None, logprobs: int | None,
+) -> None:  # fmt: skip
+    """step.c's decode_step on the addresses of its arrays (x is E[w] already where the
+    Program has no `rows`: ids are then not read); its errors raised."""
+    config = model.config
+    rows = None if whole.rows is None else ctypes.addressof(whole.rows)
     failed = native.library().decode_step(
         ctypes.addressof(whole.blocks), len(whole.blocks), ctypes.addressof(whole.head),
-        ctypes.addressof(whole.first), native.address(model.embedding.P), x.data_ptr(), R,
-        config.d_model, config.d_ff, K.data_ptr(), V.data_ptr(), K.stride(0),
-        at + R * places.element_size(), at, config.n_heads, config.d_head, K.shape[3],
-        ACTIVATIONS[config.activation], logits.data_ptr(), native.address(words),
-        native.address(logprobs),
+        ctypes.addressof(whole.first), native.address(model.embedding.P), x, R,
+        config.d_model, config.d_ff, K.data_ptr(), V.data_ptr(), K.stride(0), slots,
+        positions, config.n_heads, config.d_head, K.shape[3], ACTIVATIONS[config.activation],
+        logits, words, logprobs, rows, ids,
     )  # fmt: skip
+    if failed == LOOKUP_RANGE:
+        raise IndexError(f"token ids must be in [0, {whole.rows.n})")
+    if failed == LOOKUP_READ:
+        raise TensorFileError(f"{whole.lookup.name} is shorter than its header says")
     if failed:
         raise MemoryError(f"no memory for a decoding step of {R} rows")
-    return logits
 
 
 def _product_by_product(model, layers, x: Tensor, K, V, places: Tensor) -> Tensor:
