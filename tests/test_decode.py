@@ -120,6 +120,30 @@ def test_end_of_sequence_ends_rows_and_then_the_loop(make_model):
     assert len(steps) == max(ends) + 1  # the loop stops once all rows ended, not before
 
 
+def test_a_steps_tensors_and_lists_agree_in_both_loops(make_model):
+    """The slot loop's steps hold lists, made tensors when read; the reference loop's hold
+    tensors: both read the same either way, and the same as each other."""
+    model = varied_model(make_model)
+    ids = torch.randint(0, 97, (3, 4), generator=torch.Generator().manual_seed(1))
+    free, _ = run(model, ids, max_new_tokens=8)
+    eos = (int(free[0, 3]),)
+    read = {}
+    for use_cache in (True, False):
+        config = GenerationConfig(max_new_tokens=8, eos_token_id=eos, use_cache=use_cache)
+        steps = list(generate(model, ids, config))
+        listed = [step.lists() for step in steps]  # before any tensor of a step is made
+        for step, (tokens, logprobs, finished) in zip(steps, listed, strict=True):
+            step.lists()[0].append(-1)  # the caller's copy: the step is unchanged
+            assert step.lists() == (tokens, logprobs, finished)
+            assert step.tokens.dtype == torch.int64 and step.tokens.tolist() == tokens
+            assert step.logprobs.dtype == torch.float32 and step.logprobs.tolist() == logprobs
+            assert step.finished.dtype == torch.bool and step.finished.tolist() == finished
+        read[use_cache] = listed
+    assert any(finished[0] for _, _, finished in read[True])  # the end token was reached
+    for (a, p, f), (b, q, g) in zip(read[True], read[False], strict=True):
+        assert a == b and f == g and torch.allclose(torch.tensor(p), torch.tensor(q), atol=1e-4)
+
+
 def test_repetition_penalty_applies_to_prompt_tokens(make_model):
     model = make_model()
     ids = torch.randint(0, 97, (1, 6))

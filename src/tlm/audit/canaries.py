@@ -125,5 +125,5 @@ def extracted(model: nn.Module, tokenizer: Tokenizer, canary: str) -> bool:
     ids = torch.tensor([document_ids(tokenizer, start)], device=next(model.parameters()).device)
     wanted = prefix[len(start) :] + secret
     config = GenerationConfig(max_new_tokens=len(wanted) + 1, eos_token_id=())
-    tokens = [int(step.tokens[0]) for step in generate(model, ids, config)]
+    tokens = [step.lists()[0][0] for step in generate(model, ids, config)]
     return tokenizer.decode(tokens).startswith(wanted)

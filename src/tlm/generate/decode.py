@@ -13,7 +13,6 @@ that the tests hold the cached path equal to. All choose the next token with
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,11 +27,39 @@ from tlm.inference.cuda_graph import GraphedDecoder, graphable, graphed_decoder
 from tlm.model.kv_cache import KVCache
 
 
-@dataclass
 class Step:
-    tokens: Tensor  # [B] the token chosen for each row (an ended row repeats its end token)
-    logprobs: Tensor  # [B] log P(token | prefix) under the model, before any filtering
-    finished: Tensor  # [B] bool: the row has produced an end-of-sequence token
+    """One new token for every row: `tokens` [B] (an ended row repeats its end token),
+    `logprobs` [B] (log P(token | prefix) under the model, before any filtering) and
+    `finished` [B] (bool: the row has produced an end-of-sequence token).
+
+    Made from tensors, or (the slot loop) from lists, each list made a tensor when first
+    read: a loop that keeps its steps and stacks them after decoding (`model.generate`)
+    makes its tensors then, with torch's code in the caches, instead of between two steps,
+    where one small tensor costs 30-45 µs on the CPU (docs/benchmarks.md)."""
+
+    def __init__(self, tokens, logprobs, finished, device: torch.device | None = None) -> None:
+        self._values, self._device = [tokens, logprobs, finished], device
+
+    def _field(self, i: int, dtype: type) -> Tensor:
+        value = self._values[i]
+        if not isinstance(value, Tensor):
+            value = self._values[i] = torch.from_numpy(np.array(value, dtype=dtype))
+            if self._device is not None and self._device.type != "cpu":
+                value = self._values[i] = value.to(self._device)
+        return value
+
+    tokens = property(lambda self: self._field(0, np.int64))
+    logprobs = property(lambda self: self._field(1, np.float32))
+    finished = property(lambda self: self._field(2, np.bool_))
+
+    def lists(self) -> tuple[list[int], list[float], list[bool]]:
+        """tokens, logprobs and finished as Python lists, without making a tensor where the
+        step holds lists (a loop that streams text reads these between two steps)."""
+        values = (v.tolist() if isinstance(v, Tensor) else list(v) for v in self._values)
+        return tuple(values)
+
+    def __repr__(self) -> str:
+        return f"Step(tokens={self.tokens}, logprobs={self.logprobs}, finished={self.finished})"
 
 
 class DecodeState:
@@ -165,24 +192,14 @@ def _decode_slots(model: nn.Module, ids: Tensor, mask: Tensor | None, c: Generat
     ]
     rows = {slots.add(prompt, c, r % n, seed): r for r, prompt in enumerate(prompts)}
     tokens, finished = [0] * B, [False] * B  # an ended row keeps its last token
-    device = ids.device  # a Step is three tensors, made from these lists
+    device = ids.device  # a Step's tensors are made from these lists, when read
     while not slots.idle():
         logprobs = [0.0] * B  # 0 for a row that has ended
         for emitted in slots.step():
             r = rows[emitted.sequence]
             tokens[r], logprobs[r] = emitted.token, emitted.logprob
             finished[r] = emitted.sequence.finish_reason == "eos"
-        yield Step(
-            _tensor(tokens, np.int64, device),
-            _tensor(logprobs, np.float32, device),
-            _tensor(finished, np.bool_, device),
-        )
-
-
-def _tensor(values: list, dtype: type, device: torch.device) -> Tensor:
-    """torch.tensor(values) on `device`, through numpy: a third of the time on the CPU."""
-    made = torch.from_numpy(np.array(values, dtype=dtype))
-    return made if device.type == "cpu" else made.to(device)
+        yield Step(list(tokens), logprobs, list(finished), device)
 
 
 def _decode(state: DecodeState | GraphedState, c: GenerationConfig) -> Iterator[Step]:

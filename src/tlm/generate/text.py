@@ -107,8 +107,9 @@ def _complete(model, tokenizer, prompts, ids, mask, config, stop, prompt_logprob
         return out
     steps = list(_until_stopped(generate(model, ids, config, mask), tokenizer, stop, len(out)))
     for row, completion in enumerate(out):
-        tokens = [int(step.tokens[row]) for step in steps]
-        logprobs = [float(step.logprobs[row]) for step in steps]
+        rows = [step.lists() for step in steps]
+        tokens = [tokens[row] for tokens, _, _ in rows]
+        logprobs = [logprobs[row] for _, logprobs, _ in rows]
         _finish(completion, tokenizer, tokens, logprobs, stop, config.eos_ids)
     if n > keep:
         totals = torch.tensor([math.fsum(c.logprobs) for c in out], dtype=torch.float64)
@@ -163,7 +164,7 @@ def stream_completion(
     ids, _ = encode_prompts(tokenizer, [prompt], model.config.context_length)
     text = StopText(tokenizer, stop)
     for step in generate(model, ids.to(device), config):
-        token = int(step.tokens[0])
+        token = step.lists()[0][0]
         if token in config.eos_ids:
             break
         piece = text.push(token)
@@ -183,10 +184,11 @@ def _until_stopped(steps, tokenizer: Tokenizer, stop: tuple[str, ...], rows: int
     ended = [False] * rows
     for step in steps:
         yield step
+        tokens, _, finished = step.lists()
         for r in range(rows):
             if not ended[r]:
-                texts[r].push(int(step.tokens[r]))
-                ended[r] = bool(step.finished[r]) or texts[r].stopped
+                texts[r].push(tokens[r])
+                ended[r] = finished[r] or texts[r].stopped
         if all(ended):
             return
 
