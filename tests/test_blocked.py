@@ -4,7 +4,7 @@ references: the same quantized or rounded weights multiplied in torch."""
 import pytest
 import torch
 
-from tlm.inference import blocked
+from tlm.inference import blocked, native
 from tlm.inference.kernels import PackedLinear, _int8
 
 SHAPES = [(7, 5), (33, 70), (48, 64), (300, 768)]  # [out, in]: padded and whole blocks
@@ -68,6 +68,28 @@ def test_float_blocks_are_fp32_arithmetic_on_their_weights(dtype, shape, rows):
     assert (got.double() - expected).abs().max() < 1e-5
     if dtype == torch.float16:  # fp16 weights, not fp32 ones
         assert (got.double() - (x @ W.T + b).double()).abs().max() > 1e-6
+
+
+@pytest.mark.skipif(not native.threaded(), reason="the fp32 kernels run where OpenMP does")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_fp32_on_the_parameters_is_fp32_arithmetic(shape, rows):
+    """products.c's products on the model's own fp32 layouts (the whole step's products
+    for up to two rows): x W + b for W [in, out] rows `ld` apart (float32_rows: eight
+    inputs a pass and the rest one by one), and for E [out, in] (float32_dots), each
+    written into wider rows of y."""
+    W, b, x = operands(shape, rows, seed=rows)
+    out, inputs = shape
+    expected = x.double() @ W.double().T + b.double()
+    lib, ld, ldy = native.library(), out + 3, out + 5
+    wide = torch.zeros(inputs, ld)
+    wide[:, :out] = W.T  # W [in, out] in rows ld apart, as Q inside a joined Q, K, V
+    for kernel, weights, stride in ((lib.float32_rows, wide, ld), (lib.float32_dots, W, inputs)):
+        y = torch.full((rows, ldy), 7.0)
+        kernel(weights.data_ptr(), stride, b.data_ptr(), x.data_ptr(), rows, inputs, out,
+               y.data_ptr(), ldy)  # fmt: skip
+        assert (y[:, :out].double() - expected).abs().max() < 1e-5
+        assert (y[:, out:] == 7.0).all()  # nothing written past each row's outputs
 
 
 @pytest.mark.parametrize("fmt", ["int8", "float16"])
