@@ -22,6 +22,7 @@ another row: the same seed gives the same tokens alone or in a busy batch. `gene
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ from tlm.generate.constrain import Matcher
 from tlm.generate.sampling import GenerationError, choose, greedy_logprob
 from tlm.inference import InferenceLM, SlotCache, decoding_step, for_decoding
 from tlm.inference.step import could_step, listening, slot_step
+from tlm.inference.threads import Threads
 
 
 @dataclass(eq=False)  # compared and hashed by identity
@@ -101,6 +103,7 @@ class Slots:
         self.rows: list[Sequence | None] = [None] * slots
         self.waiting: deque[Sequence] = deque()
         self.stepped = isinstance(self.model, InferenceLM) and could_step(self.model, self.cache.k)
+        self.threads = Threads.of(model)  # how many threads a step runs on
 
     def add(
         self,
@@ -173,14 +176,23 @@ class Slots:
         tokens = [token for feed in feeds for token in feed]
         one_each = len(tokens) == len(feeds)  # every row feeds one token: a decoding step
         picks = None  # greedy's choices, where the step made them
-        if one_each and self.stepped and not listening(self.model):  # step.can_step
-            greedy = all(_plain_greedy(self.rows[slot]) for slot in slots)
-            logits, picks = slot_step(self.model, self.cache, slots, tokens, greedy)
-        else:
-            ids = torch.tensor(tokens, device=self.device)
-            with decoding_step(self.model, len(feeds)) if one_each else torch.no_grad():
-                fed = self.cache.feed(slots, [len(feed) for feed in feeds])
-                logits = self.model(ids[None], fed, last_only=True)[0]  # [rows,V]
+        count = self.threads.count_for((len(slots), len(tokens)))
+        if count != self.threads.most:
+            torch.set_num_threads(count)
+        started = time.perf_counter()
+        try:
+            if one_each and self.stepped and not listening(self.model):  # step.can_step
+                greedy = all(_plain_greedy(self.rows[slot]) for slot in slots)
+                logits, picks = slot_step(self.model, self.cache, slots, tokens, greedy)
+            else:
+                ids = torch.tensor(tokens, device=self.device)
+                with decoding_step(self.model, len(feeds)) if one_each else torch.no_grad():
+                    fed = self.cache.feed(slots, [len(feed) for feed in feeds])
+                    logits = self.model(ids[None], fed, last_only=True)[0]  # [rows,V]
+        finally:
+            if count != self.threads.most:
+                torch.set_num_threads(self.threads.most)  # the caller's setting, always
+        self.threads.took(time.perf_counter() - started)
         picks = picks or [None] * len(slots)
         rows = enumerate(zip(slots, picks, strict=True))  # a row's logits taken where needed
         return [self._choose(self.rows[slot], logits, r, pick) for r, (slot, pick) in rows]
