@@ -62,9 +62,15 @@ def test_steps_of_another_kind_are_not_compared():
     assert threads.trial is None
 
 
-def test_one_thread_has_nothing_to_choose():
+def test_one_thread_has_nothing_to_choose_and_a_fixed_count_never_probes(make_model):
     threads = Threads(1)
     assert run(threads, {1: 1.0}, 100) == [1] * 100
+    model = make_model()
+    Threads.fix(model)
+    fixed = Threads.of(model)
+    assert run(fixed, {fixed.most: 10.0, 1: 1.0}, 100) == [fixed.most] * 100
+    Threads.fix(model, fixed=False)
+    assert Threads.of(model) is not fixed and Threads.of(model).adapt == (fixed.most > 1)
 
 
 def test_a_step_runs_on_the_chosen_count_and_gives_the_callers_back(make_model):

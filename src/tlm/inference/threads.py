@@ -35,8 +35,11 @@ class Threads:
     runs `probes` steps on the other count, then as many on the kept one, and compares
     the two: both measured at the same moment, under the same load."""
 
-    def __init__(self, most: int, every: int = 64, probes: int = 2, margin: float = 0.1):
+    def __init__(
+        self, most: int, every: int = 64, probes: int = 2, margin: float = 0.1, adapt: bool = True
+    ) -> None:
         self.most, self.every, self.probes, self.margin = most, every, probes, margin
+        self.adapt = adapt and most > 1  # False: every step on `most`
         self.count = most  # the kept count
         self.wait = RECENT  # steps until the next probe: the first comes early
         self.since = 0
@@ -52,6 +55,12 @@ class Threads:
         if made is None or made.most != most:
             made = model.__dict__["_threads"] = cls(most)
         return made
+
+    @classmethod
+    def fix(cls, model, fixed: bool = True) -> None:
+        """Decode `model` on torch's setting, never choosing (`fixed`: benchmarks compare
+        with it), or from now on choose anew."""
+        model.__dict__["_threads"] = cls(torch.get_num_threads(), adapt=not fixed)
 
     @property
     def other(self) -> int:
@@ -75,7 +84,7 @@ class Threads:
         spike = len(self.recent) >= 3 and seconds > 3 * statistics.median(self.recent)
         self.recent = [*self.recent, seconds][-RECENT:]
         self.since += 1
-        if self.most > 1 and len(self.recent) >= 3 and (self.since >= self.wait or spike):
+        if self.adapt and len(self.recent) >= 3 and (self.since >= self.wait or spike):
             self.trial = []  # the next steps run on the other count, then on this one
 
     def _decide(self) -> None:
