@@ -8,9 +8,11 @@ torch threads, greedy decoding of random 32-token prompts with no early stop. Re
 through `Engine` (one thread stepping `Slots`, as `tlm serve` runs it) with no HTTP in
 between; the tokenizer is a stub whose `decode` gives one "x" per token, since the engine
 needs text only to stream it. Times are `time.perf_counter`, taken in each job's `deliver`
-callback (the engine thread), from the moment the job is submitted. The model runs off
-the Python main thread throughout, as in the engine: on this shared 2-core machine, calls
-from the main thread were seen 4-16x slower under load from other processes.
+callback (the engine thread), from the moment the job is submitted. The model is built,
+and runs, off the Python main thread throughout, each time on a thread that ends before the
+next starts, as `tlm serve` loads its model in its engine thread: OpenMP keeps a pool of
+workers per thread that has run torch's parallel work, and a second pool on two cores costs
+a quiet machine a quarter to a third of its batch-1 speed (docs/benchmarks.md, "Goal 5").
 
 1. clients: 1, 8 and 32 clients (as many slots), each submitting a request of 64 new
    tokens, waiting for it to end, and repeating; aggregate tok/s, time to first token
@@ -255,7 +257,8 @@ def main() -> None:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     shape = TINY if args.quick else GPT2
-    model = for_inference(TransformerLM(ModelConfig(**shape, activation="gelu_tanh")), "float32")
+    config = ModelConfig(**shape, activation="gelu_tanh")  # built off the main thread, as below
+    model = off_main(lambda: for_inference(TransformerLM(config), "float32"))
     name = "tiny (2 layers, d=64)" if args.quick else "GPT-2 124M shape"
     print(f"{name}, fp32 prepacked, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"load average {os.getloadavg()[0]:.2f} (other processes share these cores)")

@@ -43,10 +43,13 @@ def run(args: argparse.Namespace) -> int:
         fail("--slots and --max-queue must be at least 1")
     if not 0 <= args.port <= 65535:
         fail(f"--port {args.port} is not a port")
-    model = load_language_model(args.run, weights=args.weights, dtype=args.dtype)
-    tokenizer = load_tokenizer(args.run)
     metrics = Metrics()
-    engine = Engine(model, tokenizer, args.slots, args.max_queue, metrics.on_token)
+
+    def load():  # in the engine thread: the one thread that runs torch's parallel work
+        return load_language_model(args.run, weights=args.weights, dtype=args.dtype)
+
+    engine = Engine(load, None, args.slots, args.max_queue, metrics.on_token)
+    engine.tokenizer = load_tokenizer(args.run)  # after the model, whose errors say more
     metrics.watch(engine)
     name = args.name or Path(args.run).resolve().name
     app = create_app(engine, name, args.api_key, metrics)

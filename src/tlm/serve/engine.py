@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from torch import nn
+
 from tlm.generate import GenerationConfig, StopText
 from tlm.generate.slots import Sequence, Slots
 from tlm.tokenizer import Tokenizer
@@ -60,17 +62,24 @@ class _Choice:
 
 
 class Engine:
-    """Runs the batch in a daemon thread; `submit` and `cancel` are safe from any thread."""
+    """Runs the batch in a daemon thread; `submit` and `cancel` are safe from any thread.
+
+    `model` is the model, or a function that loads it, called in the engine thread. The
+    thread makes its `Slots` (the KV cache) too, so that a server that loads its model this
+    way runs every parallel torch operation on one thread: OpenMP keeps a pool of workers
+    per thread that has run one, and with two pools on two cores its workers sleep between
+    a step's parallel regions instead of spinning, a quarter to a third of a quiet
+    machine's batch-1 speed (docs/benchmarks.md, "Goal 5"). A load's error is raised here."""
 
     def __init__(
         self,
-        model,
-        tokenizer: Tokenizer,
+        model: nn.Module | Callable[[], nn.Module],
+        tokenizer: Tokenizer | None,  # None: set `tokenizer` before the first job
         slots: int = 4,
         max_queue: int = 64,
         on_token: Callable[[float | None, float | None], None] | None = None,
     ) -> None:
-        self.tokenizer, self.slots, self.max_queue = tokenizer, Slots(model, slots), max_queue
+        self.tokenizer, self.max_queue = tokenizer, max_queue
         self.on_token = on_token  # (time to first token, inter-token latency), for metrics
         self.lock = threading.Condition()
         self.incoming: list[Job] = []
@@ -78,8 +87,12 @@ class Engine:
         self.calls: list[tuple[Callable, Future]] = []
         self.choices: dict[Sequence, _Choice] = {}
         self.running = True
-        self.thread = threading.Thread(target=self._run, name="tlm-engine", daemon=True)
+        self.slots: Slots
+        ready: Future = Future()  # set once the engine thread has made self.slots
+        work = (model, slots, ready)
+        self.thread = threading.Thread(target=self._run, args=work, name="tlm-engine", daemon=True)
         self.thread.start()
+        ready.result()  # the load's error, raised here
 
     @property
     def queued(self) -> int:
@@ -120,7 +133,13 @@ class Engine:
             self.lock.notify()
         self.thread.join(timeout=5)
 
-    def _run(self) -> None:
+    def _run(self, model, slots: int, ready: Future) -> None:
+        try:
+            self.slots = Slots(model if isinstance(model, nn.Module) else model(), slots)
+        except BaseException as error:  # noqa: BLE001 - raised in the constructor's thread
+            ready.set_exception(error)
+            return
+        ready.set_result(None)
         while True:
             with self.lock:
                 while self.running and not (self.incoming or self.cancelled or self.calls):
