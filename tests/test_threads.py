@@ -71,6 +71,8 @@ def test_one_thread_has_nothing_to_choose_and_a_fixed_count_never_probes(make_mo
     assert run(fixed, {fixed.most: 10.0, 1: 1.0}, 100) == [fixed.most] * 100
     Threads.fix(model, fixed=False)
     assert Threads.of(model) is not fixed and Threads.of(model).adapt == (fixed.most > 1)
+    on_meta = make_model().to("meta")  # a model off the CPU: its steps' times are not the CPU's
+    assert not Threads.of(on_meta).adapt
 
 
 def test_a_step_runs_on_the_chosen_count_and_gives_the_callers_back(make_model):

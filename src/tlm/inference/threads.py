@@ -49,11 +49,13 @@ class Threads:
 
     @classmethod
     def of(cls, model) -> Threads:
-        """The model's own, for its thread setting now (torch's threads of this thread)."""
+        """The model's own, for its thread setting now (torch's threads of this thread).
+        A model on a GPU keeps torch's setting: its steps' times are not the CPU's."""
         most = torch.get_num_threads()
         made = model.__dict__.get("_threads")
         if made is None or made.most != most:
-            made = model.__dict__["_threads"] = cls(most)
+            on_cpu = next(model.parameters()).device.type == "cpu"
+            made = model.__dict__["_threads"] = cls(most, adapt=on_cpu)
         return made
 
     @classmethod
