@@ -11,8 +11,8 @@ depends on the load at the moment, which no setting knows, so `Threads` measures
 
 It keeps the steps on `most` threads (torch's setting when decoding began) and now and
 then tries a few steps on the other count (one, or back to `most`): after its first few
-steps, then every `every` steps, and at once when a step takes three times the recent
-ones (the load changed). The count whose steps were faster by more than `margin` is kept.
+steps, then every `every` steps, and at once when a step takes three times the fastest recent
+one (the load changed). The count whose steps were faster by more than `margin` is kept.
 A probe that changes nothing makes the next one wait twice as long (to 16 times `every`),
 so a quiet machine spends well under 1% of its steps on one thread. A model keeps its
 `Threads` from one generation to the next (`of`). Steps are compared only with steps of
@@ -83,7 +83,7 @@ class Threads:
             if len(self.trial) == 2 * self.probes:
                 self._decide()
             return
-        spike = len(self.recent) >= 3 and seconds > 3 * statistics.median(self.recent)
+        spike = len(self.recent) >= 3 and seconds > 3 * min(self.recent)  # min: no sort a step
         self.recent = [*self.recent, seconds][-RECENT:]
         self.since += 1
         if self.adapt and len(self.recent) >= 3 and (self.since >= self.wait or spike):
