@@ -6,7 +6,8 @@ nanoGPT runs from a checkout as a subprocess, never imported or copied, on data 
 - throughput: tokens/s of both on the recipe's shape (4L d128 ctx64 batch 12) and on
   nanoGPT's full Shakespeare-char shape (6L d384 ctx256 batch 16), runs alternating;
 - time to quality: nanoGPT's CPU recipe from its README, launch to the first eval with val
-  loss <= 1.874, against tlm's `budget25` and `budget4` recipes.
+  loss <= 1.874, against tlm's `budget25` (the two alternating, twice: the host's speed moves
+  between minutes) and `budget4` recipes.
 
 What a reader of the figures must know about nanoGPT's train.py (checked at commit 3adf61e):
 
@@ -263,17 +264,29 @@ def tlm_recipe(tlm: TlmSide, name: str, factor: int) -> tuple[float, float, floa
     return val, seconds, wall
 
 
-def time_to_quality(tlm: TlmSide, checkout: Path, factor: int) -> None:
-    """nanoGPT's recipe, then tlm's budget25 and budget4, against the issue's goals:
-    budget25 <= 1.87 in 1/9 of nanoGPT's time to its recipe's loss (1.874, or its final
-    one where its estimate ends above), budget4 <= 1.50 within 3x nanoGPT's whole run."""
-    reached, theirs, whole = nanogpt_recipe(checkout, tlm.work, factor)
-    val, seconds, wall = tlm_recipe(tlm, "budget25", factor)
-    met = reached >= 9 * seconds and val <= 1.87
+def time_to_quality(tlm: TlmSide, checkout: Path, factor: int, rounds: int = 2) -> None:
+    """nanoGPT's recipe and tlm's budget25, alternating `rounds` times (the host's speed
+    moves between minutes), then budget4, against the issue's goals: budget25 <= 1.87 in 1/9
+    of nanoGPT's time to its recipe's loss (1.874, or its final one where its estimate ends
+    above), budget4 <= 1.50 within 3x nanoGPT's whole run."""
+    ratios, wholes, vals = [], [], []
+    for _ in range(rounds):
+        reached, theirs, whole = nanogpt_recipe(checkout, tlm.work, factor)
+        val, seconds, wall = tlm_recipe(tlm, "budget25", factor)
+        ratios.append((reached / seconds, reached / wall))
+        wholes.append(whole)
+        vals.append(val)
+        print(
+            f"    nanoGPT's time to {theirs:.4f} / tlm's to {val:.4f}: {reached / seconds:.2f}x "
+            f"(whole command: {reached / wall:.2f}x)"
+        )
+    ratio, by_command = (statistics.median(r[i] for r in ratios) for i in (0, 1))
+    met = ratio >= 9 and max(vals) <= 1.87
     print(
-        f"    nanoGPT's time to {theirs:.4f} / tlm's to {val:.4f}: {reached / seconds:.2f}x "
-        f"(whole command: {reached / wall:.2f}x), goal >= 9x with val <= 1.87: {verdict(met)}"
+        f"    median of {rounds}: {ratio:.2f}x (whole command {by_command:.2f}x), goal >= 9x "
+        f"with val <= 1.87: {verdict(met)}"
     )
+    whole = statistics.median(wholes)
     val, seconds, _ = tlm_recipe(tlm, "budget4", factor)
     met = val <= 1.50 and seconds <= 3 * whole
     print(
