@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from tlm.cli import main
-from tlm.config import ConfigError, ModelConfig
-from tlm.model import attention
+from tlm.config import ConfigError
 from tlm.model.attention import attention_fused, attention_reference, causal_mask
 from tlm.train import new_run_configs, open_run
 from tlm.train import precision as precisions
@@ -136,21 +135,3 @@ def test_attention_under_bf16_autocast_on_a_cpu_is_fp32_attention_of_the_rounded
     assert torch.allclose(fused, expected, atol=1e-5)
     in_bf16 = attention_fused(q, k, v, is_causal=True)  # no autocast: the bf16 kernel
     assert not torch.allclose(in_bf16.float(), expected, atol=1e-5)  # which the test tells apart
-
-
-@pytest.mark.parametrize("S", [attention.WRITTEN_OUT_KEYS, attention.WRITTEN_OUT_KEYS + 1])
-def test_training_attention_under_cpu_autocast_is_written_out_up_to_a_window(S):
-    """Up to WRITTEN_OUT_KEYS keys, a layer's attention under CPU bf16 autocast is the
-    equations written out (bf16 products, fp32 softmax), faster there than the kernel; beyond,
-    the kernel of fp32 inputs. Both are attention: they agree to bf16's precision."""
-    layer = attention.MultiHeadAttention(ModelConfig(d_model=16, n_heads=2, context_length=S))
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 2, S, 8).bfloat16() for _ in range(3))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = layer.attend(q, k, v)
-        written, _ = attention_reference(q, k, v, causal_mask(S, S))
-        fused = attention_fused(q, k, v, is_causal=True)
-    expected = written if S <= attention.WRITTEN_OUT_KEYS else fused
-    assert got.dtype == expected.dtype and torch.equal(got, expected)
-    assert torch.allclose(written.float(), fused, atol=2e-2)
-    assert not attention.written_out_faster(q, S)  # outside autocast: the kernel as always

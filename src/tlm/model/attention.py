@@ -103,17 +103,6 @@ def attention_fused(
     )
 
 
-WRITTEN_OUT_KEYS = 256  # under CPU autocast, the written-out path up to this many keys
-
-
-def written_out_faster(q: Tensor, S: int) -> bool:
-    """Under bf16 autocast on a CPU, up to `WRITTEN_OUT_KEYS` keys, the equations written out
-    (bf16 products, fp32 softmax) beat PyTorch's kernel (in fp32 there, see `attention_fused`):
-    at B 16, H 6, T 256 a layer's forward and backward took 65-77 ms against 72-99 ms; at
-    T 512 the kernel's skipped half wins (222 against 262 ms; docs/benchmarks.md)."""
-    return q.device.type == "cpu" and S <= WRITTEN_OUT_KEYS and torch.is_autocast_enabled("cpu")
-
-
 def padding_mask(T: int, key_padding: Tensor) -> Tensor:
     """Causal attention of T new queries over S positions, never to a padding key.
 
@@ -225,7 +214,7 @@ class MultiHeadAttention(nn.Module):
         if causal and mask is None and 1 < T < S:  # new queries after cached keys
             mask = causal_mask(T, S, q.device)
         dropout_p = self.dropout if self.training else 0.0
-        if self.scores.listening or self.pattern.listening or written_out_faster(q, S):
+        if self.scores.listening or self.pattern.listening:  # α is wanted: write it out
             if whole_window:
                 mask = causal_mask(T, S, q.device)
             scores = self.scores(attention_scores(q, k, mask))  # eq. 9.11
