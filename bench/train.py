@@ -70,8 +70,8 @@ RECIPES = {
     # issue 16: the departures from the book for small budgets, each a flag
     # three layers of two heads: a step 0.64x the four-layer one's, 0.005 nats worse (issue 33)
     "budget25": (
-        SMALL.replace("--n-layers 4 --n-heads 4", "--n-layers 3 --n-heads 2")
-        + "--position rope --d-ff 256 --optimizer muon --qk-norm --activation relu2 "
+        SMALL + "--n-layers 3 --n-heads 2 --position rope --d-ff 256 --optimizer muon --qk-norm "
+        "--activation relu2 "
         "--max-steps 340 --lr 6e-3 --min-lr 6e-4 --warmup-steps 30 --eval-interval 340",
         "25-second budget (3L 2H d128 ctx64, rope, d_ff 256, Muon, QK-norm, ReLU², 340 steps)",
         "target: <= 1.87 in <= 25 s of training",
