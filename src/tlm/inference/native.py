@@ -1,7 +1,9 @@
-"""`step.c` and `products.c`, compiled for this machine at first use, called through ctypes.
+"""`step.c`, `products.c` and `attention.c`, compiled for this machine at first use, called
+through ctypes.
 
-`step.c` holds the work between a decoding step's weight products (`step.py`), and
-`products.c` the products of weights kept in blocks (`blocked.py`). Both are compiled
+`step.c` holds the work between a decoding step's weight products (`step.py`),
+`products.c` the products of weights kept in blocks (`blocked.py`), and `attention.c`
+causal attention for bf16 training on a CPU (`attention.py`). All three are compiled
 once per machine, into one library, with the system's C compiler (`$CC`, else `cc`) for
 the host's own instruction set (-march=native) and with OpenMP (where the compiler has no
 OpenMP runtime, without it: attention then runs on one core, and the blocked products are
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-SOURCES = [Path(__file__).with_name(name) for name in ("step.c", "products.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("step.c", "products.c", "attention.c")]
 # Compiled with -ffast-math (glibc's vector expf and friends need it) and linked without
 # it: linking with it adds gcc's crtfastmath.o, whose loader sets flush-to-zero for the
 # whole process, and every subnormal result of numpy and torch after the first decoding
@@ -63,6 +65,12 @@ SIGNATURES = {  # name: (what it returns, its arguments)
     ),
     "look_up": (i64, [ptr, ptr, i64, i64, ptr]),
     "decode_products": (i64, [ptr, i64, ptr, i64, i64, i64, i64, ptr]),
+    "attention_here": (i64, []),
+    "attention_forward": (i64, [ptr, ptr, ptr, *[i64] * 7, ptr, i64, i64, i64, ptr]),
+    "attention_backward": (
+        i64,
+        [ptr, ptr, ptr, *[i64] * 7, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64],
+    ),
 }
 
 

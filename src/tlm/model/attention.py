@@ -12,6 +12,7 @@ something listens to the hook points `attn.scores` or `attn.pattern`, the fused 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +126,8 @@ class MultiHeadAttention(nn.Module):
     subclasses that run them through faster kernels, on the same parameters.
     """
 
+    fused = staticmethod(attention_fused)  # the fused path; `use_attention_kernel` sets another
+
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         d, d_attn = config.d_model, config.d_attn
@@ -220,7 +223,16 @@ class MultiHeadAttention(nn.Module):
             scores = self.scores(attention_scores(q, k, mask))  # eq. 9.11
             pattern = self.pattern(torch.softmax(scores, dim=-1))  # eq. 9.12
             return attend(pattern, v, dropout_p)  # eq. 9.13
-        return attention_fused(q, k, v, mask, dropout_p, is_causal=whole_window)
+        return self.fused(q, k, v, mask, dropout_p, is_causal=whole_window)
+
+
+def use_attention_kernel(model: nn.Module, kernel: Callable[..., Tensor]) -> None:
+    """Every attention layer of `model` runs its fused path through `kernel`, which takes
+    `attention_fused`'s arguments and means the same (`train/opening.py` sets tlm's C kernel,
+    `inference/attention.py`, for bf16 training on a CPU). The written-out path is unchanged."""
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            module.fused = kernel
 
 
 class CrossAttention(MultiHeadAttention):

@@ -16,9 +16,11 @@ import torch
 from tlm.checkpoint import latest_checkpoint, load_checkpoint, write_config
 from tlm.config import ModelConfig, TrainConfig
 from tlm.data import PairData, TokenData
+from tlm.inference.attention import causal_attention
 from tlm.io import write_text_atomic
 from tlm.load import load_model
 from tlm.model import build_model
+from tlm.model.attention import use_attention_kernel
 from tlm.train.distributed import Runtime
 from tlm.train.loop import Progress, Trainer
 from tlm.train.optim import build_optimizer
@@ -47,6 +49,8 @@ def open_run(
     model = build_model(model_config, init=False)
     model.reset_parameters(seed=config.seed)  # resume / init_from overwrite it below
     model.to(rt.device)
+    if precision.dtype == torch.bfloat16 and rt.device.type == "cpu":
+        use_attention_kernel(model, causal_attention)  # tlm's bf16 kernel where it applies
     batches = _batches(data, model_config, config, rt)
     state, saved = Progress(), None
     if resume:  # the weights now, whole; the optimizer once it is built (maybe sharded)

@@ -1,0 +1,141 @@
+"""Causal attention for training under bf16 autocast on a CPU: tlm's C kernel (`attention.c`).
+
+Under CPU autocast, `attention_fused` runs PyTorch's CPU kernel in fp32 on the bf16-rounded
+q, k, v (its bf16 kernel is slower still): ~56 GFLOP/s, a sixth of the bf16 products' rate,
+and a quarter of nanoGPT's 6-layer step (docs/benchmarks.md). `attention.c` computes the
+same equations with AVX512_BF16's dot products, adding in fp32: the scores, the softmax, the
+output and every gradient stay fp32, and only the pattern α and its gradient are rounded to
+bf16 to enter their products. `causal_attention` takes the place of `attention_fused`
+(`model.attention.use_attention_kernel`; `train/opening.py` sets it for bf16 training on a
+CPU) and runs the kernel where it applies: a CPU under bf16 autocast, the whole causal
+window (T == S, no mask, no dropout), d_head a multiple of 32, T <= 2048, a library built
+with AVX512_BF16, not inside torch.compile. Everything else goes to `attention_fused`.
+`tests/test_attention_kernel.py` holds it equal to `attention_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tlm.inference.native import library
+from tlm.model.attention import attention_fused
+
+LONGEST = 2048  # positions: a head's three T x T bf16 buffers stay within 24 MB
+
+
+def kernel_here() -> bool:
+    """Whether this host's library has the bf16 attention kernel (AVX512_BF16)."""
+    lib = library()
+    return lib is not None and lib.attention_here() == 1
+
+
+def causal_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+) -> Tensor:
+    """`attention_fused`'s arguments and result [B,H,T,d_head]: tlm's kernel where it
+    applies (see the module's docstring), `attention_fused` elsewhere."""
+    if _applies(q, k, mask, dropout_p, is_causal):
+        return torch.ops.tlm.causal_attention(*_bf16_alike(q, k, v))[0]
+    return attention_fused(q, k, v, mask, dropout_p, is_causal)
+
+
+def _applies(q: Tensor, k: Tensor, mask: Tensor | None, dropout_p: float, causal: bool) -> bool:
+    T, d_head = q.shape[-2], q.shape[-1]
+    return (
+        causal
+        and mask is None
+        and dropout_p == 0.0
+        and q.device.type == "cpu"
+        and q.dim() == 4
+        and q.shape == k.shape
+        and d_head % 32 == 0
+        and 1 < T <= LONGEST
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and not torch.compiler.is_compiling()
+        and kernel_here()
+    )
+
+
+# Two torch operators (`torch.ops.tlm.*`), so that autograd, torch's profiler and a
+# TorchDispatchMode (bench/_anatomy.py) see the kernel as one call each way.
+@torch.library.custom_op("tlm::causal_attention", mutates_args=())
+def _forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """(O [B,H,T,d_head] fp32, each query's log-sum-exp of its scores [B,H,T]) from bf16 q,
+    k, v of one layout: softmax(mask(QKᵀ/√d_k))V (eq. 9.11-9.13)."""
+    B, H, T, d_head = q.shape
+    o, lse = _heads(B, H, T, d_head), torch.empty(B, H, T)
+    status = library().attention_forward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, T, d_head, *q.stride()[:3],
+        o.data_ptr(), *o.stride()[:3], lse.data_ptr(),
+    )  # fmt: skip
+    _check(status)
+    return o, lse
+
+
+@torch.library.custom_op("tlm::causal_attention_backward", mutates_args=())
+def _backward(
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, grad: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) fp32 from the forward pass's inputs and results and dO, `grad`."""
+    if grad.dtype != torch.float32 or grad.stride() != o.stride():
+        grad = torch.empty_like(o).copy_(grad)  # dO laid out as O is
+    B, H, T, d_head = q.shape
+    dq, dk, dv = (_heads(B, H, T, d_head) for _ in range(3))
+    status = library().attention_backward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, T, d_head, *q.stride()[:3],
+        o.data_ptr(), grad.data_ptr(), *o.stride()[:3], lse.data_ptr(),
+        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), *dq.stride()[:3],
+    )  # fmt: skip
+    _check(status)
+    return dq, dk, dv
+
+
+@_forward.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    B, H, T, d_head = q.shape
+    return _heads(B, H, T, d_head), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+@_backward.register_fake
+def _(q, k, v, o, lse, grad) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(_heads(*q.shape) for _ in range(3))
+
+
+def _keep(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _gradients(ctx, grad: Tensor, _lse_grad: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.ops.tlm.causal_attention_backward(*ctx.saved_tensors, grad)
+
+
+_forward.register_autograd(_gradients, setup_context=_keep)
+
+
+def _bf16_alike(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v in bf16 with one set of strides, each row of d_head values contiguous (the
+    views `split_heads` makes of three products already are)."""
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    if q.stride(-1) != 1 or not q.stride() == k.stride() == v.stride():
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return q, k, v
+
+
+def _heads(B: int, H: int, T: int, d_head: int) -> Tensor:
+    """An fp32 [B,H,T,d_head] view of a [B,T,H,d_head] tensor: `heads.transpose(1, 2)` in
+    the model is then contiguous, and W^O reads it without a copy (eq. 9.19)."""
+    return torch.empty(B, T, H, d_head).transpose(1, 2)
+
+
+def _check(status: int) -> None:
+    if status == -2:
+        raise MemoryError("attention.c: no memory for a head's buffers")
+    if status != 0:
+        raise RuntimeError(f"attention.c returned {status}")
