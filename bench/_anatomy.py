@@ -19,11 +19,15 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import tlm.inference.attention  # noqa: F401  (registers torch.ops.tlm.causal_attention)
+
 aten = torch.ops.aten
 PRODUCTS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-ATTENTION = {
+ATTENTION = {  # PyTorch's kernel, and tlm's (bf16 training on a CPU with AVX512_BF16)
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    torch.ops.tlm.causal_attention.default,
+    torch.ops.tlm.causal_attention_backward.default,
 }
 
 

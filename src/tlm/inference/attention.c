@@ -55,10 +55,11 @@ static inline float from_bf16(uint16_t h) {
     return x;
 }
 
-/* C[m][0..32) = sum over pairs p in [p0, p1) of A[m][2p..2p+1] . B[p][column][0..1], for the
- * tile's 8 rows m. A: rows of lda bf16; B: paired, ldb columns a pair; C: rows of ldc. */
-static inline void tile(const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb, int64_t p0,
-                        int64_t p1, float *C, int64_t ldc) {
+/* C[m][0..32) = sum over pairs p in [p0, p1) of A's pair (m, p) . B[p][column][0..1], for
+ * the tile's 8 rows m. A's pair (m, p) is at A + m*lda + p*pa: pa = 2 for a row-major A,
+ * else the rows of a paired matrix read as A. B: paired, ldb columns a pair; C: rows of ldc. */
+static inline void tile(const uint16_t *A, int64_t lda, int64_t pa, const uint16_t *B,
+                        int64_t ldb, int64_t p0, int64_t p1, float *C, int64_t ldc) {
     __m512 acc[ROWS][2];
     for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t p = p0; p < p1; p++) {
@@ -66,7 +67,7 @@ static inline void tile(const uint16_t *A, int64_t lda, const uint16_t *B, int64
         const __m512bh b1 = (__m512bh)_mm512_loadu_si512(B + 2 * p * ldb + 32);
         for (int m = 0; m < ROWS; m++) {
             int32_t pair;
-            memcpy(&pair, A + m * lda + 2 * p, 4);
+            memcpy(&pair, A + m * lda + p * pa, 4);
             const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
             acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
             acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
@@ -101,12 +102,6 @@ static void pair_columns(const uint16_t *plain, int64_t Tp, int64_t d, uint16_t 
         for (int64_t c = 0; c < d / 2; c++) to[c * Tp + t] = from[t * (d / 2) + c];
 }
 
-/* plain [Tp][d] transposed: [d][Tp]. */
-static void transpose(const uint16_t *plain, int64_t Tp, int64_t d, uint16_t *columns) {
-    for (int64_t t = 0; t < Tp; t++)
-        for (int64_t c = 0; c < d; c++) columns[c * Tp + t] = plain[t * d + c];
-}
-
 /* rows [2 pairs][width] paired along the rows: paired[p][i] = (rows[2p][i], rows[2p+1][i]),
  * for i from 0, or with `diagonal` from the first of the pair's 32-column block (the
  * columns the backward pass wrote). width a multiple of 16. */
@@ -139,7 +134,7 @@ static void forward_head(const uint16_t *q, const uint16_t *k, const uint16_t *v
     for (int64_t i0 = 0; i0 < T; i0 += ROWS) {
         const int64_t width = (i0 + ROWS + COLS - 1) / COLS * COLS; /* keys the rows may see */
         for (int64_t j0 = 0; j0 < width; j0 += COLS) /* S = Q K^T (eq. 9.11) */
-            tile(Q + i0 * d, d, K + 2 * j0, Tp, 0, d / 2, S + j0, Tp);
+            tile(Q + i0 * d, d, 2, K + 2 * j0, Tp, 0, d / 2, S + j0, Tp);
         for (int64_t m = 0; m < ROWS; m++) { /* P = softmax(S / sqrt(d)) over j <= i (eq. 9.12) */
             const int64_t i = i0 + m, seen = i < T ? i + 1 : 1;
             float *row = S + m * Tp, most = row[0], total = 0.0f;
@@ -157,7 +152,7 @@ static void forward_head(const uint16_t *q, const uint16_t *k, const uint16_t *v
             if (i < T) lse[i] = most * scale + logf(total);
         }
         for (int64_t c0 = 0; c0 < d; c0 += COLS) /* O = P V (eq. 9.13) */
-            tile(P, Tp, V + 2 * c0, d, 0, width / 2, O + c0, d);
+            tile(P, Tp, 2, V + 2 * c0, d, 0, width / 2, O + c0, d);
         for (int64_t m = 0; m < ROWS && i0 + m < T; m++)
             memcpy(o + (i0 + m) * so, O + m * d, sizeof(float) * (size_t)d);
     }
@@ -171,13 +166,12 @@ static void backward_head(const uint16_t *q, const uint16_t *k, const uint16_t *
                           int64_t sg, uint16_t *work) {
     const int64_t Tp = (T + COLS - 1) / COLS * COLS, T8 = (T + ROWS - 1) / ROWS * ROWS;
     uint16_t *Kr = work, *Vr = Kr + Tp * d, *Qd = Vr + Tp * d, *Qt = Qd + Tp * d;
-    uint16_t *Gd = Qt + Tp * d, *Gt = Gd + Tp * d, *Kc = Gt + Tp * d; /* G = dO */
-    uint16_t *PT = Kc + Tp * d, *dST = PT + Tp * Tp, *dSp = dST + Tp * Tp;
-    float *ST = (float *)(dSp + Tp * Tp), *dPT = ST + ROWS * Tp, *L = dPT + ROWS * Tp;
-    float *D = L + Tp, *rows = D + Tp, *dQT = rows + ROWS * d; /* dQ^T [d][Tp] */
-    uint16_t *plain = (uint16_t *)(dQT + d * Tp); /* [Tp][d] */
+    uint16_t *Gd = Qt + Tp * d, *Gt = Gd + Tp * d, *Kj = Gt + Tp * d; /* G = dO */
+    uint16_t *PT = Kj + Tp * d, *dST = PT + Tp * Tp, *dSp = dST + Tp * Tp, *plain = dSp + Tp * Tp;
+    float *ST = (float *)(plain + Tp * d), *dPT = ST + ROWS * Tp, *L = dPT + ROWS * Tp;
+    float *D = L + Tp, *rows = D + Tp; /* rows [8][d]: gradients on their way out */
     copy_rows(k, sq, T, Tp, d, Kr);
-    transpose(Kr, Tp, d, Kc);
+    pair_rows(Kr, Tp / 2, d, 0, Kj);
     copy_rows(v, sq, T, Tp, d, Vr);
     copy_rows(q, sq, T, Tp, d, plain);
     pair_columns(plain, Tp, d, Qd);
@@ -198,8 +192,8 @@ static void backward_head(const uint16_t *q, const uint16_t *k, const uint16_t *
     for (int64_t j0 = 0; j0 < T; j0 += ROWS) { /* 8 keys j at a time, every query i >= j */
         const int64_t first = j0 / COLS * COLS;
         for (int64_t i0 = first; i0 < Tp; i0 += COLS) {
-            tile(Kr + j0 * d, d, Qd + 2 * i0, Tp, 0, d / 2, ST + i0, Tp); /* S^T = K Q^T */
-            tile(Vr + j0 * d, d, Gd + 2 * i0, Tp, 0, d / 2, dPT + i0, Tp); /* dP^T = V dO^T */
+            tile(Kr + j0 * d, d, 2, Qd + 2 * i0, Tp, 0, d / 2, ST + i0, Tp); /* S^T = K Q^T */
+            tile(Vr + j0 * d, d, 2, Gd + 2 * i0, Tp, 0, d / 2, dPT + i0, Tp); /* dP^T = V dO^T */
         }
         for (int64_t m = 0; m < ROWS; m++) {
             const int64_t j = j0 + m;
@@ -218,19 +212,18 @@ static void backward_head(const uint16_t *q, const uint16_t *k, const uint16_t *
             const uint16_t *A = (pass ? dST : PT) + j0 * Tp, *Bp = pass ? Qt : Gt;
             float *grad = pass ? dk : dv;
             for (int64_t c0 = 0; c0 < d; c0 += COLS)
-                tile(A, Tp, Bp + 2 * c0, d, first / 2, Tp / 2, rows + c0, d);
+                tile(A, Tp, 2, Bp + 2 * c0, d, first / 2, Tp / 2, rows + c0, d);
             for (int64_t m = 0; m < ROWS && j0 + m < T; m++)
                 memcpy(grad + (j0 + m) * sg, rows + m * d, sizeof(float) * (size_t)d);
         }
     }
-    pair_rows(dST, T8 / 2, Tp, 1, dSp);
-    for (int64_t c0 = 0; c0 < d; c0 += ROWS) /* dQ^T = K^T dS^T */
-        for (int64_t i0 = 0; i0 < T; i0 += COLS) {
-            const int64_t keys = i0 + COLS < T8 ? i0 + COLS : T8;
-            tile(Kc + c0 * Tp, Tp, dSp + 2 * i0, Tp, 0, keys / 2, dQT + c0 * Tp + i0, Tp);
-        }
-    for (int64_t i = 0; i < T; i++)
-        for (int64_t c = 0; c < d; c++) dq[i * sg + c] = dQT[c * Tp + i];
+    pair_rows(dST, T8 / 2, Tp, 1, dSp); /* dS paired along j: its rows i are A's rows */
+    for (int64_t i0 = 0; i0 < T; i0 += ROWS) { /* dQ = dS K, over the keys j < i0 + 8 */
+        for (int64_t c0 = 0; c0 < d; c0 += COLS)
+            tile(dSp + 2 * i0, 2, 2 * Tp, Kj + 2 * c0, d, 0, (i0 + ROWS) / 2, rows + c0, d);
+        for (int64_t m = 0; m < ROWS && i0 + m < T; m++)
+            memcpy(dq + (i0 + m) * sg, rows + m * d, sizeof(float) * (size_t)d);
+    }
 }
 #endif
 
@@ -277,8 +270,7 @@ int64_t attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t 
                            int64_t gh, int64_t gt) {
 #if defined(ATTENTION_BF16)
     const int64_t Tp = (T + COLS - 1) / COLS * COLS;
-    const size_t bytes = 2 * (size_t)(7 * Tp * d + 3 * Tp * Tp) +
-                         4 * (size_t)(2 * ROWS * Tp + 2 * Tp + ROWS * d + d * Tp) + 2 * (size_t)(Tp * d);
+    const size_t bytes = 2 * (size_t)(8 * Tp * d + 3 * Tp * Tp) + 4 * (size_t)(2 * ROWS * Tp + 2 * Tp + ROWS * d);
     int64_t failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
