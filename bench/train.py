@@ -10,6 +10,7 @@
     python bench/train.py --part throughput    # tokens/s vs GPT2LMHeadModel, FLOP/s vs peak
     python bench/train.py --part nanogpt       # nanoGPT's own train.py beside tlm: tokens/s,
                                                # time to quality (--quick: steps / 20)
+    python bench/train.py --part attention     # one layer's attention: tlm's kernel, PyTorch's
 
 Every recipe also prints its precision (`--dtype auto`'s choice on this host) and its MFU:
 tokens/s × the model's training FLOPs a token (6N plus attention, `flops_per_token`) over
@@ -211,7 +212,7 @@ def part_nanogpt(work: Path, checkout: Path | None, quick: bool, rounds: int = 2
     compare(checkout, tlm_side, rounds, quick)
 
 
-PARTS = [*RECIPES, "throughput", "nanogpt"]
+PARTS = [*RECIPES, "throughput", "nanogpt", "attention"]
 
 
 def main() -> None:
@@ -233,6 +234,10 @@ def main() -> None:
             part_throughput(work)
         elif part == "nanogpt":
             part_nanogpt(work, args.nanogpt, args.quick)
+        elif part == "attention":
+            from _attention import compare
+
+            compare()
         else:
             part_recipe(part, work)
 
