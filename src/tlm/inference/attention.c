@@ -42,12 +42,6 @@ int64_t attention_here(void) {
 #if defined(ATTENTION_BF16)
 enum { ROWS = 8, COLS = 32 }; /* a tile: 8 rows by two vectors of 16 columns */
 
-static inline uint16_t to_bf16(float x) { /* round to nearest even (x is finite) */
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 static inline float from_bf16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float x;
