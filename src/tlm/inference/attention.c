@@ -15,11 +15,12 @@
  * zeros), and each product is a row of tiles of 8 rows by 32 columns whose 16 sums stay in
  * registers over the whole inner dimension. An operand B of a product is "paired": the two
  * values that one instruction multiplies, B[2p][j] and B[2p+1][j], side by side, 16 columns
- * j in 64 bytes; an operand A is a plain row-major matrix, whose two values A[i][2p],
- * A[i][2p+1] are broadcast. The forward pass works on 8 query rows at a time (their scores
- * are only as wide as the causal window needs); the backward pass on 8 key rows at a time,
- * computing S^T and dP^T so that P^T = exp(S^T - L) needs no sum across a row (L, each query's
- * log-sum-exp, is kept from the forward pass).
+ * j in 64 bytes; an operand A is read a pair at a time, A[i][2p], A[i][2p+1] broadcast to
+ * every lane. The forward pass works on 8 query rows at a time (their scores are only as
+ * wide as the causal window needs); the backward pass on 8 key rows at a time, computing
+ * S^T and dP^T so that P^T = exp(S^T - L) needs no sum across a row (L, each query's
+ * log-sum-exp, is kept from the forward pass), then dV and dK from those rows; dQ = dS K
+ * comes last, from dS^T paired along the keys, whose pairs are also dS's rows read as A.
  */
 #include <math.h>
 #include <stdint.h>

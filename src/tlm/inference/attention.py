@@ -70,7 +70,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """(O [B,H,T,d_head] fp32, each query's log-sum-exp of its scores [B,H,T]) from bf16 q,
     k, v of one layout: softmax(mask(QKᵀ/√d_k))V (eq. 9.11-9.13)."""
     B, H, T, d_head = q.shape
-    o, lse = _heads(B, H, T, d_head), torch.empty(B, H, T)
+    o, lse = _heads(B, H, T, d_head), torch.empty(B, H, T, dtype=torch.float32)
     status = library().attention_forward(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, T, d_head, *q.stride()[:3],
         o.data_ptr(), *o.stride()[:3], lse.data_ptr(),
@@ -131,7 +131,7 @@ def _bf16_alike(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor
 def _heads(B: int, H: int, T: int, d_head: int) -> Tensor:
     """An fp32 [B,H,T,d_head] view of a [B,T,H,d_head] tensor: `heads.transpose(1, 2)` in
     the model is then contiguous, and W^O reads it without a copy (eq. 9.19)."""
-    return torch.empty(B, T, H, d_head).transpose(1, 2)
+    return torch.empty(B, T, H, d_head, dtype=torch.float32).transpose(1, 2)
 
 
 def _check(status: int) -> None:
