@@ -9,7 +9,8 @@
     python bench/train.py --part budget4       # issue 33: <= 1.50 in 3x nanoGPT's time (bf16)
     python bench/train.py --part throughput    # tokens/s vs GPT2LMHeadModel, FLOP/s vs peak
     python bench/train.py --part nanogpt       # nanoGPT's own train.py beside tlm: tokens/s,
-                                               # time to quality (--quick: steps / 20)
+                                               # time to quality (--quick: steps / 20;
+                                               # --tlm-dtype float32: tlm as a host without bf16)
     python bench/train.py --part attention     # one layer's attention: tlm's kernel, PyTorch's
 
 Every recipe also prints its precision (`--dtype auto`'s choice on this host) and its MFU:
@@ -193,10 +194,13 @@ def part_anatomy(work: Path) -> None:
                 print(describe(name, str(trainer.precision), anatomy(trainer, steps)))
 
 
-def part_nanogpt(work: Path, checkout: Path | None, quick: bool, rounds: int = 2) -> None:
+def part_nanogpt(
+    work: Path, checkout: Path | None, quick: bool, dtype: str = "auto", rounds: int = 2
+) -> None:
     """nanoGPT's own train.py beside tlm (issue 33, part 3; bench/_nanogpt.py): tokens/s on
     two shapes, alternating `rounds` times, and time to quality. `quick` divides every step
-    count by 20, for a check of the part in a minute or two."""
+    count by 20, for a check of the part in a minute or two; `dtype` is tlm's --dtype for
+    tokens/s (float32: what a host without bf16 units runs)."""
     from _nanogpt import TlmSide, compare
 
     checkout = checkout or work / "nanoGPT"
@@ -208,7 +212,7 @@ def part_nanogpt(work: Path, checkout: Path | None, quick: bool, rounds: int = 2
         return
     prepared(work)
     recipes = {name: RECIPES[name][0] for name in ("budget25", "budget4")}
-    tlm_side = TlmSide(lambda command: tlm(command, work), work, TRAIN, EVAL, recipes)
+    tlm_side = TlmSide(lambda command: tlm(command, work), work, TRAIN, EVAL, recipes, dtype)
     compare(checkout, tlm_side, rounds, quick)
 
 
@@ -223,6 +227,12 @@ def main() -> None:
         "--nanogpt", type=Path, help="a checkout of nanoGPT for --part nanogpt (WORK/nanoGPT)"
     )
     parser.add_argument("--quick", action="store_true", help="--part nanogpt: step counts / 20")
+    parser.add_argument(
+        "--tlm-dtype",
+        default="auto",
+        choices=["auto", "float32"],
+        help="--part nanogpt: tlm's --dtype for tokens/s (float32: what a host without bf16 runs)",
+    )
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -233,7 +243,7 @@ def main() -> None:
         if part == "throughput":
             part_throughput(work)
         elif part == "nanogpt":
-            part_nanogpt(work, args.nanogpt, args.quick)
+            part_nanogpt(work, args.nanogpt, args.quick, args.tlm_dtype)
         elif part == "attention":
             from _attention import compare
 
