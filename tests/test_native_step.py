@@ -217,7 +217,7 @@ def test_without_a_compiler_decoding_says_so_once_and_goes_on(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["torch.Size([1,", "6])", "torch.Size([1,", "3])"]
     lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("tlm: decoding without its C step (")
+    assert len(lines) == 1 and lines[0].startswith("tlm: running without its C kernels (")
 
 
 @needs_native

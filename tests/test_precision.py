@@ -9,7 +9,7 @@ import torch
 
 from tlm.cli import main
 from tlm.config import ConfigError
-from tlm.inference.attention import causal_attention, kernel_here
+from tlm.inference.attention import causal_attention
 from tlm.model.attention import attention_fused, attention_reference, causal_mask
 from tlm.train import new_run_configs, open_run
 from tlm.train import precision as precisions
@@ -115,8 +115,7 @@ def test_bf16_training_follows_fp32_and_scores_the_same_either_way(docs_chars, t
         tokenizer = (docs_chars / "tokenizer.json").read_text()
         trainers[name] = open_run(model_config, train_config, data, tokenizer, progress_bar=False)
         trainers[name].fit()
-    kernel = causal_attention if kernel_here() else attention_fused  # d_head 32: tlm's kernel
-    assert trainers["bfloat16"].model.blocks[0].attn.fused is kernel
+    assert trainers["bfloat16"].model.blocks[0].attn.fused is causal_attention
     bf16, fp32 = losses(tmp_path / "bfloat16"), losses(tmp_path / "float32")
     assert fp32[-1] < fp32[0] - 0.5  # it learned
     assert bf16 != fp32  # bf16 really ran (its rounding shows: 2.3e-4 apart here, 1 or 2 threads)

@@ -13,8 +13,9 @@ that a changed file or another host compiles anew and a process that finds the l
 runs no compiler; the compiler writes to a temporary name that is renamed when done. It
 takes about a second, and needs no torch headers.
 
-Where no compiler works, or `TLM_NATIVE=0`, `library()` is None and decoding runs the
-model's own forward pass, as before; one line on stderr says so, once.
+Where no compiler works, or `TLM_NATIVE=0`, `library()` is None: decoding runs the
+model's own forward pass and bf16 training PyTorch's attention kernel, as before; one line
+on stderr says so, once.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def library() -> ctypes.CDLL | None:
         except (OSError, subprocess.SubprocessError) as error:
             reason = _first_line(error)
     else:
-        print(f"tlm: decoding without its C step ({reason})", file=sys.stderr)
+        print(f"tlm: running without its C kernels ({reason})", file=sys.stderr)
         return None
     for name, (returns, arguments) in SIGNATURES.items():
         getattr(lib, name).argtypes = arguments
