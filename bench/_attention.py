@@ -28,9 +28,8 @@ SHAPES = {  # name: (B, H, T, d_head)
 
 def timed(kind: str, q, k, v, grad) -> tuple[float, float]:
     """(forward, backward) seconds of one call of `kind`: tlm, fp32 or bf16."""
-    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-    if kind == "fp32":
-        inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     started = time.perf_counter()
     if kind == "tlm":
         with torch.autocast("cpu", dtype=torch.bfloat16):

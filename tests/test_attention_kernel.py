@@ -63,7 +63,8 @@ def test_the_kernel_runs_where_it_applies_and_attention_fused_elsewhere(monkeypa
         causal_attention(q, k, v, is_causal=True), attention_fused(q, k, v, None, 0.0, True)
     )
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        causal_attention(q, k, v, causal_mask(16, 16))  # a mask: the fused kernel
+        causal_attention(q, k, v, causal_mask(16, 16))  # a mask instead of is_causal
+        causal_attention(q, k, v, causal_mask(16, 16), is_causal=True)  # a mask beside it
         causal_attention(q, k, v, is_causal=True, dropout_p=0.1)  # dropout
         causal_attention(*heads(1, 2, 16, 16), is_causal=True)  # d_head 16
         assert not calls
