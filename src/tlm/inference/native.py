@@ -1,9 +1,10 @@
-"""`step.c`, `products.c` and `attention.c`, compiled for this machine at first use, called
-through ctypes.
+"""`step.c`, `products.c`, `attention.c` and `attention32.c`, compiled for this machine at
+first use, called through ctypes.
 
 `step.c` holds the work between a decoding step's weight products (`step.py`),
-`products.c` the products of weights kept in blocks (`blocked.py`), and `attention.c`
-causal attention for bf16 training on a CPU (`attention.py`). All three are compiled
+`products.c` the products of weights kept in blocks (`blocked.py`), `attention.c` and
+`attention32.c` causal attention for bf16 and fp32 training on a CPU (`attention.py`).
+All four are compiled
 once per machine, into one library, with the system's C compiler (`$CC`, else `cc`) for
 the host's own instruction set (-march=native) and with OpenMP (where the compiler has no
 OpenMP runtime, without it: attention then runs on one core, and the blocked products are
@@ -14,7 +15,7 @@ runs no compiler; the compiler writes to a temporary name that is renamed when d
 takes about a second, and needs no torch headers.
 
 Where no compiler works, or `TLM_NATIVE=0`, `library()` is None: decoding runs the
-model's own forward pass and bf16 training PyTorch's attention kernel, as before; one line
+model's own forward pass and training PyTorch's attention kernel, as before; one line
 on stderr says so, once.
 """
 
@@ -32,7 +33,10 @@ from pathlib import Path
 
 from torch import Tensor
 
-SOURCES = [Path(__file__).with_name(name) for name in ("step.c", "products.c", "attention.c")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("step.c", "products.c", "attention.c", "attention32.c")
+]
 # Compiled with -ffast-math (glibc's vector expf and friends need it) and linked without
 # it: linking with it adds gcc's crtfastmath.o, whose loader sets flush-to-zero for the
 # whole process, and every subnormal result of numpy and torch after the first decoding
@@ -73,6 +77,8 @@ SIGNATURES = {  # name: (what it returns, its arguments)
         [ptr, ptr, ptr, *[i64] * 7, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64],
     ),
 }
+for name in ("forward", "backward"):  # attention32.c: attention.c's arguments, all fp32
+    SIGNATURES[f"attention32_{name}"] = SIGNATURES[f"attention_{name}"]
 
 
 @cache

@@ -49,8 +49,8 @@ def open_run(
     model = build_model(model_config, init=False)
     model.reset_parameters(seed=config.seed)  # resume / init_from overwrite it below
     model.to(rt.device)
-    if precision.dtype == torch.bfloat16 and rt.device.type == "cpu":
-        use_attention_kernel(model, causal_attention)  # tlm's bf16 kernel where it applies
+    if rt.device.type == "cpu":  # tlm's fp32 or bf16 kernel where it applies
+        use_attention_kernel(model, causal_attention)
     batches = _batches(data, model_config, config, rt)
     state, saved = Progress(), None
     if resume:  # the weights now, whole; the optimizer once it is built (maybe sharded)
