@@ -233,6 +233,9 @@ def main() -> None:
         choices=["auto", "float32"],
         help="--part nanogpt: tlm's --dtype for tokens/s (float32: what a host without bf16 runs)",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="--part nanogpt: alternating rounds for tokens/s"
+    )
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -243,7 +246,7 @@ def main() -> None:
         if part == "throughput":
             part_throughput(work)
         elif part == "nanogpt":
-            part_nanogpt(work, args.nanogpt, args.quick, args.tlm_dtype)
+            part_nanogpt(work, args.nanogpt, args.quick, args.tlm_dtype, args.rounds)
         elif part == "attention":
             from _attention import compare
 
