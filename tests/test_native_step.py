@@ -1,10 +1,13 @@
 """The C step between a decoding step's products (inference/step.py, step.c) means what the
 model's forward pass means: the same logits, the same keys and values in the cache."""
 
+import fnmatch
 import os
 import shutil
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -218,6 +221,25 @@ def test_without_a_compiler_decoding_says_so_once_and_goes_on(tmp_path):
     assert run.stdout.split() == ["torch.Size([1,", "6])", "torch.Size([1,", "3])"]
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tlm: running without its C kernels (")
+
+
+def test_every_file_the_library_is_compiled_from_ships_with_the_package():
+    """An installed (not editable) tlm compiles from its package's own copies."""
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    shipped = project["tool"]["setuptools"]["package-data"]["tlm.inference"]
+    for path in (*native.SOURCES, *native.HEADERS):
+        assert any(fnmatch.fnmatch(path.name, pattern) for pattern in shipped), path.name
+
+
+@needs_native
+def test_a_changed_header_compiles_anew(tmp_path, monkeypatch):
+    monkeypatch.setenv("TLM_CACHE", str(tmp_path))
+    flags = [*native.FLAGS, "-fopenmp-simd"]
+    before = native._compiled(flags)
+    header = tmp_path / "attention_rows.h"
+    header.write_text(native.HEADERS[0].read_text() + "/* changed */\n")
+    monkeypatch.setattr(native, "HEADERS", [header])
+    assert native._compiled(flags) != before
 
 
 @needs_native

@@ -26,6 +26,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "attention_rows.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define ATTENTION_BF16 1
@@ -131,20 +134,10 @@ static void forward_head(const uint16_t *q, const uint16_t *k, const uint16_t *v
         for (int64_t j0 = 0; j0 < width; j0 += COLS) /* S = Q K^T (eq. 9.11) */
             tile(Q + i0 * d, d, 2, K + 2 * j0, Tp, 0, d / 2, S + j0, Tp);
         for (int64_t m = 0; m < ROWS; m++) { /* P = softmax(S / sqrt(d)) over j <= i (eq. 9.12) */
-            const int64_t i = i0 + m, seen = i < T ? i + 1 : 1;
-            float *row = S + m * Tp, most = row[0], total = 0.0f;
-#pragma omp simd reduction(max : most)
-            for (int64_t j = 0; j < seen; j++) most = row[j] > most ? row[j] : most;
-#pragma omp simd reduction(+ : total)
-            for (int64_t j = 0; j < seen; j++) {
-                row[j] = expf((row[j] - most) * scale);
-                total += row[j];
-            }
-            const float inv = 1.0f / total;
-#pragma omp simd
-            for (int64_t j = 0; j < width; j++) row[j] = j < seen ? row[j] * inv : 0.0f;
-            round_row(P + m * Tp, row, width);
-            if (i < T) lse[i] = most * scale + logf(total);
+            const int64_t i = i0 + m;
+            const float logsum = softmax_row(S + m * Tp, i < T ? i + 1 : 1, width, scale);
+            round_row(P + m * Tp, S + m * Tp, width);
+            if (i < T) lse[i] = logsum;
         }
         for (int64_t c0 = 0; c0 < d; c0 += COLS) /* O = P V (eq. 9.13) */
             tile(P, Tp, 2, V + 2 * c0, d, 0, width / 2, O + c0, d);
@@ -193,13 +186,7 @@ static void backward_head(const uint16_t *q, const uint16_t *k, const uint16_t *
         for (int64_t m = 0; m < ROWS; m++) {
             const int64_t j = j0 + m;
             float *p = ST + m * Tp, *ds = dPT + m * Tp;
-#pragma omp simd
-            for (int64_t i = first; i < Tp; i++) { /* P^T = exp(S^T - L), dS^T = P^T o (dP^T - D) */
-                const int seen = i >= j && i < T && j < T;
-                const float e = seen ? expf(p[i] * scale - L[i]) : 0.0f;
-                p[i] = e;
-                ds[i] = e * (ds[i] - D[i]) * scale;
-            }
+            gradient_row(p, ds, L, D, j, first, Tp, T, scale); /* P^T, dS^T */
             round_row(PT + j * Tp + first, p + first, Tp - first);
             round_row(dST + j * Tp + first, ds + first, Tp - first);
         }

@@ -11,18 +11,21 @@
  * lanes, AVX2's 8 or NEON's 4, and every product a row of tiles of ROWS rows by two vectors
  * of columns whose sums stay in registers over the whole inner dimension, B's row of two
  * vectors loaded once for all ROWS rows of A, each of A's values broadcast to every lane.
- * One head at a time on each of OpenMP's threads (torch's own, as in attention.c): its rows
- * are copied into the layouts the products read (T rounded up to Tp, a multiple of COLS,
- * with zeros; K^T, Q^T and dO^T transposed), then the passes of attention.c: the forward
- * pass ROWS query rows at a time, only as wide as their causal window; the backward pass
- * ROWS key rows at a time, computing S^T and dP^T so that P^T = exp(S^T - L) needs no sum
- * across a row (L, each query's log-sum-exp, kept from the forward pass), then dV and dK
- * from those rows; dQ = dS K last, reading dS^T by columns.
+ * One head at a time on each of OpenMP's threads (torch's own, as in attention.c): K^T, Q^T
+ * and dO^T transposed, T rounded up to Tp, a multiple of COLS, with zeros; q, k, v and dO
+ * read in place where T == Tp, else copied with zero rows to Tp. Then the passes of
+ * attention.c, with its row equations (attention_rows.h): the forward pass ROWS query rows
+ * at a time, only as wide as their causal window; the backward pass ROWS key rows at a
+ * time, computing S^T and dP^T so that P^T = exp(S^T - L) needs no sum across a row (L,
+ * each query's log-sum-exp, kept from the forward pass), then dV and dK from those rows;
+ * dQ = dS K last, reading dS^T by columns.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "attention_rows.h"
 
 #if defined(__AVX512F__)
 enum { LANES = 16, ROWS = 8, NV = 2 }; /* 16 sums of 16 lanes in 32 registers */
@@ -97,19 +100,9 @@ static void forward_head(const float *q, const float *k, const float *v, int64_t
         for (int64_t j0 = 0; j0 < width; j0 += COLS) /* S = Q K^T (eq. 9.11) */
             tile(Q + i0 * lq, lq, 1, Kt + j0, Tp, 0, d, S + j0, Tp);
         for (int64_t m = 0; m < ROWS; m++) { /* P = softmax(S / sqrt(d)) over j <= i (eq. 9.12) */
-            const int64_t i = i0 + m, seen = i < T ? i + 1 : 1;
-            float *row = S + m * Tp, most = row[0], total = 0.0f;
-#pragma omp simd reduction(max : most)
-            for (int64_t j = 0; j < seen; j++) most = row[j] > most ? row[j] : most;
-#pragma omp simd reduction(+ : total)
-            for (int64_t j = 0; j < seen; j++) {
-                row[j] = expf((row[j] - most) * scale);
-                total += row[j];
-            }
-            const float inv = 1.0f / total;
-#pragma omp simd
-            for (int64_t j = 0; j < width; j++) row[j] = j < seen ? row[j] * inv : 0.0f;
-            if (i < T) lse[i] = most * scale + logf(total);
+            const int64_t i = i0 + m;
+            const float logsum = softmax_row(S + m * Tp, i < T ? i + 1 : 1, width, scale);
+            if (i < T) lse[i] = logsum;
         }
         for (int64_t c0 = 0; c0 < d; c0 += COLS) /* O = P V (eq. 9.13) */
             tile(S, Tp, 1, V + c0, lv, 0, width, O + c0, d);
@@ -153,13 +146,7 @@ static void backward_head(const float *q, const float *k, const float *v, int64_
         for (int64_t m = 0; m < ROWS; m++) {
             const int64_t j = j0 + m;
             float *p = ST + m * Tp, *ds = dPT + m * Tp;
-#pragma omp simd
-            for (int64_t i = first; i < Tp; i++) { /* P^T = exp(S^T - L), dS^T = P^T o (dP^T - D) */
-                const int seen = i >= j && i < T && j < T;
-                const float e = seen ? expf(p[i] * scale - L[i]) : 0.0f;
-                p[i] = e;
-                ds[i] = e * (ds[i] - D[i]) * scale;
-            }
+            gradient_row(p, ds, L, D, j, first, Tp, T, scale); /* P^T, dS^T */
             memset(dST + j * Tp, 0, sizeof(float) * (size_t)first);
             memcpy(dST + j * Tp + first, ds + first, sizeof(float) * (size_t)(Tp - first));
         }

@@ -37,6 +37,7 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in ("step.c", "products.c", "attention.c", "attention32.c")
 ]
+HEADERS = [Path(__file__).with_name("attention_rows.h")]  # included by the sources: keyed too
 # Compiled with -ffast-math (glibc's vector expf and friends need it) and linked without
 # it: linking with it adds gcc's crtfastmath.o, whose loader sets flush-to-zero for the
 # whole process, and every subnormal result of numpy and torch after the first decoding
@@ -105,7 +106,8 @@ def _compiled(flags: list[str]) -> Path:
     """The compiled library: the cached one for this source, flags and CPU, else a new one
     (the compiler runs only then)."""
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), " ".join(flags).encode(), _cpu()):
+    files = (path.read_bytes() for path in (*SOURCES, *HEADERS))
+    for part in (*files, " ".join(flags).encode(), _cpu()):
         key.update(part)
     name = f"step-{key.hexdigest()[:16]}.so"
     folder = Path(os.environ.get("TLM_CACHE", Path.home() / ".cache" / "tlm")) / "native"
