@@ -23,7 +23,7 @@ from torch import Tensor
 from tlm.inference.native import library
 from tlm.model.attention import attention_fused
 
-LONGEST = 2048  # positions: a head's three T x T bf16 buffers stay within 24 MB
+LONGEST = 2048  # positions: a head's T x T buffers stay within 24 MB (bf16: three, fp32: one)
 
 
 def kernel_here(dtype: torch.dtype = torch.bfloat16) -> bool:
