@@ -126,7 +126,7 @@ class TlmSide:
     train: str
     evaluate: str
     recipes: dict[str, str]
-    dtype: str = "auto"  # the throughput runs' --dtype (float32: what a host without bf16 runs)
+    dtype: str = "auto"  # every tlm run's --dtype (float32: what a host without bf16 runs)
 
 
 def shrink(flags: str, factor: int) -> str:
@@ -262,10 +262,15 @@ def tlm_recipe(tlm: TlmSide, name: str, factor: int) -> tuple[float, float, floa
     training seconds, the whole command's seconds) and prints them."""
     run = f"nanogpt_{name}"
     shutil.rmtree(tlm.work / "runs" / run, ignore_errors=True)
-    _, wall = tlm.run(tlm.train.format(run=run) + shrink(tlm.recipes[name], factor))
+    flags = shrink(tlm.recipes[name], factor) + f" --dtype {tlm.dtype}"
+    _, wall = tlm.run(tlm.train.format(run=run) + flags)
     val = json.loads(tlm.run(tlm.evaluate.format(run=run))[0])["loss"]
     seconds = max(row["time"] for row in tlm_rows(tlm.work / "runs" / run))
-    print(f"  tlm {name}: val {val:.4f}, training {seconds:.1f} s (whole command {wall:.1f} s)")
+    dtype = precision(tlm.work / "runs" / run)
+    print(
+        f"  tlm {name} ({dtype}): val {val:.4f}, training {seconds:.1f} s "
+        f"(whole command {wall:.1f} s)"
+    )
     return val, seconds, wall
 
 
