@@ -324,5 +324,8 @@ def compare(checkout: Path, tlm: TlmSide, rounds: int = 2, quick: bool = False) 
     print(f"throughput, tokens/s, {rounds} alternating rounds, steps {SKIP + 1} on:")
     for shape in SHAPES:
         throughput(shape, tlm, checkout, rounds, factor)
-    print("time to quality (nanoGPT: wall from launch; tlm: training seconds):")
-    time_to_quality(tlm, checkout, factor)
+    print(
+        f"time to quality, {rounds} alternating rounds "
+        "(nanoGPT: wall from launch; tlm: training seconds):"
+    )
+    time_to_quality(tlm, checkout, factor, rounds)

@@ -240,7 +240,10 @@ def main() -> None:
         help="--part nanogpt: every tlm run's --dtype (float32: what a host without bf16 runs)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=2, help="--part nanogpt: alternating rounds for tokens/s"
+        "--rounds",
+        type=int,
+        default=2,
+        help="--part nanogpt: alternating rounds for tokens/s and for time to quality",
     )
     args = parser.parse_args()
     work = Path(args.work)
