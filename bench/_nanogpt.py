@@ -6,8 +6,8 @@ nanoGPT runs from a checkout as a subprocess, never imported or copied, on data 
 - throughput: tokens/s of both on the recipe's shape (4L d128 ctx64 batch 12) and on
   nanoGPT's full Shakespeare-char shape (6L d384 ctx256 batch 16), runs alternating;
 - time to quality: nanoGPT's CPU recipe from its README, launch to the first eval with val
-  loss <= 1.874, against tlm's `budget25` (the two alternating, twice: the host's speed moves
-  between minutes) and `budget4` recipes.
+  loss <= 1.874, against tlm's `budget25` (the two alternating, `--rounds` times: the host's
+  speed moves between minutes) and `budget4` recipes.
 
 What a reader of the figures must know about nanoGPT's train.py (checked at commit 3adf61e):
 

@@ -92,8 +92,7 @@ RECIPES = {
     # rate that decays to 0: <= 1.50 with seeds 1337, 1 and 2 (val 1.489, 1.485, 1.493),
     # where batches of 12 x 2800 steps down to 6e-4 reached it with two (1.491, 1.499, 1.508)
     "budget4": (
-        SMALL.replace("--batch-size 12", "--batch-size 16")
-        + "--context-length 128 --position rope --optimizer muon --qk-norm "
+        SMALL + "--batch-size 16 --context-length 128 --position rope --optimizer muon --qk-norm "
         "--activation relu2 --max-steps 2400 --lr 6e-3 --min-lr 0 --warmup-steps 100 "
         "--eval-interval 1200",
         "4-minute budget in bf16 (4L d128 ctx128 batch 16, rope, Muon, QK-norm, ReLU², 2400 steps)",
