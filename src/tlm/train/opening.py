@@ -4,7 +4,8 @@
 --init-from's weights), writes the new run's config.json and tokenizer.json, wraps the
 model for DDP or FSDP, builds the optimizer (and loads a resumed one), opens the batch
 source for the data's kind and the metrics file, then hands them to the `Trainer`, whose
-construction does none of this.
+construction does none of this. On a CPU it also sets tlm's attention kernel and
+glibc's malloc to keep freed memory for the next step (`train/heap.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tlm.load import load_model
 from tlm.model import build_model
 from tlm.model.attention import use_attention_kernel
 from tlm.train.distributed import Runtime
+from tlm.train.heap import keep_freed_memory
 from tlm.train.loop import Progress, Trainer
 from tlm.train.optim import build_optimizer
 from tlm.train.precision import pick_precision
@@ -51,6 +53,7 @@ def open_run(
     model.to(rt.device)
     if rt.device.type == "cpu":  # tlm's fp32 or bf16 kernel where it applies
         use_attention_kernel(model, causal_attention)
+        keep_freed_memory()  # each step reuses the last one's memory: no page faults
     batches = _batches(data, model_config, config, rt)
     state, saved = Progress(), None
     if resume:  # the weights now, whole; the optimizer once it is built (maybe sharded)
