@@ -10,6 +10,7 @@ faster kernels: elementwise work, casts, the optimizer's updates, Python and dis
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from dataclasses import dataclass
@@ -111,10 +112,12 @@ def trainer_for(flags: str, data: Path, out: Path):
 def anatomy(trainer, steps: int, first: int = 3) -> dict[str, float]:
     """Seconds a step takes (median over `steps`, after `first` warm-up steps), split into
     forward + backward (with the batch) and the update (clipping and the optimizer), beside
-    its products and its attention replayed alone; and the aten calls a step makes."""
+    its products and its attention replayed alone; and the aten calls and page faults
+    (minor: a fresh page from the kernel) a step makes."""
     for step in range(first):
         trainer.train_step(step)
     whole, passes = [], []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for step in range(first, first + steps):
         started = time.perf_counter()
         loss = trainer.batches.step_loss(trainer, step)
@@ -122,6 +125,7 @@ def anatomy(trainer, steps: int, first: int = 3) -> dict[str, float]:
         trainer.update(step, loss)
         whole.append(time.perf_counter() - started)
         passes.append(middle - started)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     with Recorder(PRODUCTS | ATTENTION) as recorder:
         trainer.train_step(first + steps)
     step_s, passes_s = statistics.median(whole), statistics.median(passes)
@@ -132,6 +136,7 @@ def anatomy(trainer, steps: int, first: int = 3) -> dict[str, float]:
         "products": replay([c for c in recorder.calls if c.op in PRODUCTS]),
         "attention": replay([c for c in recorder.calls if c.op in ATTENTION]),
         "calls": recorder.count,
+        "faults": faults / steps,
     }
 
 
@@ -145,5 +150,5 @@ def describe(name: str, precision: str, parts: dict[str, float]) -> str:
         f"({parts['products'] / step:.0%}) + attention alone {ms(parts['attention'])} "
         f"({parts['attention'] / step:.0%}) + the rest {ms(rest)} ({rest / step:.0%}); "
         f"forward+backward {ms(parts['passes'])}, update {ms(parts['update'])}, "
-        f"{parts['calls']:,} aten calls"
+        f"{parts['calls']:,} aten calls and {parts['faults']:,.0f} page faults a step"
     )
