@@ -1,6 +1,7 @@
 """`keep_freed_memory`: glibc's malloc keeps a training step's freed blocks for the next step
 instead of handing their pages back to the kernel (`train/heap.py`)."""
 
+import os
 import subprocess
 import sys
 
@@ -28,9 +29,12 @@ print(kept, libc.mallinfo2().fordblks)
 
 
 def free_bytes_kept(keep: bool) -> tuple[str, int]:
+    """(whether the child set it, the free bytes its heap keeps) in a child with glibc's
+    defaults (no MALLOC_* or GLIBC_TUNABLES settings from this environment)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_"))}
     done = subprocess.run(
         [sys.executable, "-c", CHILD, "keep" if keep else "default"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=True, env=env,
     )  # fmt: skip
     kept, free = done.stdout.split()
     return kept, int(free)

@@ -3,10 +3,11 @@
 glibc's malloc serves a request above its mmap threshold (128 KB at first, raised to the
 largest block freed since, up to 32 MB) with fresh pages from the kernel, and hands them
 back when the block is freed; free memory at the top of its heap beyond the trim threshold
-(twice the mmap threshold) goes back too. A training step allocates and frees the same
-large activations every step, so every step takes their pages anew: a page fault and a
-zeroed 4 KB page each. On nanoGPT's 6-layer Shakespeare-char shape (batch 16 × 256) that
-was 20,000-86,000 faults a step and about a tenth of its time (docs/benchmarks.md).
+(128 KB at first, then twice the mmap threshold) goes back too. A training step allocates
+and frees the same large activations every step, so every step takes their pages anew: a
+page fault and a zeroed 4 KB page each. On nanoGPT's 6-layer Shakespeare-char shape (batch
+16 × 256) that was 20,000-86,000 faults a step and about a tenth of its time
+(docs/benchmarks.md).
 
 `keep_freed_memory` sets the mmap threshold to glibc's ceiling and the trim threshold out
 of reach, so freed blocks stay in the heap and the next step reuses them. The process then
