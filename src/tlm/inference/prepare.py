@@ -20,7 +20,6 @@ in float16, whose kernel packs only whole fp32 matrices, into blocks of 4,096 ro
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable
 from itertools import groupby
 
@@ -28,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from tlm.inference import blocked
+from tlm.inference.heap import free_to_system
 from tlm.inference.kernels import (
     HeadBlocks,
     PackedLinear,
@@ -39,12 +39,6 @@ from tlm.inference.kernels import (
 from tlm.inference.modules import SWAP, InferenceLM, Kernel, swapped
 from tlm.model.transformer import TransformerLM
 from tlm.tensor_files import FileRows, LazyMatrix
-
-try:
-    _libc = ctypes.CDLL("libc.so.6")
-    _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-except (OSError, AttributeError):  # not glibc
-    _libc = None
 
 HEAD_ROWS = 4096  # vocabulary rows of a float16 head block packed while loading (12 MB fp32)
 
@@ -212,14 +206,6 @@ def pack_part(model: InferenceLM, part: str, fmt: str, layout: bool = True) -> N
             _release(E)
     elif part == "W_U" and model.W_U is not None:
         model.head = packed([(model.W_U, None)])
-
-
-def free_to_system() -> None:
-    """Hand the memory freed so far back to the system (glibc's malloc_trim). Released
-    weights leave holes in the heap that glibc would keep for later use, and that a
-    resident-memory figure keeps counting; elsewhere this does nothing."""
-    if _libc is not None:
-        _libc.malloc_trim(0)
 
 
 def _release(param: Tensor | None) -> None:

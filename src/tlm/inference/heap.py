@@ -1,4 +1,5 @@
-"""Freed memory kept for the next step: a CPU training step without page faults.
+"""The process's heap (glibc's malloc): freed memory kept for the next training step, or
+handed back once a model for decoding has released its fp32 weights.
 
 glibc's malloc serves a request above its mmap threshold (128 KB at first, raised to the
 largest block freed since, up to 32 MB) with fresh pages from the kernel, and hands them
@@ -13,35 +14,41 @@ page fault and a zeroed 4 KB page each. On nanoGPT's 6-layer Shakespeare-char sh
 of reach, so freed blocks stay in the heap and the next step reuses them. The process then
 holds its peak memory between steps rather than returning it: what a training process
 needs again a step later anyway. It changes malloc for the whole process; `open_run` calls
-it for a run on a CPU.
+it for a run on a CPU. `free_to_system` goes the other way, once: `prepare.py` calls it after
+releasing fp32 matrices whose packed copies do their work. Where the C library is not glibc
+(macOS, musl) both do nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 MMAP_CEILING = 32 * 2**20  # glibc's largest mmap threshold on a 64-bit host
 NEVER_TRIM = 2**30  # free bytes at the heap's top before any go back to the kernel
 
 
-def glibc() -> ctypes.CDLL | None:
-    """The process's C library where it is glibc (Linux's usual one), else None."""
-    try:
-        version = os.confstr("CS_GNU_LIBC_VERSION") or ""
-    except (ValueError, OSError):  # no such name here: not glibc
-        return None
-    return ctypes.CDLL(None) if version.startswith("glibc") else None
+try:
+    LIBC = ctypes.CDLL("libc.so.6")  # glibc's soname
+    LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+except (OSError, AttributeError):  # not glibc
+    LIBC = None
 
 
 def keep_freed_memory() -> bool:
     """Set glibc's malloc to keep freed blocks of up to 32 MB for reuse. Returns whether it
-    did: False where the C library is not glibc (macOS, musl), which is left as it is."""
-    libc = glibc()
-    if libc is None:
+    did (False where the C library is not glibc)."""
+    if LIBC is None:
         return False
     # mallopt returns 1 on success, 0 for a value it refuses
     return bool(
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_CEILING) and libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
+        LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_CEILING) and LIBC.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
     )
+
+
+def free_to_system() -> None:
+    """Hand the memory freed so far back to the system (glibc's malloc_trim). Released
+    weights leave holes in the heap that glibc would keep for later use, and that a
+    resident-memory figure keeps counting."""
+    if LIBC is not None:
+        LIBC.malloc_trim(0)
