@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import tiny_config, varied_char_run
 from tlm import TransformerLM, load_tokenizer
 from tlm.audit import exposure, extracted, text_logprobs
 from tlm.cli import main
@@ -93,6 +93,46 @@ def test_prepare_plants_each_canary_as_often_as_asked_in_train_only(tmp_path):
     assert np.array_equal(np.fromfile(plain / "val.bin", dtype=np.uint16), val)
 
 
+def test_a_char_vocabulary_spells_the_canaries_and_every_candidate(tmp_path, capsys):
+    """A corpus without digits (Tiny Shakespeare has one, '3'): the vocabulary is made from
+    the text as planted, all ten digits in it, so the audit can rank the canary among every
+    secret of its format."""
+    corpus = tmp_path / "plays.txt"
+    corpus.write_text("To be, or not to be: that is the question.\n" * 200)
+    data = tmp_path / "data"
+    assert main(["prepare", str(corpus), "--out", str(data), "--tokenizer", "char",
+                 "--canary-repeats", "1,8", "--quiet"]) == 0  # fmt: skip
+    tokenizer = load_tokenizer(data)
+    assert set("0123456789PIN") <= set(tokenizer.chars)
+    train = np.fromfile(data / "train.bin", dtype=np.uint16)
+    meta = json.loads((data / "meta.json").read_text())
+    for canary in meta["canaries"]:
+        assert count(train, tokenizer.encode(canary["text"]) + [tokenizer.eot_id]) == canary[
+            "repeats"
+        ]
+    run = varied_char_run(data, tmp_path / "run")
+    capsys.readouterr()
+    assert main(["audit", str(run), "--data", str(data), "--samples", "8", "--prefix", "8",
+                 "--suffix", "4", "--json", "--quiet"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)["canaries"]
+    assert [row["repeats"] for row in rows] == [1, 8]
+    assert all(0 <= row["exposure"] <= row["max_exposure"] for row in rows)
+
+
+def test_a_reused_tokenizer_that_cannot_spell_the_canaries_is_refused(tmp_path, capsys):
+    corpus = tmp_path / "plays.txt"
+    corpus.write_text("To be, or not to be: that is the question.\n" * 200)
+    plain = tmp_path / "plain"
+    assert main(["prepare", str(corpus), "--out", str(plain), "--tokenizer", "char",
+                 "--quiet"]) == 0  # fmt: skip
+    capsys.readouterr()
+    code = main(["prepare", str(corpus), "--out", str(tmp_path / "d"), "--tokenizer", str(plain),
+                 "--canary-repeats", "1", "--quiet"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "cannot spell the canaries" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "d").exists()
+
+
 @pytest.mark.parametrize("repeats", ["0", "1,x", "-4", ""])
 def test_a_canary_count_that_is_not_a_positive_integer_is_refused(tmp_path, capsys, repeats):
     code = main(["prepare", "python-docs", "--out", str(tmp_path / "d"), "--tokenizer", "char",
@@ -103,8 +143,6 @@ def test_a_canary_count_that_is_not_a_positive_integer_is_refused(tmp_path, caps
 
 
 def test_the_audit_reports_canaries_without_their_secrets(tmp_path, capsys):
-    from conftest import varied_char_run
-
     data = tmp_path / "data"
     main(["prepare", "python-docs", "--out", str(data), "--tokenizer", "char",
           "--canary-repeats", "2,5", "--quiet"])  # fmt: skip
@@ -134,8 +172,6 @@ def test_exposure_is_log2_of_the_space_over_the_rank(planted_model):
 
 
 def test_the_audit_rewrites_the_model_cards_section_without_secrets(tmp_path, capsys):
-    from conftest import varied_char_run
-
     data = tmp_path / "data"
     main(["prepare", "python-docs", "--out", str(data), "--tokenizer", "char",
           "--canary-repeats", "3", "--quiet"])  # fmt: skip

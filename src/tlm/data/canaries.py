@@ -7,10 +7,16 @@ at document boundaries of the training split drawn at random (with the same toke
 document of that text gets: <|endoftext|> before it, ends with the next document's). The
 validation split never holds one, and the cleaning of `prepare` (dedup) runs before the
 planting, so it removes none. The secrets are drawn from a seed and recorded in meta.json.
+
+A tokenizer that `prepare` trains learns from the training split as planted: the canaries
+as often as they are planted (`as_planted`). A character vocabulary also gets every digit,
+so that each candidate secret the audit ranks a canary among can be spelled; a tokenizer
+reused from elsewhere that cannot spell them is refused (`spelled`) before any encoding.
 """
 
 from __future__ import annotations
 
+import string
 from pathlib import Path
 
 import numpy as np
@@ -49,16 +55,33 @@ def secrets(repeats: list[int], seed: int) -> list[dict]:
     return canaries
 
 
+def as_planted(canaries: list[dict] | None, kind: str) -> list[str]:
+    """The text the canaries add to the training split, for the tokenizer trained on it:
+    each canary `repeats` times; for a character vocabulary also the format's alphabet (the
+    prefix and all ten digits: the audit scores secrets the seed did not draw)."""
+    if not canaries:
+        return []
+    texts = [c["text"] for c in canaries for _ in range(c["repeats"])]
+    return [*texts, PREFIX + string.digits] if kind == "char" else texts
+
+
+def spelled(canaries: list[dict], tok: Tokenizer, ids_as: type) -> list[np.ndarray]:
+    """Each canary's ids as planted (its tokens, then <|endoftext|>), or one line saying
+    that `tok` cannot spell them, or the other secrets of their format."""
+    try:
+        tok.encode(PREFIX + string.digits)
+        return [np.asarray([*tok.encode(c["text"]), tok.eot_id], dtype=ids_as) for c in canaries]
+    except (TokenizerError, KeyError, ValueError) as exc:
+        raise CorpusError(f"the {tok.kind} tokenizer cannot spell the canaries: {exc}") from None
+
+
 def plant(
     stream: Path, n_train: int, canaries: list[dict], tok: Tokenizer, seed: int, ids_as: type
 ) -> int:
     """Insert every canary `repeats` times into the first `n_train` tokens of the token file
     `stream`, at document starts (its first token, or one after an <|endoftext|>) drawn
     with `seed`; the rest of the file follows unchanged. Returns the tokens added."""
-    try:
-        encoded = [np.asarray([*tok.encode(c["text"]), tok.eot_id], dtype=ids_as) for c in canaries]
-    except (TokenizerError, KeyError, ValueError) as exc:
-        raise CorpusError(f"the {tok.kind} tokenizer cannot spell the canaries: {exc}") from None
+    encoded = spelled(canaries, tok, ids_as)
     tokens = np.memmap(stream, dtype=ids_as, mode="r")
     starts = [np.zeros(1, dtype=np.int64)]  # where a document begins, within the train part
     for lo in range(0, n_train, READ):

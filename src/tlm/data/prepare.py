@@ -15,6 +15,7 @@ It is built under a temporary name and renamed at the end, so a failure leaves n
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tlm._version import __version__
-from tlm.data.canaries import plant, secrets
+from tlm.data.canaries import as_planted, plant, secrets, spelled
 from tlm.data.clean import CleanConfig, Cleaner
 from tlm.data.corpus import CorpusError, Piece, Source, resolve_sources
 from tlm.data.encode import encoded, segments
@@ -82,16 +83,19 @@ def prepare(
     total_bytes = sum(s.path.stat().st_size for s in sources if s.path is not None)
     scanner = None if pii is None else Scanner(pii, pii_region)
     documents = _Documents(sources, Cleaner(clean) if clean else None, scanner)
-    if tokenizer in KINDS:
-        tok = _train_tokenizer(tokenizer, documents, vocab_size, progress, total_bytes)
+    canaries = None if canary_repeats is None else secrets(canary_repeats, canary_seed)
+    if tokenizer in KINDS:  # trained on the training split as planted
+        planted = as_planted(canaries, tokenizer)
+        tok = _train_tokenizer(tokenizer, documents, vocab_size, progress, total_bytes, planted)
     elif vocab_size is not None:
         raise CorpusError("--vocab-size applies when training a tokenizer (bpe)")
     else:  # an existing tokenizer, e.g. the one of the model to fine-tune
         tok = load_tokenizer(_existing_tokenizer(tokenizer))
+    if canaries:  # refused before the corpus is read again
+        spelled(canaries, tok, id_dtype(tok.vocab_size))
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         tmp.mkdir()
-        canaries = None if canary_repeats is None else secrets(canary_repeats, canary_seed)
         meta = _write_tokens(
             tmp, documents, tok, val_fraction, progress, total_bytes, workers, canaries, canary_seed
         )
@@ -108,12 +112,18 @@ def prepare(
 
 
 def _train_tokenizer(
-    kind: str, documents: _Documents, vocab_size: int | None, progress: bool, total_bytes: int
+    kind: str,
+    documents: _Documents,
+    vocab_size: int | None,
+    progress: bool,
+    total_bytes: int,
+    planted: list[str],
 ) -> Tokenizer:
+    """A tokenizer of `kind` trained on the documents, then the `planted` texts."""
     bar = _bar(progress, total_bytes, "training tokenizer")
     texts = _Texts(documents, bar)
     try:
-        tok = train_tokenizer(kind, texts, vocab_size)
+        tok = train_tokenizer(kind, itertools.chain(texts, planted), vocab_size)
     except TokenizerError:
         if texts.documents == 0:  # say why the tokenizer found nothing to learn
             raise CorpusError(EMPTY) from None
