@@ -107,9 +107,8 @@ def test_a_char_vocabulary_spells_the_canaries_and_every_candidate(tmp_path, cap
     train = np.fromfile(data / "train.bin", dtype=np.uint16)
     meta = json.loads((data / "meta.json").read_text())
     for canary in meta["canaries"]:
-        assert count(train, tokenizer.encode(canary["text"]) + [tokenizer.eot_id]) == canary[
-            "repeats"
-        ]
+        ids = tokenizer.encode(canary["text"]) + [tokenizer.eot_id]
+        assert count(train, ids) == canary["repeats"]
     run = varied_char_run(data, tmp_path / "run")
     capsys.readouterr()
     assert main(["audit", str(run), "--data", str(data), "--samples", "8", "--prefix", "8",
