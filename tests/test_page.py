@@ -11,9 +11,11 @@ import torch
 
 from conftest import console_errors
 from serving import ARTIFACTS, KEY, TEXT, local, post, start
+from tlm.cli import main
 from tlm.generate.sampling import process_logits
 from tlm.interpret import run_with_cache
-from tlm.load import load_model
+from tlm.load import load_model, load_tokenizer
+from tlm.tokenizer import document_ids
 
 pytestmark = pytest.mark.slow  # a server and a browser
 
@@ -249,15 +251,13 @@ def test_a_long_prompt_and_a_stream_cut_short_each_show_a_message(browser, serve
     proc, url = start(served_run)
     try:
         browser.get(url + "/")
-        for button in ("generate", "inspect"):
-            type_into(browser, "prompt", "word " * 100)
-            browser.find_element(by("ID"), button).click()
-            error = wait_for(browser, lambda b: b.find_element(by("ID"), "error").text or None)
-            assert error.startswith("400: ") and "reads at most 64" in error
-            assert "\n" not in error
-            logged = console_errors(browser)  # the request that was refused
-            refused = ("/v1/completions", "/v1/attention")
-            assert len(logged) == 1 and any(path in logged[0] for path in refused)
+        type_into(browser, "prompt", "word " * 100)  # a prompt is refused, never cut short
+        browser.find_element(by("ID"), "generate").click()
+        error = wait_for(browser, lambda b: b.find_element(by("ID"), "error").text or None)
+        assert error.startswith("400: ") and "reads at most 64" in error
+        assert "\n" not in error
+        logged = console_errors(browser)  # the request that was refused
+        assert len(logged) == 1 and "/v1/completions" in logged[0]
 
         browser.execute_script(  # the server's stream breaks after its first chunk
             """
@@ -315,3 +315,85 @@ def test_an_int8_server_decodes_and_refuses_inspection_in_one_line(served_run, b
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def char_server(tmp_path_factory):
+    """A character model with context 64 trained on one long document (it never learns to
+    end one), served: generation runs past its context."""
+    folder = tmp_path_factory.mktemp("char")
+    corpus = folder / "plays.txt"
+    corpus.write_text(TEXT * 200)
+    data, run = folder / "data", folder / "run"
+    assert main(["prepare", str(corpus), "--out", str(data), "--tokenizer", "char", "--quiet"]) == 0
+    args = ["train", "--data", str(data), "--out", str(run), "--n-layers", "2", "--d-model", "32"]
+    args += ["--n-heads", "2", "--context-length", "64", "--max-steps", "60", "--batch-size", "8"]
+    assert main([*args, "--quiet"]) == 0
+    proc, url = start(run)
+    yield url, run
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_a_position_past_the_context_is_explained_with_the_window_generation_read(
+    browser, char_server
+):
+    """80 tokens on the page from a context of 64: the distribution at a late token is the
+    one generation drew it from (its logprobs), read through the same window, which the panel
+    names; continuing from there slides the same way; a long prompt's attention is that of
+    the last 64 tokens."""
+    url, run = char_server
+    browser.set_window_size(1280, 800)
+    browser.get(url + "/")
+    knobs(browser, 0, 0, 1)
+    prompt = "The for stateme"  # 15 characters: 16 tokens with <|endoftext|>
+    generate(browser, prompt, 64)
+    ids = [t for _, t in shown(browser)]
+    assert len(ids) == 80
+    body = {"prompt": prompt, "max_tokens": 64, "temperature": 0, "logprobs": 20}
+    status, answer, _ = post(url + "/v1/completions", body)
+    logprobs = answer["choices"][0]["logprobs"]
+    assert status == 200 and logprobs["token_ids"] == ids[16:]
+
+    knobs(browser, 1, 0, 1)  # the model's own distribution
+    for at in (79, 70):
+        browser.find_element(by("CSS_SELECTOR"), f".token[data-index='{at}']").click()
+        wait_for(browser, lambda b, at=at: b.find_element(by("ID"), "dist-position").text
+                 .startswith(f"{at} ") and len(rows(b)) == 20)  # fmt: skip
+        window = browser.find_element(by("ID"), "dist-window").text
+        assert f"the model saw positions {at - 64}…{at - 1}" in window
+        on_page = {text: p for _, text, p in rows(browser)}
+        top = logprobs["top_logprobs"][at - 16]
+        assert len(top) == len(on_page) == 20
+        for text, logprob in top.items():
+            assert abs(on_page[text] - math.exp(logprob)) < 1e-4, (at, text)
+
+    knobs(browser, 0, 0, 1)  # continue greedily from position 70: the same tokens again
+    browser.find_element(by("ID"), "continue").click()
+    wait_for(browser, lambda b: b.find_element(by("ID"), "status").text.startswith("done"))
+    again = [t for _, t in shown(browser)]
+    assert len(again) == 70 + 64 and again[:80] == ids
+
+    long = (TEXT * 2)[:100]  # 101 tokens: the panels show the last 64, as generation reads them
+    type_into(browser, "prompt", long)
+    browser.find_element(by("ID"), "inspect").click()
+    wait_for(
+        browser, lambda b: b.find_element(by("ID"), "attention-section").get_attribute("data-ms")
+    )
+    note = browser.find_element(by("ID"), "attention-window").text
+    assert "the model saw positions 37…100" in note
+    tokenizer = load_tokenizer(run)
+    window = document_ids(tokenizer, long)[-64:]
+    names = [f"blocks.0.attn.{n}" for n in ("pattern", "v")]
+    _, cache = run_with_cache(load_model(run), torch.tensor([window]), names)
+    pattern, v = (cache[n][0, 0].double() for n in names)
+    assert torch.allclose(panel(browser, "pattern", 64), pattern, atol=1e-5, rtol=0)
+    contrib = panel(browser, "contrib", 64)
+    assert torch.allclose(contrib[63], pattern[63] * v.norm(dim=-1), atol=1e-5, rtol=0)
+    assert browser.find_element(by("ID"), "contrib-query").text.startswith("100 ")
+    browser.switch_to.frame(browser.find_element(by("ID"), "explorer"))
+    wait_for(
+        browser, lambda b: len(b.find_elements(by("CSS_SELECTOR"), "#grid tr[data-query]")) == 64
+    )
+    browser.switch_to.default_content()
+    assert console_errors(browser) == []

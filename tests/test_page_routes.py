@@ -64,7 +64,6 @@ def test_openapi_describes_the_pages_routes(server):
         ("/v1/attention", {"prompt": "a", "head": 2}, 400, "head", "invalid_value"),
         ("/v1/inspect", {"prompt": ["a"]}, 400, "prompt", "invalid_type"),
         ("/v1/inspect", {"prompt": "a", "model": "gpt-4"}, 404, "model", "model_not_found"),
-        ("/v1/inspect", {"prompt": "word " * 100}, 400, "prompt", "context_length_exceeded"),
         ("/v1/inspect", {"prompt": ""}, 400, None, None),  # a 500 before (HookError)
         ("/v1/attention", [1, 2], 400, None, "invalid_type"),  # not an object
         ("/v1/distribution", None, 400, None, "invalid_json"),
@@ -97,8 +96,49 @@ def test_the_answers_keep_their_shapes(server):
     """What the page and lm-eval read: a distribution without `token` has no `token`; an
     empty list of tokens detokenizes to the empty text; the model's own name is accepted."""
     status, dist, _ = post(server + "/v1/distribution", {"prompt": "The", "model": "run"})
-    assert status == 200 and set(dist) == {"position", "top", "logprobs"} and len(dist["top"]) == 20
+    assert status == 200 and set(dist) == {"position", "window", "top", "logprobs"}
+    assert len(dist["top"]) == 20 and dist["window"] == [0, dist["position"] - 1]
     assert post(server + "/detokenize", {"tokens": []})[1] == {"prompt": ""}
     status, tokens, _ = post(server + "/tokenize", {"prompt": "The", "add_special_tokens": True})
     assert status == 200 and set(tokens) == {"tokens", "texts", "count", "max_model_len"}
     assert tokens["count"] == len(tokens["tokens"]) == len(tokens["texts"])
+
+
+def test_a_position_past_the_context_is_read_as_generation_read_it(server):
+    """Generation slides its window past the context (64): the distribution at each position
+    is the one generation chose from there, its log-probabilities those the completion gave,
+    and the answer names the window."""
+    body = {"prompt": "The", "max_tokens": 72, "temperature": 0, "logprobs": 5, "ignore_eos": True}
+    status, answer, _ = post(server + "/v1/completions", body)
+    assert status == 200, answer
+    logprobs = answer["choices"][0]["logprobs"]
+    prompt = post(server + "/tokenize", {"prompt": "The"})[1]["tokens"]
+    ids = prompt + logprobs["token_ids"]
+    assert len(ids) > 64 + 8
+    for j in (40, 62, 63, 64, 71):  # within the context, at its edge, past it
+        at = len(prompt) + j  # ids[at] is generated token j
+        status, dist, _ = post(server + "/v1/distribution", {"prompt": ids[:at], "token": ids[at]})
+        assert status == 200, dist
+        assert dist["position"] == at and dist["window"] == [max(0, at - 64), at - 1]
+        assert dist["token"]["rank"] == 0  # greedy's choice
+        assert abs(dist["token"]["logprob"] - logprobs["token_logprobs"][j]) < 1e-5
+        top = {t["token"]: t["logprob"] for t in dist["top"][:5]}
+        assert top.keys() == logprobs["top_logprobs"][j].keys()
+        for text, logprob in logprobs["top_logprobs"][j].items():
+            assert abs(top[text] - logprob) < 1e-5, (j, text)
+
+
+def test_the_attention_and_inspection_of_a_long_prompt_read_its_window(server, served_run):
+    from tlm.load import load_tokenizer
+    from tlm.tokenizer import document_ids
+
+    prompt = "word " * 100
+    ids = document_ids(load_tokenizer(served_run), prompt)
+    assert len(ids) > 64
+    status, steps, _ = post(server + "/v1/attention", {"prompt": prompt, "layer": 1})
+    assert status == 200, steps
+    assert steps["ids"] == ids[-64:] and steps["window"] == [len(ids) - 64, len(ids) - 1]
+    assert len(steps["pattern"]) == len(steps["tokens"]) == 64
+    status, inspected, _ = post(server + "/v1/inspect", {"prompt": prompt})
+    assert status == 200 and inspected["window"] == steps["window"]
+    assert len(inspected["tokens"]) == len(inspected["patterns"][1][0]) == 64  # [L][H][T][T]

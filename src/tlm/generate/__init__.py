@@ -23,6 +23,7 @@ from tlm.generate.sampling import (
     top_k_filter,
     top_p_filter,
 )
+from tlm.generate.slots import window_start
 from tlm.generate.stops import StopText, first_stop
 from tlm.generate.text import (
     Completion,
@@ -59,4 +60,5 @@ __all__ = [
     "stream_completion",
     "top_k_filter",
     "top_p_filter",
+    "window_start",
 ]

@@ -191,14 +191,15 @@ const panels = (() => {
     Object.assign(table.dataset, where);
   }
 
-  // Query i's output, source by source: α_ij, ‖v_j‖ and ‖α_ij v_j‖ for j <= i.
-  function contributions(table, tokens, alpha, norms, contrib, i, where) {
-    document.getElementById("contrib-query").textContent = `${i} (${show(tokens[i])})`;
+  // Query i's output, source by source: α_ij, ‖v_j‖ and ‖α_ij v_j‖ for j <= i; positions
+  // are printed from `first` (the window's first position in the text).
+  function contributions(table, tokens, alpha, norms, contrib, i, where, first) {
+    document.getElementById("contrib-query").textContent = `${first + i} (${show(tokens[i])})`;
     const high = Math.max(...contrib.slice(0, i + 1)) || 1;
     let html = "<tr><th>j</th><th>key</th><th>α_ij</th><th>‖v_j‖</th><th>‖α_ij v_j‖</th><th></th></tr>";
     for (let j = 0; j <= i; j++) {
       const v = contrib[j];
-      html += `<tr><td>${j}</td><td class="text">${escape(show(tokens[j]))}</td>` +
+      html += `<tr><td>${first + j}</td><td class="text">${escape(show(tokens[j]))}</td>` +
         `<td>${alpha[j].toFixed(4)}</td><td>${norms[j].toFixed(3)}</td>` +
         `<td data-row="${i}" data-col="${j}" data-value="${v}">${v.toFixed(4)}</td>` +
         `<td class="text"><span class="bar" style="width:${(160 * v / high).toFixed(1)}px"></span></td></tr>`;
@@ -207,13 +208,14 @@ const panels = (() => {
     Object.assign(table.dataset, where);
   }
 
-  // Draw one head: steps = {scores, masked, pattern, contrib, value_norms}, each [T][T].
-  function attention(tokens, steps, query, where) {
+  // Draw one head: steps = {scores, masked, pattern, contrib, value_norms}, each [T][T], of
+  // the tokens from position `first` on.
+  function attention(tokens, steps, query, where, first = 0) {
     for (const name of ["scores", "masked", "pattern"]) {
       grid(document.getElementById(name), steps[name], tokens, query, where);
     }
     contributions(document.getElementById("contrib"), tokens, steps.pattern[query],
-      steps.value_norms, steps.contrib[query], query, where);
+      steps.value_norms, steps.contrib[query], query, where, first);
   }
 
   // Hovering a cell writes its value into `readout`; clicking a grid row picks its query.

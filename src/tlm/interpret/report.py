@@ -24,12 +24,19 @@ from tlm.interpret.plots import (
 )
 from tlm.io import write_text_atomic
 from tlm.model import TransformerLM
-from tlm.tokenizer import Tokenizer, document_ids
+from tlm.tokenizer import Tokenizer, document_ids, within
 
 
-def encode_prompt(model: TransformerLM, tokenizer: Tokenizer, prompt: str, what: str) -> list[int]:
-    """<|endoftext|> then the prompt's tokens; refused if empty or longer than the context."""
-    ids = document_ids(tokenizer, prompt, model.config.context_length, f"the {what} prompt")
+def encode_prompt(
+    model: TransformerLM, tokenizer: Tokenizer, prompt: str | list[int], what: str
+) -> list[int]:
+    """<|endoftext|> then the prompt's tokens (token ids: as they are); refused if empty or
+    longer than the context."""
+    name, limit = f"the {what} prompt", model.config.context_length
+    if isinstance(prompt, str):
+        ids = document_ids(tokenizer, prompt, limit, name)
+    else:
+        ids = within(list(prompt), limit, name)
     if len(ids) == 1:
         raise HookError(f"the {what} prompt tokenizes to nothing; give some text")
     return ids
@@ -50,7 +57,7 @@ def rounded(tensor: torch.Tensor, places: int = 4) -> Any:
 def inspect_prompt(
     model: TransformerLM,
     tokenizer: Tokenizer,
-    prompt: str,
+    prompt: str | list[int],
     corrupted: str | None = None,
     target: str | None = None,
     foil: str | None = None,
@@ -59,11 +66,14 @@ def inspect_prompt(
 ) -> dict[str, Any]:
     """Patterns, logit lens, residual norms, attribution and (with `corrupted`) patching;
     with `lessons`, also the next-token distribution after the prompt (`next`) and every
-    head's attention step by step (`steps`), which the page's panels draw."""
+    head's attention step by step (`steps`), which the page's panels draw. The prompt is a
+    text (read after <|endoftext|>) or token ids (read as they are)."""
     device = next(model.parameters()).device
     ids = encode_prompt(model, tokenizer, prompt, "clean")
     x = torch.tensor([ids], device=device)
     tokens = [tokenizer.decode([i]) for i in ids]
+    if isinstance(prompt, list):  # its text as a text prompt is written: no <|endoftext|> first
+        prompt = tokenizer.decode(ids[1:] if ids[0] == tokenizer.eot_id else ids)
     lens = logit_lens(model, x)
     probs, top = lens.top(top_k)
     words = [[[tokenizer.decode([int(i)]) for i in row] for row in depth] for depth in top]

@@ -3,6 +3,10 @@ back, as lm-eval's remote tokenizer asks), the model's whole next-token distribu
 position (the page applies temperature, top-k and top-p to it, eq. 10.47-10.49), and one
 head's attention step by step (eq. 9.10-9.14).
 
+A position past the model's context is explained as generation computed it there: the
+model reads the last tokens of the prompt that fit (`server.window`), and each answer says
+which (`window`: the first and last positions read).
+
 Bodies and answers are `page_schema`'s models; each route checks what needs the model.
 Each reads the model in the engine thread, between two decoding steps (`Engine.call`).
 """
@@ -31,7 +35,7 @@ from tlm.serve.page_schema import (
     TokenizerInfo,
     Tokens,
 )
-from tlm.serve.server import Authorized, Server, ids
+from tlm.serve.server import Authorized, Server, ids, window
 from tlm.tokenizer import EOT
 
 router = APIRouter(responses=PAGE_ERRORS)
@@ -75,7 +79,7 @@ async def distribution(body: DistributionRequest, server: Authorized) -> dict:
     """The model's next-token distribution after the prompt: every log-probability, largest
     first; the `top` likeliest tokens with their ids and text; and where `token` ranks."""
     require_model(body.model, server.name)
-    prompt = ids(server, body.prompt, "the prompt")
+    seen, first = window(server, body.prompt, "the prompt")
     vocab = server.engine.tokenizer.vocab_size
     top = at_most(body.top, "top", vocab)
     token = None if body.token is None else at_most(body.token, "token", vocab - 1)
@@ -83,11 +87,12 @@ async def distribution(body: DistributionRequest, server: Authorized) -> dict:
 
     @torch.no_grad()
     def compute():
-        return model(torch.tensor([prompt], device=device))[0, -1]
+        return model(torch.tensor([seen], device=device))[0, -1]
 
     logits = await in_engine(server, compute)
     answer = next_token(server.engine.tokenizer, logits, top, token)
-    return {"position": len(prompt), **answer}
+    end = first + len(seen)
+    return {"position": end, "window": [first, end - 1], **answer}
 
 
 @router.post("/v1/attention", response_model=AttentionSteps)
@@ -95,7 +100,7 @@ async def attention(body: AttentionRequest, server: Authorized) -> dict:
     """One head's scores before and after the causal mask (null for -inf), its pattern and
     each source's contribution, each [T][T], and each ‖v_j‖."""
     require_model(body.model, server.name)
-    prompt = ids(server, body.prompt, "the prompt")
+    prompt, first = window(server, body.prompt, "the prompt")
     model, device = server.engine.slots.model, server.engine.slots.device
     layer = at_most(body.layer, "layer", model.config.n_layers - 1)
     head = at_most(body.head, "head", model.config.n_heads - 1)
@@ -107,6 +112,7 @@ async def attention(body: AttentionRequest, server: Authorized) -> dict:
     steps = await in_engine(server, compute)
     decode = server.engine.tokenizer.decode
     answer = {"tokens": [decode([t]) for t in prompt], "ids": prompt, "layer": layer, "head": head}
+    answer["window"] = [first, first + len(prompt) - 1]
     answer["value_norms"] = steps.pop("value_norms").cpu().tolist()
     for name, values in steps.items():
         rows = values.cpu().tolist()

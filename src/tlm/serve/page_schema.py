@@ -93,8 +93,12 @@ class RankedToken(TopToken):
     rank: int  # 0: the likeliest
 
 
+Window = list[int]  # [first, last]: the positions the model read (the last `window` tokens)
+
+
 class Distribution(BaseModel):
     position: int  # the prompt's length: the distribution is of the token at this index
+    window: Window
     top: list[TopToken]
     logprobs: list[float]  # every token's, largest first
     token: RankedToken | None = None  # only when asked
@@ -106,8 +110,9 @@ Grid = list[list[float | None]]  # [T][T]; null for -inf
 class AttentionSteps(BaseModel):
     """One head step by step (eq. 9.10-9.14, `interpret.attention.attention_steps`)."""
 
-    tokens: list[str]
+    tokens: list[str]  # those of the window
     ids: list[int]
+    window: Window
     layer: int
     head: int
     scores: Grid  # before the mask (eq. 9.11)

@@ -51,7 +51,7 @@ from tlm.serve.schema import (
     Model,
     ModelList,
 )
-from tlm.serve.server import Authorized, Server, ids
+from tlm.serve.server import Authorized, Server, ids, window
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Metrics) -> FastAPI:
@@ -224,12 +224,12 @@ async def chat(request: Request, body: ChatRequest, server: Authorized):
 async def inspect(body: InspectRequest, server: Authorized) -> JSONResponse:
     require_model(body.model, server.name)
     model, tokenizer = server.engine.slots.model, server.engine.tokenizer
-    ids(server, body.prompt, "the prompt")
+    prompt, first = window(server, body.prompt, "the prompt")  # as explain's routes read it
     explain.fp32_only(model)
     inspected = await explain.in_engine(
-        server, lambda: inspect_prompt(model, tokenizer, body.prompt, lessons=False)
+        server, lambda: inspect_prompt(model, tokenizer, prompt, lessons=False)
     )  # an empty prompt: a 400 (HookError), not a 500
-    return JSONResponse(inspected)
+    return JSONResponse({**inspected, "window": [first, first + len(prompt) - 1]})
 
 
 @router.get("/", response_class=HTMLResponse)

@@ -1,5 +1,6 @@
 """What every route reads: the `Server` (engine, model name, key, metrics), the API key
-checked (`Authorized`), and a prompt turned into token ids. Bodies are validated by the
+checked (`Authorized`), and a prompt turned into token ids: whole (`ids`), or as the
+model reads it where generation reached its end (`window`). Bodies are validated by the
 routes' pydantic models (`schema.py`, `page_schema.py`)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from tlm.generate import window_start
 from tlm.serve.engine import Engine
 from tlm.serve.metrics import Metrics
 from tlm.serve.openai import ApiError
@@ -31,6 +33,11 @@ class Server:
     @property
     def max_n(self) -> int:
         return len(self.engine.slots.rows) * 4
+
+    @property
+    def window(self) -> int:
+        """The most tokens a decoding row reads at once: past it, the window slides."""
+        return self.engine.slots.capacity
 
 
 def authorized(request: Request) -> Server:
@@ -67,3 +74,12 @@ def ids(
         raise ApiError(400, str(error), param, "context_length_exceeded") from None
     except TokenizerError as error:  # a character a character vocabulary lacks
         raise ApiError(400, str(error), param, "invalid_value") from None
+
+
+def window(server: Server, prompt: str | list[int], name: str) -> tuple[list[int], int]:
+    """A prompt of any length read as generation reads the text at that length: its last
+    `server.window` tokens (`window_start`, the one context policy of every decoding loop);
+    returns those ids and the position of the first of them."""
+    tokens = ids(server, prompt, name, whole=False)
+    first = window_start(len(tokens), server.window)
+    return tokens[first:], first
