@@ -2,7 +2,10 @@
 
 `build` compiles `gpt-2-backend` and `gpt-2-quantize` from a checkout of ggml-org/ggml (a
 work tree, or a bare repository whose HEAD is exported), once: the binaries are kept in
-the work folder with the commit they came from. `convert` writes a Hugging Face GPT-2
+the work folder with the commit they came from. It targets the instruction set tlm's own
+kernels do (`TLM_NATIVE_ARCH`): this CPU's (GGML_NATIVE), or AVX2 alone for `haswell`
+(with AVX-VNNI for `alderlake`), so that an AVX-512 host can run both sides as an AVX2-only
+host does. `convert` writes a Hugging Face GPT-2
 directory in the example's own file format (written here from the layout its loader
 reads: magic, hyperparameters, a vocabulary, then named tensors), in f32 or f16; q8_0
 comes from the example's quantizer. `rate` runs the example and reads its per-token
@@ -24,12 +27,20 @@ from safetensors.numpy import load_file
 MAGIC = 0x67676D6C  # "ggml"
 FTYPES = {"f32": 0, "f16": 1}  # the file's weight type; q8_0 is made by gpt-2-quantize
 TARGETS = ("gpt-2-backend", "gpt-2-quantize")
+AVX2 = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"]
+AVX2 += ["-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"]
+CPU = {  # TLM_NATIVE_ARCH -> ggml's options for the same instruction set
+    "native": ["-DGGML_NATIVE=ON"],
+    "haswell": AVX2,
+    "alderlake": [*AVX2, "-DGGML_AVX_VNNI=ON"],
+}
 
 
-def build(source: Path, work: Path) -> Path:
-    """The folder of the built binaries, made once per commit of `source`."""
+def build(source: Path, work: Path, arch: str = "native") -> Path:
+    """The folder of the built binaries for the build `arch` of tlm's kernels names, made
+    once per commit of `source`."""
     wanted = commit(source)
-    out = work / "ggml"
+    out = work / ("ggml" if arch == "native" else f"ggml-{arch}")
     binaries = out / "build" / "bin"
     stamp = out / "commit"
     if stamp.is_file() and stamp.read_text() == wanted and (binaries / TARGETS[0]).is_file():
@@ -45,7 +56,7 @@ def build(source: Path, work: Path) -> Path:
         )
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
     configure = ["cmake", "-S", str(tree), "-B", str(out / "build"), "-DCMAKE_BUILD_TYPE=Release"]
-    configure += ["-DGGML_NATIVE=ON", "-DGGML_BUILD_EXAMPLES=ON", "-DGGML_BUILD_TESTS=OFF"]
+    configure += [*CPU[arch], "-DGGML_BUILD_EXAMPLES=ON", "-DGGML_BUILD_TESTS=OFF"]
     subprocess.run(configure, capture_output=True, check=True)
     compile_ = ["cmake", "--build", str(out / "build"), "-j", "--target", *TARGETS]
     subprocess.run(compile_, capture_output=True, check=True)

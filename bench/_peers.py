@@ -41,9 +41,28 @@ def host() -> str:
                 break
     except OSError:
         pass
-    wanted = ["avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"]
+    wanted = ["avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16"]
+    wanted += ["amx_tile"]
     present = " ".join(flag for flag in wanted if flag in flags) or "flags unknown"
-    return f"{model}, {os.cpu_count()} cores, {present}; torch {torch.__version__}"
+    return f"{model}, {os.cpu_count()} cores, {present}; torch {torch.__version__}; {kernels()}"
+
+
+def kernels() -> str:
+    """Which kernels run: tlm's C build (TLM_NATIVE_ARCH, and its instruction sets; the
+    formats it has no kernel for run fbgemm's) and PyTorch's own (ATen's CPU capability,
+    ATEN_CPU_CAPABILITY to force one)."""
+    import os
+
+    from tlm.inference import native
+
+    build = os.environ.get("TLM_NATIVE_ARCH", "native")
+    lib = native.library()
+    here = "none (no C compiler)" if lib is None else native.kernels(lib)
+    products = "blocked" if lib is not None and lib.products_here() & 3 == 3 else "fbgemm"
+    return (
+        f"tlm kernels {build}: {here}, int8/fp16 products {products}; "
+        f"PyTorch {torch.backends.cpu.get_cpu_capability()}"
+    )
 
 
 def matmul_peak(n: int = 4096, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:

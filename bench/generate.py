@@ -307,12 +307,13 @@ def part_ggml(rounds: int, work: Path, source: Path | None) -> None:
 
     if source is None:
         raise SystemExit("--part ggml needs --ggml PATH, a checkout of ggml-org/ggml")
-    binaries, folder = _ggml.build(source, work), saved_gpt2(work)
+    binaries, folder = _ggml.build(source, work, native.arch()), saved_gpt2(work)
     files = {fmt: _ggml.convert(folder, work / f"ggml-{fmt}.bin", fmt) for fmt in ("f32", "f16")}
     files["q8_0"] = _ggml.quantize(binaries, files["f32"], work / "ggml-q8_0.bin")
     threads, new = torch.get_num_threads(), 128
     print(
-        f"ggml {_ggml.commit(source)[:10]}, gpt-2-backend -t {threads}; tlm load_model(path"
+        f"ggml {_ggml.commit(source)[:10]} ({native.arch()}), gpt-2-backend -t {threads}; "
+        "tlm load_model(path"
         ", dtype=...) + generate; batch 1, greedy, 1-token prompt, 128 new; tok/s, best of "
         f"{rounds}"
     )

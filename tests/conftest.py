@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tlm import ModelConfig, TransformerLM
+from tlm.inference import native
 
 POSITIONS = ["learned", "sinusoidal", "rope", "none"]
 NORMS = ["pre", "post"]
@@ -55,6 +56,15 @@ def varied_char_run(corpus, folder, **overrides):
         for name, p in model.named_parameters():
             p.normal_(1.0 if name.endswith("gamma") else 0.0, 0.3)
     return save_run(folder, model, tokenizer)
+
+
+@pytest.fixture(params=native.builds_here())
+def kernel_build(request, monkeypatch):
+    """Each build of tlm's C kernels this host can run, in turn (`native.builds_here`: on an
+    AVX-512 host its own kernels and haswell's AVX2 ones): a test that takes it runs once per
+    instruction set, wherever `native.library()` is asked (subprocesses inherit it)."""
+    monkeypatch.setenv("TLM_NATIVE_ARCH", request.param)
+    return request.param
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tlm.inference import attention as kernel
+from tlm.inference import native
 from tlm.inference.attention import causal_attention, kernel_here
 from tlm.model.attention import attention_fused, attention_reference, causal_mask
 from tlm.train import new_run_configs, open_run
@@ -16,6 +17,9 @@ from tlm.train import new_run_configs, open_run
 HERE = kernel_here()
 needs_kernel = pytest.mark.skipif(not HERE, reason="no AVX512_BF16 on this host")
 needs_kernel32 = pytest.mark.skipif(not kernel_here(torch.float32), reason="no C compiler")
+# the fp32 kernel's tests run on each build this host runs (AVX-512's and AVX2's vectors);
+# the bf16 kernel is AVX512_BF16's only
+FP32_BUILDS = [pytest.param(b, marks=needs_kernel32, id=b) for b in native.builds_here()]
 
 
 def heads(B, H, T, d_head, seed=0, strided=True, dtype=torch.bfloat16):
@@ -75,15 +79,19 @@ def test_the_kernel_runs_where_it_applies_and_attention_fused_elsewhere(monkeypa
 
 
 @pytest.mark.parametrize(
-    "dtype",
+    "dtype, build",
     [
-        pytest.param(torch.bfloat16, marks=needs_kernel),
-        pytest.param(torch.float32, marks=needs_kernel32),
+        pytest.param(torch.bfloat16, "native", marks=needs_kernel, id="bf16-native"),
+        *[
+            pytest.param(torch.float32, *b.values, marks=b.marks, id=f"fp32-{b.id}")
+            for b in FP32_BUILDS
+        ],
     ],
 )
-def test_the_operators_pass_torchs_checks(dtype):
+def test_the_operators_pass_torchs_checks(dtype, build, monkeypatch):
     """Schema, fake tensors (torch.compile) and the autograd registration of both operators,
     on the bf16 kernel's inputs and the fp32 kernel's."""
+    monkeypatch.setenv("TLM_NATIVE_ARCH", build)
     q, k, v = (t.contiguous().requires_grad_() for t in heads(1, 2, 40, 32, dtype=dtype))
     torch.library.opcheck(torch.ops.tlm.causal_attention.default, (q, k, v))
 
@@ -101,6 +109,7 @@ def train(docs_chars, out, precision, steps=40):
 
 
 @needs_kernel32
+@pytest.mark.usefixtures("kernel_build")
 @pytest.mark.parametrize(
     "B,H,T,d_head,strided",
     [(2, 3, 37, 32, True), (1, 2, 64, 64, True), (2, 1, 5, 64, False), (1, 1, 100, 128, True)],
@@ -125,6 +134,7 @@ def test_the_fp32_kernel_is_attention_reference_forward_and_backward(B, H, T, d_
 
 
 @needs_kernel32
+@pytest.mark.usefixtures("kernel_build")
 def test_the_fp32_kernel_runs_where_it_applies_and_attention_fused_elsewhere(monkeypatch):
     calls = []
     monkeypatch.setattr(kernel, "_alike", lambda *t: calls.append(t[3]) or t[:3])
@@ -141,19 +151,25 @@ def test_the_fp32_kernel_runs_where_it_applies_and_attention_fused_elsewhere(mon
 
 
 @pytest.mark.parametrize(
-    "precision,tolerance",
+    "precision, tolerance, build",
     [
-        pytest.param("bfloat16", 0.005, marks=[needs_kernel, pytest.mark.slow]),
-        pytest.param("float32", 1e-4, marks=needs_kernel32),
+        pytest.param(
+            "bfloat16", 0.005, "native", marks=[needs_kernel, pytest.mark.slow], id="bf16-native"
+        ),
+        *[
+            pytest.param("float32", 1e-4, *b.values, marks=b.marks, id=f"fp32-{b.id}")
+            for b in FP32_BUILDS
+        ],
     ],
 )
 def test_training_with_the_kernel_follows_pytorchs_kernel(
-    docs_chars, tmp_path, monkeypatch, precision, tolerance
+    docs_chars, tmp_path, monkeypatch, precision, tolerance, build
 ):
     """A CPU run's model gets the kernel; 40 steps with it and with PyTorch's kernel (same
     seed, same precision) log losses within `tolerance` nats of each other. bf16 (both
     under autocast): seen 4e-5 on two threads, 4e-4 on one; fp32 (the same sums in another
     order): 2e-7 and 3e-7. The gradients' equations are held by the parity tests above."""
+    monkeypatch.setenv("TLM_NATIVE_ARCH", build)
     trainer, ours = train(docs_chars, tmp_path / "ours", precision)
     assert trainer.model.blocks[0].attn.fused is causal_attention
     monkeypatch.setattr(kernel, "kernel_here", lambda dtype: False)

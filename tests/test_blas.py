@@ -10,6 +10,8 @@ from tlm.inference import InferenceLM, blas, decoding_step, for_decoding, for_in
 from tlm.inference.program import FLOAT32_ROWS
 from tlm.model.kv_cache import KVCache
 
+pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
+
 
 def make_model(**overrides) -> TransformerLM:
     torch.manual_seed(0)

@@ -7,14 +7,16 @@ import torch
 from tlm.inference import blocked, native
 from tlm.inference.kernels import PackedLinear, _int8
 
-SHAPES = [(7, 5), (33, 70), (48, 64), (300, 768)]  # [out, in]: padded and whole blocks
+pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
+
+SHAPES = [(7, 5), (33, 70), (40, 33), (48, 64), (300, 768)]  # [out, in]: padded, odd, whole
 ROWS = [1, 2, 3, 4, 5, 9]  # one row, each group size of products.c, and groups with a rest
 
 
-def needs(fmt: str):
-    return pytest.mark.skipif(
-        not blocked.here(fmt), reason=f"this host runs {fmt} through fbgemm's kernels"
-    )
+def needs(fmt: str) -> None:
+    """Skip where this build has no blocked kernel for `fmt` (every x86 build with AVX2 has)."""
+    if not blocked.here(fmt):
+        pytest.skip(f"this build ({native.kernels()}) runs {fmt} through fbgemm's kernels")
 
 
 def operands(shape: tuple[int, int], rows: int, seed: int):
@@ -33,10 +35,10 @@ def int8_reference(x, q, scale, b):
     return (most / 127) * scale * sums.float() + b
 
 
-@needs("int8")
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
 def test_int8_blocks_are_the_exact_integer_product(shape, rows):
+    needs("int8")
     W, b, x = operands(shape, rows, seed=rows)
     q, scale = _int8(lambda lo, hi: W[lo:hi], W.shape)
     x = x * 3
@@ -48,19 +50,19 @@ def test_int8_blocks_are_the_exact_integer_product(shape, rows):
     assert (got - x @ W.T - b).abs().max() < 0.05 * (x @ W.T).abs().max()  # the format's error
 
 
-@needs("int8")
 def test_int8_blocks_of_a_zero_row_give_the_bias():
+    needs("int8")
     q, scale = torch.ones(20, 40, dtype=torch.int8), torch.full((20,), 0.5)
     b = torch.arange(20.0)
     got = blocked.Int8Blocks(q, scale, b)(torch.zeros(2, 40))
     assert torch.equal(got, b.expand(2, 20))
 
 
-@needs("float16")  # float16's kernel, reading fp16 or fp32 blocks
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
 def test_float_blocks_are_fp32_arithmetic_on_their_weights(dtype, shape, rows):
+    needs("float16")  # float16's kernel, reading fp16 or fp32 blocks
     W, b, x = operands(shape, rows, seed=rows)
     got = blocked.FloatBlocks(lambda lo, hi: W[lo:hi], W.shape, b, dtype)(x)
     expected = x.double() @ W.to(dtype).double().T + b.double()
@@ -96,8 +98,7 @@ def test_fp32_on_the_parameters_is_fp32_arithmetic(shape, rows):
 def test_rows_together_equal_rows_alone(fmt):
     """A batch's rows do not change each other's outputs (the C kernels reuse each line of
     weights for up to four rows)."""
-    if not blocked.here(fmt):
-        pytest.skip(f"this host runs {fmt} through fbgemm's kernels")
+    needs(fmt)
     torch.manual_seed(0)
     W = torch.randn(100, 96) * 0.05
     kernel = PackedLinear(W, torch.randn(100), fmt)
@@ -114,8 +115,7 @@ def test_packed_linear_takes_the_blocked_kernels_where_they_run():
 
 
 def test_a_wrong_input_width_is_refused():
-    if not blocked.here("float16"):
-        pytest.skip("this host runs float16 through fbgemm's kernels")
+    needs("float16")
     kernel = blocked.FloatBlocks(lambda lo, hi: torch.ones(hi - lo, 8), (4, 8), None)
     with pytest.raises(ValueError, match=r"expected x \[N, 8\]"):
         kernel(torch.ones(2, 9))

@@ -6,6 +6,8 @@ import torch
 from conftest import POSITIONS
 from tlm.generate import GenerationConfig, GenerationError, beam_search, generate
 
+pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
+
 
 def run(model, ids, mask=None, **settings):
     """tokens [B,new] and logprobs [B,new] of a whole generation."""

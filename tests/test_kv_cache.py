@@ -7,6 +7,8 @@ from conftest import NORMS, POSITIONS, written_out
 from tlm.inference import blocked, decoding_step, for_inference
 from tlm.model.kv_cache import KVCache
 
+pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
+
 # every position and norm on the fused path; the written-out path (which test_attention.py
 # holds equal to it without a cache) once, for its masks through a cache
 CASES = [(p, n, "fused") for p in POSITIONS for n in NORMS] + [("rope", "pre", "reference")]

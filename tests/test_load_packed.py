@@ -15,6 +15,8 @@ from tlm.checkpoint import CheckpointError, save_weights, write_config
 from tlm.inference import blocked, for_inference, kernels, prepare
 from tlm.tensor_files import FileRows, LazyMatrix, TensorFileError, TensorFiles
 
+pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
+
 FORMATS = list(FORMAT_ERROR)
 
 

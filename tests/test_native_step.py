@@ -20,6 +20,8 @@ from tlm.inference import program as whole_program
 from tlm.inference import step as native_step
 from tlm.model.kv_cache import KVCache
 
+pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
+
 needs_native = pytest.mark.skipif(
     native.library() is None, reason="no C compiler here: decoding runs the forward pass"
 )
@@ -154,6 +156,8 @@ def test_rows_at_their_own_lengths(make_model, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_the_steps_greedy_choices_are_the_logits_own(make_model, dtype):
     """The whole step's greedy choice per row is `greedy_logprob` of that row's logits."""
+    if not (native.threaded() if dtype == "float32" else blocked.here(dtype)):
+        pytest.skip(f"no whole step in C for {dtype} with this build ({native.kernels()})")
     model = for_inference(make_model(), dtype)
     cache = SlotCache(model.config, 3, capacity=16)
     for slot in range(3):
@@ -234,7 +238,7 @@ def test_every_file_the_library_is_compiled_from_ships_with_the_package():
 @needs_native
 def test_a_changed_header_compiles_anew(tmp_path, monkeypatch):
     monkeypatch.setenv("TLM_CACHE", str(tmp_path))
-    flags = [*native.FLAGS, "-fopenmp-simd"]
+    flags = [*native.FLAGS, "-march=native", "-fopenmp-simd"]
     before = native._compiled(flags)
     header = tmp_path / "attention_rows.h"
     header.write_text(native.HEADERS[0].read_text() + "/* changed */\n")
@@ -287,6 +291,28 @@ def test_attention_threads_are_torchs_own(tmp_path):
         pytest.skip("this torch runs without libgomp")
     assert before == after == 1
     assert not run.stderr
+
+
+@needs_native
+def test_each_build_this_host_runs_has_its_own_instruction_set(monkeypatch):
+    """`builds_here` names different kernels (an AVX-512 host: its own and haswell's AVX2
+    ones, both tested by every kernel test); a build tlm does not make, or one this CPU
+    cannot run, is refused in one line."""
+    builds = native.builds_here()
+    seen = {}
+    for build in builds:
+        monkeypatch.setenv("TLM_NATIVE_ARCH", build)
+        seen[build] = native.kernels()
+    assert len(set(seen.values())) == len(builds) and "none" not in seen.values()
+    if "haswell" in builds:
+        assert seen["haswell"] == "AVX2+FMA+F16C"
+    monkeypatch.setenv("TLM_NATIVE_ARCH", "pentium4")
+    with pytest.raises(native.NativeError, match="^TLM_NATIVE_ARCH=pentium4: tlm builds native"):
+        native.library()
+    monkeypatch.setattr(native, "_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setenv("TLM_NATIVE_ARCH", "haswell")
+    with pytest.raises(native.NativeError, match="needs bmi2, which this CPU lacks"):
+        native.library()
 
 
 @needs_native

@@ -13,6 +13,8 @@ from tlm.inference import program as whole_program
 from tlm.inference import step as native_step
 from tlm.tensor_files import TensorFileError
 
+pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
+
 
 def stored_as(folder, dtype: torch.dtype, seed: int = 0):
     """A run directory whose weights are stored in `dtype`, their values exact in it."""

@@ -23,7 +23,8 @@ both stay within the format's error of the fp32 product). float16 is fp32 arithm
 fp16 weights, as fbgemm's fp16 kernel.
 
 They run where the library was built with OpenMP for a CPU with AVX-512 (int8: with VNNI)
-(`here`), on torch's threads; elsewhere `kernels.PackedLinear` uses fbgemm's kernels.
+or AVX2 with FMA and F16C (`here`; `products.c` and its two block headers), on torch's
+threads; elsewhere `kernels.PackedLinear` uses fbgemm's kernels.
 """
 
 from __future__ import annotations

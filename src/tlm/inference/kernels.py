@@ -9,18 +9,18 @@ the same x W + b through better kernels:
 |----------|--------------------------------|---------------------------------|-----------------|
 | float32  | the parameters themselves      | one row: tlm's loops (or        | fp32 (exact)    |
 |          | (+ a copy in blocks of 16 rows | numpy's BLAS, `blas.py`); a     |                 |
-|          | with AVX-512, else a oneDNN    | decoding step of more rows:     |                 |
+|          | with AVX2/512, else a oneDNN   | decoding step of more rows:     |                 |
 |          | layout, made at the first      | tlm's (`blocked.py`) or         |                 |
 |          | decoding step of several rows) | `mkldnn._linear_pointwise`; a   |                 |
 |          |                                | prompt: torch's product         |                 |
 | float16  | fp16 in blocks of 16 rows      | tlm's (`blocked.py`) with       | fp32            |
-|          | (AVX-512), else prepacked for  | AVX-512, else fbgemm's          |                 |
+|          | (AVX2/512), else prepacked for | AVX2 or AVX-512, else fbgemm's  |                 |
 |          | fbgemm                         | `quantized.linear_dynamic_fp16` |                 |
 | bfloat16 | bf16, [out, in]                | `F.linear` in bf16              | bf16 products,  |
 |          |                                |                                 | fp32 elsewhere  |
 | int8     | int8, one scale per output     | tlm's (`blocked.py`) with       | int8 products   |
-|          | row: in blocks of 16 rows      | AVX-512 VNNI, else fbgemm's     | (activations    |
-|          | (AVX-512 VNNI), else for fbgemm| `quantized.linear_dynamic`      | quantized/row)  |
+|          | row: in blocks of 16 rows      | AVX2 or AVX-512 VNNI, else      | (activations    |
+|          | (AVX2/512), else for fbgemm    | fbgemm's `quantized.linear_dyn.`| quantized/row)  |
 
 Everything between the products (LayerNorm, attention, the residual stream, the KV cache)
 stays fp32. Memory follows the format: float16, bfloat16 and int8 keep the weight
@@ -139,7 +139,7 @@ class Float32Linear:
     reads them in place (`blas.py`), and a prompt (read once) through torch's product,
     neither with a copy. With `layout`, a decoding step of several rows runs them as one
     product on a copy of the weights made the first time such a step comes and kept from
-    then on: tlm's fp32 blocks (`blocked.py`) where the CPU has AVX-512, else oneDNN's
+    then on: tlm's fp32 blocks (`blocked.py`) where the CPU has AVX2 or AVX-512, else oneDNN's
     layout for 4 rows; without it, torch's product."""
 
     def __init__(

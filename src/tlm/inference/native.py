@@ -4,19 +4,24 @@ first use, called through ctypes.
 `step.c` holds the work between a decoding step's weight products (`step.py`),
 `products.c` the products of weights kept in blocks (`blocked.py`), `attention.c` and
 `attention32.c` causal attention for bf16 and fp32 training on a CPU (`attention.py`).
-All four are compiled
-once per machine, into one library, with the system's C compiler (`$CC`, else `cc`) for
-the host's own instruction set (-march=native) and with OpenMP (where the compiler has no
-OpenMP runtime, without it: attention then runs on one core, and the blocked products are
-not used), into tlm's cache folder (`$TLM_CACHE`, else ~/.cache/tlm; the temporary folder
-where that cannot be made), under a name made of the sources, the flags and the CPU, so
-that a changed file or another host compiles anew and a process that finds the library
-runs no compiler; the compiler writes to a temporary name that is renamed when done. It
-takes about a second, and needs no torch headers.
+All four are compiled once per machine, into one library, with the system's C compiler
+(`$CC`, else `cc`) for the host's own instruction set (-march=native), or for the one
+`TLM_NATIVE_ARCH` names (`BUILDS`: `haswell` builds the AVX2 kernels, which an AVX-512
+host runs too, so that its tests cover both kinds; `builds_here` lists what this host can
+run). Each source picks its kernels by what the compiler targets (`#if __AVX512F__`, ...):
+one binding, one dispatch, made when the library is built on the host it runs on. They are
+built with OpenMP (where the compiler has no OpenMP runtime, without it: attention then
+runs on one core, and the blocked products are not used), into tlm's cache folder
+(`$TLM_CACHE`, else ~/.cache/tlm; the temporary folder where that cannot be made), under a
+name made of the sources, the flags and the CPU, so that a changed file or another host
+compiles anew and a process that finds the library runs no compiler; the compiler writes
+to a temporary name that is renamed when done. It takes about a second, and needs no
+torch headers.
 
 Where no compiler works, or `TLM_NATIVE=0`, `library()` is None: decoding runs the
 model's own forward pass and training PyTorch's attention kernel, as before; one line
-on stderr says so, once.
+on stderr says so, once. `kernels()` names the instruction set a library's kernels use
+(what every benchmark prints beside its figures).
 """
 
 from __future__ import annotations
@@ -33,21 +38,35 @@ from pathlib import Path
 
 from torch import Tensor
 
+from tlm.errors import UserError
+
 SOURCES = [
     Path(__file__).with_name(name)
     for name in ("step.c", "products.c", "attention.c", "attention32.c")
 ]
-HEADERS = [Path(__file__).with_name("attention_rows.h")]  # included by the sources: keyed too
+HEADERS = [  # included by the sources: keyed too
+    Path(__file__).with_name(name)
+    for name in ("attention_rows.h", "blocks_avx512.h", "blocks_avx2.h")
+]
 # Compiled with -ffast-math (glibc's vector expf and friends need it) and linked without
 # it: linking with it adds gcc's crtfastmath.o, whose loader sets flush-to-zero for the
 # whole process, and every subnormal result of numpy and torch after the first decoding
 # step became 0 (tested)
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
+FLAGS = ["-O3", "-ffast-math", "-fPIC"]  # and -march= the build's (`arch`)
 # OpenMP threads (attention's heads split across the cores), else SIMD pragmas only. With
 # -fopenmp the library needs libgomp.so.1, which resolves to the copy torch has loaded: one
 # thread pool for torch's ops and this file's, whose threads are still awake from the
 # product before (tested: attention runs on torch's threads).
 THREADS = ("-fopenmp", "-fopenmp-simd")
+
+# TLM_NATIVE_ARCH: gcc's -march names tlm builds for, and the CPU flags each needs to run
+BUILDS = {
+    "native": set(),  # this CPU's own: AVX-512 kernels where it has AVX-512, AVX2 where AVX2
+    "haswell": {"avx2", "fma", "f16c", "bmi2"},  # AVX2 kernels (int8 by vpmaddubsw)
+    "alderlake": {"avx2", "fma", "f16c", "bmi2", "avx_vnni"},  # AVX2 with AVX-VNNI's int8
+}
+# `isa_here`'s bits: the instruction sets a build's kernels use
+ISA = {1: "AVX-512", 2: "AVX-512 VNNI", 4: "AVX512_BF16", 8: "AVX2+FMA+F16C", 16: "AVX-VNNI"}
 
 i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {  # name: (what it returns, its arguments)
@@ -59,6 +78,7 @@ SIGNATURES = {  # name: (what it returns, its arguments)
     "activate": (None, [ptr, i64, i64]),
     "greedy_pick": (i64, [ptr, i64, ptr]),
     "products_here": (i64, []),
+    "isa_here": (i64, []),
     "int8_product": (i64, [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]),
     "float16_product": (i64, [ptr, ptr, ptr, i64, i64, i64, ptr]),
     "float32_product": (i64, [ptr, ptr, ptr, i64, i64, i64, ptr]),
@@ -82,14 +102,56 @@ for name in ("forward", "backward"):  # attention32.c: attention.c's arguments, 
     SIGNATURES[f"attention32_{name}"] = SIGNATURES[f"attention_{name}"]
 
 
-@cache
+class NativeError(UserError):
+    """A TLM_NATIVE_ARCH that tlm does not build, or that this CPU cannot run."""
+
+
+def arch() -> str:
+    """The build `TLM_NATIVE_ARCH` asks for (`native` unless set), if this CPU runs it."""
+    name = os.environ.get("TLM_NATIVE_ARCH", "native") or "native"
+    if name not in BUILDS:
+        raise NativeError(f"TLM_NATIVE_ARCH={name}: tlm builds {', '.join(BUILDS)}")
+    missing = sorted(BUILDS[name] - _flags())
+    if missing:
+        raise NativeError(
+            f"TLM_NATIVE_ARCH={name} needs {', '.join(missing)}, which this CPU lacks"
+        )
+    return name
+
+
+def builds_here() -> list[str]:
+    """The builds whose kernels this host can run, each a different instruction set:
+    `native`, and `haswell` (AVX2) where native has AVX-512 or AVX-VNNI instead, and
+    `alderlake` (AVX-VNNI) where native has AVX-512 and the CPU AVX-VNNI too."""
+    flags, builds = _flags(), ["native"]
+    if "avx512f" in flags or "avx_vnni" in flags:
+        builds += [name for name in ("haswell", "alderlake") if BUILDS[name] <= flags]
+    if "avx512f" not in flags and "alderlake" in builds:  # native is alderlake's kernels
+        builds.remove("alderlake")
+    return builds
+
+
 def library() -> ctypes.CDLL | None:
-    """The compiled `step.c`, or None (with one line on stderr) where it cannot be had."""
+    """The compiled `step.c` for `arch()`, or None (with one line on stderr) where it cannot
+    be had."""
     if os.environ.get("TLM_NATIVE", "1") == "0":
         return None
+    return _library(arch())
+
+
+def kernels(lib: ctypes.CDLL | None = None) -> str:
+    """The instruction sets of a library's kernels (this host's by default), as benchmarks
+    print them: "AVX-512, AVX-512 VNNI, AVX512_BF16", "AVX2+FMA+F16C", or "none"."""
+    lib = library() if lib is None else lib
+    bits = 0 if lib is None else lib.isa_here()
+    return ", ".join(name for bit, name in ISA.items() if bits & bit) or "none"
+
+
+@cache
+def _library(arch: str) -> ctypes.CDLL | None:
     for threads in THREADS:  # a compiler without OpenMP's runtime still gets the step
         try:
-            lib = ctypes.CDLL(str(_compiled([*FLAGS, threads])))
+            lib = ctypes.CDLL(str(_compiled([*FLAGS, f"-march={arch}", threads])))
             break
         except (OSError, subprocess.SubprocessError) as error:
             reason = _first_line(error)
@@ -147,6 +209,18 @@ def _compiled(flags: list[str]) -> Path:
 def _first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+@cache
+def _flags() -> set[str]:
+    """This CPU's flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return next(
+        (set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set()
+    )
 
 
 def _cpu() -> bytes:

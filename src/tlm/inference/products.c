@@ -10,8 +10,13 @@
  * each row, and the blocks are shared out among OpenMP's threads (torch's own, as in
  * step.c). Each block is read from memory once for all rows of x.
  *
- * The kernels need AVX-512 (int8: with VNNI); `products_here` says which were compiled for
- * this host (-march=native), and blocked.py uses fbgemm's kernels where they were not.
+ * Each kernel is written twice, for the two vector widths of x86 CPUs, and the build picks
+ * one by what the compiler targets (-march=native, or the build TLM_NATIVE_ARCH names):
+ * AVX-512 (int8 with VNNI) as a 64-byte line's 16 lanes of one register, and AVX2 with FMA
+ * and F16C as the line's two halves in two registers of 8 lanes (int8 by AVX-VNNI where the
+ * CPU has it, else by vpmaddubsw: see int8_rows). Both compute the same sums. `products_here`
+ * says which were compiled, `isa_here` for which instruction set, and blocked.py uses
+ * fbgemm's kernels where none were.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,82 +25,87 @@
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
-/* Which kernels this build has: bit 0 int8 (AVX-512 VNNI), bit 1 float16 and float32 blocks
- * (AVX-512F), and bit 2 set when they run on OpenMP's threads (built with -fopenmp, not
- * -fopenmp-simd). */
+/* The instruction set of this build's kernels: 512-bit (AVX-512F, int8 with VNNI) or 256-bit
+ * (AVX2 with FMA and F16C; int8 with AVX-VNNI where the compiler targets it). */
+#if defined(__AVX512F__)
+#define WIDE 1
+#if defined(__AVX512VNNI__)
+#define INT8_KERNEL 1
+#endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HALVES 1
+#define INT8_KERNEL 1
+#endif
+#if defined(HALVES) && !defined(__AVXVNNI__)
+#define BY_SIGNS 1 /* int8 by vpmaddubsw: x as |xq| and its signs */
+#else
+#define BY_SIGNS 0 /* int8 by VNNI: x as xq + 128 */
+#endif
+
+/* Which kernels this build has: bit 0 int8, bit 1 float16 and float32 blocks, and bit 2 set
+ * when they run on OpenMP's threads (built with -fopenmp, not -fopenmp-simd). */
 int64_t products_here(void) {
     int64_t here = 0;
 #if defined(_OPENMP)
     here |= 4;
 #endif
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if defined(INT8_KERNEL)
     here |= 1;
 #endif
-#if defined(__AVX512F__)
+#if defined(WIDE) || defined(HALVES)
     here |= 2;
 #endif
     return here;
 }
 
-#if defined(__AVX512F__)
-/* y[0..n) = v's first n lanes (the last block of an output whose width is not a multiple
- * of 16 writes only its own columns). */
-static inline void store(float *y, __m512 v, int64_t n) {
-    if (n >= 16)
-        _mm512_storeu_ps(y, v);
-    else
-        _mm512_mask_storeu_ps(y, (__mmask16)((1u << n) - 1), v);
-}
+/* The instruction sets the kernels of this build use (native.py's ISA): 1 AVX-512F, 2
+ * AVX-512 VNNI, 4 AVX512_BF16 (attention.c's), 8 AVX2 with FMA and F16C, 16 AVX-VNNI. */
+int64_t isa_here(void) {
+    int64_t isa = 0;
+#if defined(WIDE)
+    isa |= 1;
+#if defined(__AVX512VNNI__)
+    isa |= 2;
 #endif
-
-/* int8, the integer sums of one block for n rows (n = 1..4; a constant where it is
- * inlined): sums[k] = sum_i (xq_ki + 128) q_oi for the block's 16 rows o. Each 64-byte
- * line of weights (4 inputs of 16 rows) is loaded once for the n rows; one row keeps four
- * sums apart, so that four products are under way at once. */
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-static inline __attribute__((always_inline)) void int8_rows(const int8_t *w, const uint8_t *xu,
-                                                            int64_t in_pad, int n, __m512i *sums) {
-    const int64_t groups = in_pad / 4;
-    if (n == 1) {
-        const int32_t *x4 = (const int32_t *)xu;
-        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t g = 0; g < groups; g += 4) {
-            const int8_t *line = w + g * 64;
-            a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(x4[g]), _mm512_loadu_si512(line));
-            a1 = _mm512_dpbusd_epi32(a1, _mm512_set1_epi32(x4[g + 1]), _mm512_loadu_si512(line + 64));
-            a2 = _mm512_dpbusd_epi32(a2, _mm512_set1_epi32(x4[g + 2]), _mm512_loadu_si512(line + 128));
-            a3 = _mm512_dpbusd_epi32(a3, _mm512_set1_epi32(x4[g + 3]), _mm512_loadu_si512(line + 192));
-        }
-        sums[0] = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
-        return;
-    }
-    __m512i a[4];
-    for (int k = 0; k < n; k++) a[k] = _mm512_setzero_si512();
-    for (int64_t g = 0; g < groups; g++) {
-        const __m512i line = _mm512_loadu_si512(w + g * 64);
-        for (int k = 0; k < n; k++)
-            a[k] = _mm512_dpbusd_epi32(a[k], _mm512_set1_epi32(((const int32_t *)(xu + k * in_pad))[g]), line);
-    }
-    for (int k = 0; k < n; k++) sums[k] = a[k];
+#if defined(__AVX512BF16__)
+    isa |= 4;
+#endif
+#elif defined(HALVES)
+    isa |= 8;
+#if defined(__AVXVNNI__)
+    isa |= 16;
+#endif
+#endif
+    return isa;
 }
+
+/* One block j of 16 output rows, for every row of x: int8_block and float_block, written
+ * once per vector width, with the same arguments and the same sums. */
+#if defined(WIDE)
+#include "blocks_avx512.h"
+#elif defined(HALVES)
+#include "blocks_avx2.h"
 #endif
 
 /* int8: W ~ scale[o] * q[o, i], q in [-127, 127] (one scale per output row). Each row of x
- * is quantized the same way, x ~ sx * xq with sx = max|x| / 127, and fed to VNNI's
- * unsigned-by-signed product as xq + 128; sum_i (xq_i + 128) q_oi - 128 wsum[o] is then
- * sum_i xq_i q_oi exactly (wsum[o] = sum_i q_oi), and y[o] = sx scale[o] that + b[o].
+ * is quantized the same way, x ~ sx * xq with sx = max|x| / 127, and the block kernels sum
+ * sum_i xq_i q_oi exactly in 32-bit integers; y[o] = sx scale[o] that + b[o]. VNNI's
+ * unsigned-by-signed product reads xq + 128 (then sum_i (xq_i + 128) q_oi - 128 wsum[o] is
+ * the sum, wsum[o] = sum_i q_oi); AVX2's vpmaddubsw reads |xq| and takes xq's signs apart
+ * (BY_SIGNS, blocks_avx2.h says why).
  * blocks: [out_pad/16][in_pad/4][16][4] int8, in_pad a multiple of 16; scale, wsum and bias
  * [out_pad], out_pad a multiple of 16 (padding is zero); x [rows, in] fp32; y [rows, out]
  * fp32. Returns 0, -1 where this build has no int8 kernel, -2 without memory. */
 int64_t int8_product(const int8_t *blocks, const float *scale, const int32_t *wsum,
                      const float *bias, const float *x, int64_t rows, int64_t in,
                      int64_t in_pad, int64_t out, float *y) {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-    uint8_t *xu = aligned_alloc(64, (size_t)(rows * in_pad));
+#if defined(INT8_KERNEL)
+    uint8_t *xu = aligned_alloc(64, (size_t)(2 * rows * in_pad));
+    int8_t *xs = (int8_t *)(xu + rows * in_pad); /* xq itself, for its signs (BY_SIGNS) */
     float *sx = malloc(sizeof(float) * (size_t)rows);
     if (!xu || !sx) {
         free(xu), free(sx);
@@ -109,35 +119,21 @@ int64_t int8_product(const int8_t *blocks, const float *scale, const int32_t *ws
         const float inv = most > 0.0f ? 127.0f / most : 0.0f;
         sx[r] = most / 127.0f;
         uint8_t *ur = xu + r * in_pad;
+        int8_t *sr = xs + r * in_pad;
 #pragma omp simd
-        for (int64_t i = 0; i < in; i++) ur[i] = (uint8_t)((int32_t)nearbyintf(xr[i] * inv) + 128);
-        memset(ur + in, 128, (size_t)(in_pad - in)); /* xq = 0 against the zero padding */
+        for (int64_t i = 0; i < in; i++) {
+            const int32_t q = (int32_t)nearbyintf(xr[i] * inv);
+            sr[i] = (int8_t)q;
+            ur[i] = (uint8_t)(BY_SIGNS ? (q < 0 ? -q : q) : q + 128);
+        }
+        memset(ur + in, BY_SIGNS ? 0 : 128, (size_t)(in_pad - in)); /* xq = 0 at the padding */
+        memset(sr + in, 0, (size_t)(in_pad - in));
     }
     const int64_t n_blocks = (out + 15) / 16;
 #pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n_blocks; j++) {
-        const int8_t *w = blocks + j * 16 * in_pad;
-        const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(wsum + j * 16), 7);
-        const __m512 row_scale = _mm512_loadu_ps(scale + j * 16);
-        const __m512 b = bias ? _mm512_loadu_ps(bias + j * 16) : _mm512_setzero_ps();
-        for (int64_t r = 0; r < rows; r += 4) {
-            const int n = rows - r < 4 ? (int)(rows - r) : 4;
-            __m512i sums[4];
-            const uint8_t *xr = xu + r * in_pad;
-            switch (n) { /* each a copy of int8_rows for its n */
-            case 1: int8_rows(w, xr, in_pad, 1, sums); break;
-            case 2: int8_rows(w, xr, in_pad, 2, sums); break;
-            case 3: int8_rows(w, xr, in_pad, 3, sums); break;
-            default: int8_rows(w, xr, in_pad, 4, sums);
-            }
-            for (int k = 0; k < n; k++) {
-                const __m512 v = _mm512_fmadd_ps(
-                    _mm512_mul_ps(_mm512_set1_ps(sx[r + k]), row_scale),
-                    _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[k], offset)), b);
-                store(y + (r + k) * out + j * 16, v, out - j * 16);
-            }
-        }
-    }
+    for (int64_t j = 0; j < n_blocks; j++)
+        int8_block(blocks + j * 16 * in_pad, xu, xs, sx, scale + j * 16, wsum + j * 16,
+                   bias ? bias + j * 16 : NULL, rows, in_pad, out, out - j * 16, y + j * 16);
     free(xu), free(sx);
     return 0;
 #else
@@ -145,70 +141,18 @@ int64_t int8_product(const int8_t *blocks, const float *scale, const int32_t *ws
 #endif
 }
 
-/* float16 and float32 blocks, the sums of one block for n rows (n = 1..4, as int8_rows):
- * sums[k] = sum_i x_ki w_oi for the block's 16 rows o, each input's 16 weights loaded (and
- * fp16 widened) once for the n rows; one row keeps four sums apart, more rows two each. */
-#if defined(__AVX512F__)
-static inline __attribute__((always_inline)) __m512 weights(const void *w, int64_t i, int fp32) {
-    if (fp32) return _mm512_loadu_ps((const float *)w + i * 16);
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i * 16)));
-}
-
-static inline __attribute__((always_inline)) void float_rows(const void *w, const float *x,
-                                                             int64_t in, int n, int fp32,
-                                                             __m512 *sums) {
-    if (n == 1) {
-        const int64_t whole = in - in % 4;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t i = 0; i < whole; i += 4) {
-            a0 = _mm512_fmadd_ps(_mm512_set1_ps(x[i]), weights(w, i, fp32), a0);
-            a1 = _mm512_fmadd_ps(_mm512_set1_ps(x[i + 1]), weights(w, i + 1, fp32), a1);
-            a2 = _mm512_fmadd_ps(_mm512_set1_ps(x[i + 2]), weights(w, i + 2, fp32), a2);
-            a3 = _mm512_fmadd_ps(_mm512_set1_ps(x[i + 3]), weights(w, i + 3, fp32), a3);
-        }
-        for (int64_t i = whole; i < in; i++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(x[i]), weights(w, i, fp32), a0);
-        sums[0] = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-        return;
-    }
-    __m512 even[4], odd[4];
-    for (int k = 0; k < n; k++) even[k] = odd[k] = _mm512_setzero_ps();
-    const int64_t pairs = in - in % 2;
-    for (int64_t i = 0; i < pairs; i += 2) {
-        const __m512 w0 = weights(w, i, fp32), w1 = weights(w, i + 1, fp32);
-        for (int k = 0; k < n; k++) {
-            even[k] = _mm512_fmadd_ps(_mm512_set1_ps(x[k * in + i]), w0, even[k]);
-            odd[k] = _mm512_fmadd_ps(_mm512_set1_ps(x[k * in + i + 1]), w1, odd[k]);
-        }
-    }
-    if (pairs < in) {
-        const __m512 w0 = weights(w, pairs, fp32);
-        for (int k = 0; k < n; k++) even[k] = _mm512_fmadd_ps(_mm512_set1_ps(x[k * in + pairs]), w0, even[k]);
-    }
-    for (int k = 0; k < n; k++) sums[k] = _mm512_add_ps(even[k], odd[k]);
-}
-
+/* float16 (widened to fp32 as it is read) or float32 blocks: y = x W^T + b in fp32 (inlined
+ * into each caller, so that `fp32` is a constant in the loops). */
+#if defined(WIDE) || defined(HALVES)
 static inline __attribute__((always_inline)) void float_product(const void *blocks, int fp32,
                                                                 const float *bias, const float *x,
                                                                 int64_t rows, int64_t in,
                                                                 int64_t out, float *y) {
     const int64_t n_blocks = (out + 15) / 16, block = 16 * in * (fp32 ? 4 : 2);
 #pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n_blocks; j++) {
-        const void *w = (const char *)blocks + j * block;
-        const __m512 b = bias ? _mm512_loadu_ps(bias + j * 16) : _mm512_setzero_ps();
-        for (int64_t r = 0; r < rows; r += 4) {
-            const int n = rows - r < 4 ? (int)(rows - r) : 4;
-            __m512 sums[4];
-            const float *xr = x + r * in;
-            switch (n) { /* each a copy of float_rows for its n */
-            case 1: float_rows(w, xr, in, 1, fp32, sums); break;
-            case 2: float_rows(w, xr, in, 2, fp32, sums); break;
-            case 3: float_rows(w, xr, in, 3, fp32, sums); break;
-            default: float_rows(w, xr, in, 4, fp32, sums);
-            }
-            for (int k = 0; k < n; k++) store(y + (r + k) * out + j * 16, _mm512_add_ps(sums[k], b), out - j * 16);
-        }
-    }
+    for (int64_t j = 0; j < n_blocks; j++)
+        float_block((const char *)blocks + j * block, fp32, bias ? bias + j * 16 : NULL, x, rows,
+                    in, out, out - j * 16, y + j * 16);
 }
 #endif
 
@@ -218,7 +162,7 @@ static inline __attribute__((always_inline)) void float_product(const void *bloc
  * build has no float16 kernel. */
 int64_t float16_product(const uint16_t *blocks, const float *bias, const float *x,
                         int64_t rows, int64_t in, int64_t out, float *y) {
-#if defined(__AVX512F__)
+#if defined(WIDE) || defined(HALVES)
     float_product(blocks, 0, bias, x, rows, in, out, y);
     return 0;
 #else
@@ -231,7 +175,7 @@ int64_t float16_product(const uint16_t *blocks, const float *bias, const float *
  * Returns 0, or -1 where this build has no such kernel. */
 int64_t float32_product(const float *blocks, const float *bias, const float *x, int64_t rows,
                         int64_t in, int64_t out, float *y) {
-#if defined(__AVX512F__)
+#if defined(WIDE) || defined(HALVES)
     float_product(blocks, 1, bias, x, rows, in, out, y);
     return 0;
 #else
