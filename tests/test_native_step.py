@@ -1,14 +1,6 @@
 """The C step between a decoding step's products (inference/step.py, step.c) means what the
 model's forward pass means: the same logits, the same keys and values in the cache."""
 
-import fnmatch
-import os
-import shutil
-import subprocess
-import sys
-import tomllib
-from pathlib import Path
-
 import pytest
 import torch
 from test_kv_cache import FORMAT_ERROR
@@ -205,128 +197,6 @@ def test_the_c_step_keeps_the_cache_bounds(make_model):
         model(torch.randint(0, 97, (1, 1)), cache, last_only=True)
 
 
-def test_a_compiler_here_builds_the_step():
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler on this machine")
-    assert native.library() is not None
-
-
-def test_without_a_compiler_decoding_says_so_once_and_goes_on(tmp_path):
-    script = (
-        "import torch; from tlm import ModelConfig, TransformerLM; torch.manual_seed(0);"
-        "m = TransformerLM(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2,"
-        " context_length=16)).eval();"
-        "print(m.generate(torch.tensor([[1, 2]]), max_new_tokens=4).shape);"
-        "print(m.generate(torch.tensor([[3]]), max_new_tokens=2).shape)"
-    )
-    env = os.environ | {"CC": "no-such-compiler", "TLM_CACHE": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["torch.Size([1,", "6])", "torch.Size([1,", "3])"]
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("tlm: running without its C kernels (")
-
-
-def test_every_file_the_library_is_compiled_from_ships_with_the_package():
-    """An installed (not editable) tlm compiles from its package's own copies."""
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    shipped = project["tool"]["setuptools"]["package-data"]["tlm.inference"]
-    for path in (*native.SOURCES, *native.HEADERS):
-        assert any(fnmatch.fnmatch(path.name, pattern) for pattern in shipped), path.name
-
-
-@needs_native
-def test_a_changed_header_compiles_anew(tmp_path, monkeypatch):
-    monkeypatch.setenv("TLM_CACHE", str(tmp_path))
-    flags = [*native.FLAGS, "-march=native", "-fopenmp-simd"]
-    before = native._compiled(flags)
-    header = tmp_path / "attention_rows.h"
-    header.write_text(native.HEADERS[0].read_text() + "/* changed */\n")
-    monkeypatch.setattr(native, "HEADERS", [header])
-    assert native._compiled(flags) != before
-
-
-@needs_native
-def test_an_unusable_cache_folder_builds_in_the_temporary_one(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")  # a cache path below a file cannot be made, even by root
-    script = "from tlm.inference import native; print(native.library() is not None)"
-    env = os.environ | {"TLM_CACHE": str(blocker / "cache"), "TMPDIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
-    assert run.stdout.strip() == "True", run.stderr
-    assert list(tmp_path.glob("tlm-*/native/step-*.so"))
-
-
-GOMP_SCRIPT = """
-import torch
-from tlm import ModelConfig, TransformerLM
-from tlm.inference import native
-
-def openmp():
-    return sorted({l.split()[-1] for l in open("/proc/self/maps") if "libgomp" in l})
-
-before = openmp()
-assert native.library() is not None
-torch.manual_seed(0)
-model = TransformerLM(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=4,
-                                  context_length=16)).eval()
-model.generate(torch.tensor([[1, 2]]), max_new_tokens=3)
-print(len(before), len(openmp()))
-"""
-
-
-@needs_native
-def test_attention_threads_are_torchs_own(tmp_path):
-    """The library built with OpenMP uses the OpenMP runtime torch has loaded (one thread
-    pool for both), not a second copy of it."""
-    if not os.path.exists("/proc/self/maps"):
-        pytest.skip("needs Linux's /proc to list the loaded libraries")
-    env = os.environ | {"TLM_CACHE": str(tmp_path)}
-    run = subprocess.run(
-        [sys.executable, "-c", GOMP_SCRIPT], capture_output=True, text=True, env=env
-    )
-    assert run.returncode == 0, run.stderr
-    before, after = map(int, run.stdout.split())
-    if before == 0:
-        pytest.skip("this torch runs without libgomp")
-    assert before == after == 1
-    assert not run.stderr
-
-
-@needs_native
-def test_each_build_this_host_runs_has_its_own_instruction_set(monkeypatch):
-    """`builds_here` names different kernels (an AVX-512 host: its own and haswell's AVX2
-    ones, both tested by every kernel test); a build tlm does not make, or one this CPU
-    cannot run, is refused in one line."""
-    builds = native.builds_here()
-    seen = {}
-    for build in builds:
-        monkeypatch.setenv("TLM_NATIVE_ARCH", build)
-        seen[build] = native.kernels()
-    assert len(set(seen.values())) == len(builds) and "none" not in seen.values()
-    if "haswell" in builds:
-        assert seen["haswell"] == "AVX2+FMA+F16C"
-    monkeypatch.setenv("TLM_NATIVE_ARCH", "pentium4")
-    with pytest.raises(native.NativeError, match="^TLM_NATIVE_ARCH=pentium4: tlm builds native"):
-        native.library()
-    monkeypatch.setattr(native, "_flags", lambda: {"avx2", "fma", "f16c"})
-    monkeypatch.setenv("TLM_NATIVE_ARCH", "haswell")
-    with pytest.raises(native.NativeError, match="needs bmi2, which this CPU lacks"):
-        native.library()
-
-
-@needs_native
-def test_a_compiler_without_openmp_still_builds_the_step(tmp_path):
-    script = (
-        "from tlm.inference import native; native.THREADS = ('-fno-such-openmp-flag',"
-        " *native.THREADS[1:]); print(native.library() is not None)"
-    )
-    env = os.environ | {"TLM_CACHE": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
-    assert run.stdout.strip() == "True" and not run.stderr, run.stderr
-    assert len(list(tmp_path.glob("native/step-*.so"))) == 1
-
-
 WHOLE = [("float32", 1, "learned"), ("float32", 2, "rope"), ("float16", 1, "rope")]
 WHOLE += [("float16", 3, "learned"), ("int8", 1, "learned"), ("int8", 2, "rope")]
 WHOLE += [("float32 blocks", 4, "rope")]  # for_inference(model, "float32"): a copy in blocks
@@ -375,17 +245,3 @@ def test_a_replaced_parameter_is_read_at_the_next_step(make_model):
     stepped_logits, _ = stepped(fast, ids, 3)
     with torch.no_grad():
         assert torch.allclose(stepped_logits, model(ids)[:, 3:], atol=1e-5)
-
-
-@needs_native
-def test_loading_the_c_step_leaves_the_processs_arithmetic_alone():
-    """The library is built with -ffast-math's parts, not -ffast-math: gcc links that into a
-    shared library with a loader that sets flush-to-zero for the whole process, and numpy's
-    and torch's subnormal results became 0 after the first decoding step."""
-    code = (
-        "import numpy as np, torch; from tlm.inference import native; "
-        "assert native.library() is not None; "
-        "print(np.float32(1e-38) / np.float32(10), float(torch.tensor(1e-38) / 10) > 0)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["1e-39", "True"], out.stdout

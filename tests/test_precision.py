@@ -3,6 +3,9 @@ on one without (where `--dtype bfloat16` is refused); the choice is written down
 training follows fp32's loss curve and its model scores the same in either precision."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -48,6 +51,15 @@ def test_auto_is_bf16_only_where_the_cpu_has_bf16_units(without_bf16):
     with pytest.raises(ConfigError, match="no bf16 units .* use --dtype auto or float32"):
         pick_precision("bfloat16", CPU)
     assert pick_precision("auto", torch.device("cuda")).dtype == torch.bfloat16
+
+
+def test_an_avx512_host_held_to_avx2_has_no_bf16_units():
+    """ATEN_CPU_CAPABILITY=avx2 runs an AVX-512 host as an AVX2-only one: --dtype auto is
+    fp32 there, as on such a host (a fresh process: torch reads it when it starts)."""
+    script = "from tlm.train.precision import bf16_units; print(bf16_units())"
+    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert run.stdout.strip() == "None", run.stderr
 
 
 def test_auto_on_a_cpu_with_bf16_units_says_which(with_bf16):

@@ -43,7 +43,11 @@ class Precision:
 
 
 def bf16_units() -> str | None:
-    """The CPU's own bf16 arithmetic, "AMX" or "AVX512_BF16", or None: bf16 is emulated."""
+    """The CPU's own bf16 arithmetic, "AMX" or "AVX512_BF16", or None: bf16 is emulated.
+    None too where PyTorch's kernels are held below AVX-512 (`ATEN_CPU_CAPABILITY=avx2`,
+    how an AVX-512 host runs as an AVX2-only one, for tests and benchmarks)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return None
     cpu = torch.cpu
     if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
         return "AMX"
