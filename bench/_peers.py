@@ -51,12 +51,9 @@ def kernels() -> str:
     """Which kernels run: tlm's C build (TLM_NATIVE_ARCH, and its instruction sets; the
     formats it has no kernel for run fbgemm's) and PyTorch's own (ATen's CPU capability,
     ATEN_CPU_CAPABILITY to force one)."""
-    import os
-
     from tlm.inference import native
 
-    build = os.environ.get("TLM_NATIVE_ARCH", "native")
-    lib = native.library()
+    build, lib = native.arch(), native.library()
     here = "none (no C compiler)" if lib is None else native.kernels(lib)
     products = "blocked" if lib is not None and lib.products_here() & 3 == 3 else "fbgemm"
     return (

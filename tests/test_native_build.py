@@ -4,6 +4,7 @@ folder, leaving the process's arithmetic alone. How the library is made, not wha
 kernels compute (the kernel tests, which run once per build, hold those)."""
 
 import fnmatch
+import functools
 import os
 import platform
 import shutil
@@ -123,6 +124,7 @@ def test_each_build_this_host_runs_has_its_own_instruction_set(monkeypatch):
     with pytest.raises(native.NativeError, match="^TLM_NATIVE_ARCH=pentium4: tlm builds native"):
         native.library()
     monkeypatch.setattr(native, "_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setattr(native, "_checked", functools.cache(native._checked.__wrapped__))
     monkeypatch.setenv("TLM_NATIVE_ARCH", "haswell")
     with pytest.raises(native.NativeError, match="needs bmi2, which this CPU lacks"):
         native.library()

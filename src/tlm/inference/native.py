@@ -108,7 +108,13 @@ class NativeError(UserError):
 
 def arch() -> str:
     """The build `TLM_NATIVE_ARCH` asks for (`native` unless set), if this CPU runs it."""
-    name = os.environ.get("TLM_NATIVE_ARCH", "native") or "native"
+    return _checked(os.environ.get("TLM_NATIVE_ARCH", "native") or "native")
+
+
+@cache
+def _checked(name: str) -> str:
+    """`name` if tlm builds it and this CPU runs it (checked once a name: `library()` is
+    asked every decoding step)."""
     if name not in BUILDS:
         raise NativeError(f"TLM_NATIVE_ARCH={name}: tlm builds {', '.join(BUILDS)}")
     missing = sorted(BUILDS[name] - _flags())

@@ -4,7 +4,7 @@ position (the page applies temperature, top-k and top-p to it, eq. 10.47-10.49),
 head's attention step by step (eq. 9.10-9.14).
 
 A position past the model's context is explained as generation computed it there: the
-model reads the last tokens of the prompt that fit (`server.window`), and each answer says
+model reads the last tokens of the prompt that fit (`server.window_size`), and each answer says
 which (`window`: the first and last positions read).
 
 Bodies and answers are `page_schema`'s models; each route checks what needs the model.

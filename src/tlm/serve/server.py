@@ -35,7 +35,7 @@ class Server:
         return len(self.engine.slots.rows) * 4
 
     @property
-    def window(self) -> int:
+    def window_size(self) -> int:
         """The most tokens a decoding row reads at once: past it, the window slides."""
         return self.engine.slots.capacity
 
@@ -78,8 +78,8 @@ def ids(
 
 def window(server: Server, prompt: str | list[int], name: str) -> tuple[list[int], int]:
     """A prompt of any length read as generation reads the text at that length: its last
-    `server.window` tokens (`window_start`, the one context policy of every decoding loop);
+    `server.window_size` tokens (`window_start`, the one context policy of every decoding loop);
     returns those ids and the position of the first of them."""
     tokens = ids(server, prompt, name, whole=False)
-    first = window_start(len(tokens), server.window)
+    first = window_start(len(tokens), server.window_size)
     return tokens[first:], first
