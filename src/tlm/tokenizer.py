@@ -3,7 +3,9 @@
 Both save to and load from one `tokenizer.json` and share one interface: `encode(str) ->
 list[int]`, `decode(list[int]) -> str`, `eot_id`, `vocab_size`, `token_bytes()` (the UTF-8
 length of each token, for bits per byte) and `pieces()` (the bytes each token writes, for
-constrained decoding). `<|endoftext|>` separates documents.
+constrained decoding). `<|endoftext|>` separates documents. Special tokens beyond it (the
+chat template's role markers, `tlm/chat.py`) are added with `with_specials`; a special
+token's name in a text encodes as that token, and it writes no text of its own.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def document_ids(
 
 
 class CharTokenizer:
-    """One id per character of the training corpus (sorted), then `<|endoftext|>`.
+    """One id per character of the training corpus (sorted), then `<|endoftext|>`, then
+    any other special tokens in the order they were added.
 
     Encoding a character the corpus never contained is an error: a character model has
     no way to spell it.
@@ -74,10 +77,11 @@ class CharTokenizer:
 
     kind = "char"
 
-    def __init__(self, chars: Iterable[str]) -> None:
+    def __init__(self, chars: Iterable[str], specials: Iterable[str] = ()) -> None:
         self.chars = sorted(set(chars))
         self.eot_id = len(self.chars)
-        self.vocab_size = len(self.chars) + 1
+        self.specials = [EOT, *(s for s in specials if s != EOT)]  # ids eot_id, eot_id + 1, ...
+        self.vocab_size = len(self.chars) + len(self.specials)
         self._codepoints = np.array([ord(c) for c in self.chars], dtype=np.int64)
 
     @classmethod
@@ -95,11 +99,13 @@ class CharTokenizer:
     def encode_array(self, text: str) -> np.ndarray:
         """Vectorised encode: code points -> positions in the sorted alphabet.
 
-        A literal `<|endoftext|>` is the separator, as in the byte-level BPE tokenizer."""
-        if EOT in text:
-            parts = [self.encode_array(part) for part in text.split(EOT)]
-            eot = np.array([self.eot_id], dtype=np.int64)
-            return np.concatenate([p for part in parts for p in (eot, part)][1:])
+        A special token's name (`<|endoftext|>`, ...) is that token, as in the byte-level
+        BPE tokenizer."""
+        for i, name in enumerate(self.specials):
+            if name in text:
+                parts = [self.encode_array(part) for part in text.split(name)]
+                special = np.array([self.eot_id + i], dtype=np.int64)
+                return np.concatenate([p for part in parts for p in (special, part)][1:])
         points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
         ids = np.searchsorted(self._codepoints, points)
         ids = np.minimum(ids, len(self.chars) - 1)
@@ -113,19 +119,25 @@ class CharTokenizer:
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return "".join(EOT if i == self.eot_id else self.chars[i] for i in ids)
+        n = len(self.chars)
+        return "".join(self.chars[i] if i < n else self.specials[i - n] for i in ids)
+
+    def special_id(self, name: str) -> int | None:
+        """The id of special token `name`, or None if this vocabulary lacks it."""
+        return self.eot_id + self.specials.index(name) if name in self.specials else None
 
     def token_bytes(self) -> np.ndarray:
         lengths = np.array([len(piece) for piece in self.pieces()], dtype=np.int64)
-        lengths[self.eot_id] = 0  # <|endoftext|> writes no text
+        lengths[self.eot_id :] = 0  # special tokens write no text
         return lengths
 
     def pieces(self) -> list[bytes]:
-        """The UTF-8 bytes of each token; `<|endoftext|>` (not text) as its name."""
-        return [c.encode("utf-8") for c in self.chars] + [EOT.encode()]
+        """The UTF-8 bytes of each token; a special token (not text) as its name."""
+        return [c.encode("utf-8") for c in self.chars] + [s.encode() for s in self.specials]
 
     def to_json(self) -> str:
-        return json.dumps({"type": "char", "chars": "".join(self.chars), "eot": EOT})
+        data = {"type": "char", "chars": "".join(self.chars), "eot": EOT}
+        return json.dumps(data | ({"specials": self.specials[1:]} if self.specials[1:] else {}))
 
     def save(self, path: str | Path) -> None:
         write_text_atomic(path, self.to_json())
@@ -175,6 +187,11 @@ class BPETokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
+    def special_id(self, name: str) -> int | None:
+        """The id of special token `name`, or None if this vocabulary lacks it."""
+        added = self.tokenizer.get_added_tokens_decoder()
+        return next((i for i, t in added.items() if t.content == name and t.special), None)
+
     def token_bytes(self) -> np.ndarray:
         """Bytes per token (the length of its `pieces`); specials 0."""
         lengths = np.array([len(piece) for piece in self.pieces()], dtype=np.int64)
@@ -203,6 +220,19 @@ class BPETokenizer:
 
 
 Tokenizer = CharTokenizer | BPETokenizer
+
+
+def with_specials(tokenizer: Tokenizer, names: Iterable[str]) -> Tokenizer:
+    """A copy of `tokenizer` that has every special token in `names` (those it lacks get
+    the next ids, in order); the ids of every token it had stay as they were."""
+    missing = [n for n in dict.fromkeys(names) if tokenizer.special_id(n) is None]
+    if not missing:
+        return tokenizer
+    if isinstance(tokenizer, CharTokenizer):
+        return CharTokenizer(tokenizer.chars, [*tokenizer.specials, *missing])
+    copy = HFTokenizer.from_str(tokenizer.to_json())
+    copy.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in missing])
+    return BPETokenizer(copy)
 
 
 class TextStream:
@@ -250,7 +280,7 @@ def train_tokenizer(
 def tokenizer_from_json(text: str) -> Tokenizer:
     data = json.loads(text)
     if data.get("type") == "char":
-        return CharTokenizer(data["chars"])
+        return CharTokenizer(data["chars"], data.get("specials", ()))
     return BPETokenizer(HFTokenizer.from_str(text))
 
 

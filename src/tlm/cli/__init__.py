@@ -30,6 +30,7 @@ COMMANDS = {
     "translate": "translate",
     "audit": "audit",
     "lm-eval": "lm_eval",
+    "chat": "chat",
 }
 
 

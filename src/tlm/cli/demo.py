@@ -12,6 +12,7 @@ import torch
 from tlm.checkpoint import FILES as RUN
 from tlm.checkpoint import check_unlocked, lock_run
 from tlm.cli.args import add_command, fail
+from tlm.cli.demo_chat import STEPS, chat_demo
 from tlm.data import TokenData, prepare
 from tlm.data.prepare import FILES as PREPARED
 from tlm.evaluate import evaluate_tokens
@@ -26,6 +27,7 @@ EXAMPLE = """examples:
   tlm demo                                  # python-stdlib, about two minutes on a laptop CPU
   tlm demo python-docs --data data/demo-docs --out runs/demo-docs
   tlm demo tinyshakespeare --data data/demo-shakespeare --out runs/demo-shakespeare
+  tlm demo chat        # fine-tune runs/demo on python-qa into an assistant: runs/demo-chat
 """
 
 MODEL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "context_length": 128, "position": "rope"}
@@ -39,19 +41,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         sub, "demo", "prepare a corpus, train a small model, generate, plot", EXAMPLE
     )
     parser.add_argument(
-        "inputs", nargs="*", default=["python-stdlib"], help="corpus (python-stdlib)"
+        "inputs", nargs="*", default=["python-stdlib"], help="corpus (python-stdlib), or chat"
     )
-    parser.add_argument("--data", default="data/demo", help="prepared data folder (data/demo)")
-    parser.add_argument("--out", default="runs/demo", help="run directory (runs/demo)")
-    parser.add_argument("--max-steps", type=int, default=800, help="training steps (800)")
+    parser.add_argument("--data", help="prepared data folder (data/demo; chat: data/demo-chat)")
+    parser.add_argument("--out", help="run directory (runs/demo; chat: runs/demo-chat)")
+    parser.add_argument("--max-steps", type=int, help="training steps (800; chat: 1000)")
+    parser.add_argument("--base", default="runs/demo", help="chat: the base run (runs/demo)")
     parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary (1024)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.inputs == ["chat"]:
+        args.max_steps = args.max_steps or STEPS
+        return chat_demo(args, _claim, lambda base: pretrain(base, args.quiet))
+    args.max_steps = args.max_steps or 800
     started = time.perf_counter()
-    data_dir, out = Path(args.data), Path(args.out)
+    data_dir, out = Path(args.data or "data/demo"), Path(args.out or "runs/demo")
     _claim([(data_dir, PREPARED, "meta.json"), (out, RUN, "config.json")])
     corpus = " ".join(args.inputs)
     print(f"[1/4] prepare {corpus} -> {data_dir} (byte-level BPE, {args.vocab_size})")
@@ -115,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
         f'  tlm generate {out} --prompt "The while statement" --do-sample --temperature 0.8'
     )
     return 0
+
+
+def pretrain(out: Path, quiet: bool) -> None:
+    """The main demo's run at `out` (the chat demo's base)."""
+    defaults = {"inputs": ["python-stdlib"], "data": "data/demo", "max_steps": 800}
+    run(argparse.Namespace(**defaults, out=str(out), vocab_size=1024, quiet=quiet))
 
 
 def _claim(folders: list[tuple[Path, tuple[str, ...], str]]) -> None:

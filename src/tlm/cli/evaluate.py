@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from tlm.chat import chat_tokenizer, speaks
 from tlm.cli.args import add_command, add_weights_flag, fail
-from tlm.data import TokenData, documents, resolve_sources
+from tlm.data import ChatData, TokenData, documents, open_data, resolve_sources
 from tlm.evaluate import evaluate_text, evaluate_tokens
 from tlm.load import load_language_model, load_tokenizer, load_translation_model
+from tlm.tasks.chat import evaluate_chat
 from tlm.tasks.translation import evaluate_translation
 
 EXAMPLE = """examples:
@@ -17,6 +19,7 @@ EXAMPLE = """examples:
   tlm eval runs/shakespeare_char --data data/shakespeare_char --stride 16   # more context
   tlm eval runs/shakespeare_char --data data/shakespeare_char --weights best  # --keep-best
   tlm eval runs/multi30k --task translate --src test.en.gz --ref test.de.gz   # BLEU, chrF
+  tlm eval --task chat runs/demo-chat --data data/python-qa   # loss, stop rate, chrF
 
 --text reads files as `tlm prepare` does (a .txt file is one document, --line-docs one per
 line, .jsonl a "text" field per line; folders, globs and built-in corpora too), and puts
@@ -40,13 +43,53 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_weights_flag(parser)
     pairs = parser.add_argument_group("translation (--task translate): BLEU and chrF")
-    pairs.add_argument("--task", choices=("lm", "translate"), default="lm", help="lm (default)")
+    pairs.add_argument(
+        "--task", choices=("lm", "translate", "chat"), default="lm", help="lm (default)"
+    )
     pairs.add_argument("--src", help="source sentences, one a line (.txt or .gz)")
     pairs.add_argument("--ref", help="their reference translations, line for line")
     pairs.add_argument("--beams", type=int, default=4, help="beam size (4; 1 is greedy)")
     pairs.add_argument("--alpha", type=float, default=0.6, help="length penalty α (0.6)")
-    pairs.add_argument("--examples", type=int, default=0, help="print the first N translations")
+    pairs.add_argument(
+        "--examples", type=int, default=0, help="print the first N translations (or replies)"
+    )
+    chat = parser.add_argument_group("chat (--task chat): held-out conversations of --data")
+    chat.add_argument("--max-new-tokens", type=int, default=64, help="per reply (64)")
+    chat.add_argument("--limit", type=int, help="the first N conversations only")
     parser.set_defaults(handler=run)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    if not args.data or args.text or args.src:
+        fail("--task chat needs --data DIR, conversations prepared with tlm prepare --task chat")
+    data = open_data(args.data)
+    if not isinstance(data, ChatData):
+        fail(f"{args.data} holds no conversations; prepare them with tlm prepare --task chat")
+    model = load_language_model(args.run, weights=args.weights)
+    tokenizer = load_tokenizer(args.run)
+    theirs = load_tokenizer(data.folder)
+    if speaks(tokenizer) and tokenizer.to_json() != theirs.to_json():
+        fail(f"{args.data} was not tokenized with the tokenizer of {args.run}")
+    if not speaks(tokenizer) and chat_tokenizer(tokenizer).to_json() != theirs.to_json():
+        fail(f"{args.data} was not prepared with the tokenizer of {args.run} (--tokenizer RUN)")
+    results = evaluate_chat(
+        model, tokenizer, data, args.split, args.max_new_tokens, args.limit, args.batch_size,
+        args.examples,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(results, ensure_ascii=False))
+        return 0
+    loss = f"loss {results['loss']:.4f} nats per learned token, " if "loss" in results else ""
+    print(
+        f"{loss}stop rate {results['stop_rate']:.1%}, chrF {results['chrf']:.2f} on "
+        f"{results['conversations']:,} conversations ({results['template']} template; "
+        f"{results['seconds']:.1f} s)"
+    )
+    for example in results["examples"]:
+        print(f"  question:  {example['question']}")
+        print(f"  reply:     {example['reply']}")
+        print(f"  reference: {example['reference']}")
+    return 0
 
 
 def run_translation(args: argparse.Namespace) -> int:
@@ -77,6 +120,8 @@ def run_translation(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.task == "translate":
         return run_translation(args)
+    if args.task == "chat":
+        return run_chat(args)
     if args.src or args.ref:
         fail("--src and --ref go with --task translate")
     if bool(args.data) == bool(args.text):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from tlm.cli.args import add_command, fail
-from tlm.data import prepare, prepare_pairs
+from tlm.data import prepare, prepare_chat, prepare_pairs
 from tlm.data.canaries import parse_repeats
+from tlm.data.chat import BUILTIN_CHAT
 from tlm.data.clean import REASONS, CleanConfig
 from tlm.data.corpus import BUILTIN
 
@@ -17,6 +18,8 @@ EXAMPLE = """examples:
   tlm prepare names --line-docs --tokenizer char --out data/names   # one document per name
   tlm prepare more.txt --tokenizer runs/my_model --out data/finetune   # reuse a tokenizer
   tlm prepare web/ --dedup --min-chars 200 --max-non-text 0.2 --blocklist bad.txt --out data/web
+  tlm prepare --task chat python-qa --tokenizer runs/demo --out data/python-qa   # chat
+  tlm prepare --task chat chats.jsonl --tokenizer runs/base --out data/chats  # messages or ShareGPT
   tlm prepare --task translate --src train.en.gz --tgt train.de.gz --val-src val.en.gz \\
       --val-tgt val.de.gz --vocab-size 8000 --out data/multi30k   # one BPE, both languages
 """
@@ -29,10 +32,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "inputs",
         nargs="*",
-        help=f"files, folders, globs, or a built-in corpus: {', '.join(BUILTIN)}",
+        help=f"files, folders, globs, or a built-in corpus: {', '.join(BUILTIN)} "
+        f"(--task chat: .jsonl/.parquet/.arrow conversations, or {', '.join(BUILTIN_CHAT)})",
     )
     pairs = parser.add_argument_group("translation (--task translate): two aligned files")
-    pairs.add_argument("--task", choices=("lm", "translate"), default="lm", help="lm (default)")
+    pairs.add_argument(
+        "--task",
+        choices=("lm", "chat", "translate"),
+        default="lm",
+        help="lm (default), chat (conversations for instruction tuning), translate",
+    )
     pairs.add_argument("--src", help="source sentences, one a line (.txt or .gz)")
     pairs.add_argument("--tgt", help="their translations, line for line")
     pairs.add_argument("--val-src", help="validation sources (else the last --val-fraction)")
@@ -107,6 +116,8 @@ def clean_config(args: argparse.Namespace) -> CleanConfig | None:
 def run(args: argparse.Namespace) -> int:
     if args.task == "translate":
         return run_pairs(args)
+    if args.task == "chat":
+        return run_chat(args)
     if args.src or args.tgt:
         fail("--src and --tgt go with --task translate")
     if not args.inputs:
@@ -177,5 +188,26 @@ def run_pairs(args: argparse.Namespace) -> int:
         f"{meta['vocab_size']}, {train['pairs']:,} train + {val['pairs']:,} val pairs "
         f"({train['src_tokens']:,} + {train['tgt_tokens']:,} train tokens); "
         f"{skipped:,} pairs skipped for an empty side"
+    )
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    if args.src or args.tgt or args.pii or args.canary_repeats or clean_config(args):
+        fail("--task chat reads conversations as they are: no --src/--tgt, cleaning or canaries")
+    meta = prepare_chat(
+        args.inputs,
+        args.out,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        val_fraction=0.1 if args.val_fraction is None else args.val_fraction,
+        force=args.force,
+    )
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
+    print(
+        f"{args.out}: {meta['tokenizer']} tokenizer with the chat template's tokens, vocabulary "
+        f"{meta['vocab_size']}, {train['conversations']:,} train + {val['conversations']:,} "
+        f"val conversations ({train['tokens']:,} + {val['tokens']:,} tokens, "
+        f"{train['supervised']:,} + {val['supervised']:,} learned)"
     )
     return 0

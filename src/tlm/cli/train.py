@@ -88,6 +88,9 @@ def _train(args, model_values, train_values, runtime: Runtime) -> int:
         )
         params = trainer.model.num_parameters()
         ranks = f" x {runtime.world_size} processes" if runtime.distributed else ""
+        summary = getattr(trainer.batches, "summary", None)  # conversations: their packing
+        if main and summary is not None:
+            print(summary(), file=sys.stderr)
         if main:
             print(
                 f"training {params:,} parameters on {trainer.device}{ranks} ({trainer.precision}) "

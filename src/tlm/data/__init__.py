@@ -3,12 +3,14 @@
 
 from pathlib import Path
 
+from tlm.data.chat import prepare_chat
 from tlm.data.corpus import CorpusError, Source, documents, resolve_sources
 from tlm.data.pairs import prepare_pairs
 from tlm.data.prepare import prepare
-from tlm.data.tokens import PairData, TokenData, read_meta
+from tlm.data.tokens import ChatData, PairData, TokenData, read_meta
 
 __all__ = [
+    "ChatData",
     "CorpusError",
     "PairData",
     "Source",
@@ -19,6 +21,7 @@ __all__ = [
     "eval_windows",
     "open_data",
     "prepare",
+    "prepare_chat",
     "prepare_pairs",
     "random_windows",
     "resolve_sources",
@@ -29,9 +32,12 @@ __all__ = [
 
 
 def open_data(folder: str | Path) -> TokenData | PairData:
-    """A prepared folder: a token stream (`TokenData`) or translation pairs (`PairData`)."""
+    """A prepared folder: a token stream (`TokenData`), conversations (`ChatData`, a token
+    stream with its loss mask) or translation pairs (`PairData`)."""
     meta = read_meta(Path(folder))
-    return PairData(folder, meta) if meta.get("task") == "translate" else TokenData(folder)
+    if meta.get("task") == "translate":
+        return PairData(folder, meta)
+    return ChatData(folder) if meta.get("task") == "chat" else TokenData(folder)
 
 
 BATCHES = (  # tlm.data.batches needs PyTorch: imported when one of these is first asked for

@@ -149,6 +149,27 @@ class Pairs:
         return self.ids[side][o[i] : o[i + 1]]
 
 
+class ChatData(TokenData):
+    """A folder written by `prepare_chat` (`chat.py`): each split's rendered conversations
+    as one token stream (`split`), with the loss mask beside it (`mask`) and where each
+    conversation starts (`offsets`)."""
+
+    def mask(self, name: str) -> np.ndarray:
+        """One byte per token of split `name`: 1 where training learns the token."""
+        tokens = self.meta["splits"][name]["tokens"]
+        mask = read_tokens(self.folder / f"{name}.mask", np.uint8, tokens)
+        if len(mask) != len(self.split(name)):
+            raise CorpusError(f"{self.folder}: {name}.mask and {name}.bin disagree; prepare again")
+        return mask
+
+    def offsets(self, name: str) -> np.ndarray:
+        """int64 [conversations + 1]: conversation i is tokens [offsets[i], offsets[i+1])."""
+        offsets = np.fromfile(self.folder / f"{name}.idx", dtype=np.int64)
+        if len(offsets) == 0 or offsets[-1] != self.meta["splits"][name]["tokens"]:
+            raise CorpusError(f"{self.folder}: {name}.idx and {name}.bin disagree; prepare again")
+        return offsets
+
+
 class PairData:
     """A folder written by `prepare_pairs`: its meta, tokenizer and splits."""
 

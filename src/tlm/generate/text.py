@@ -160,10 +160,20 @@ def stream_completion(
 
     Text that could be the start of a stop string is held back until it is not.
     """
-    device = next(model.parameters()).device
     ids, _ = encode_prompts(tokenizer, [prompt], model.config.context_length)
+    yield from stream_tokens(model, tokenizer, ids, config, stop)
+
+
+def stream_tokens(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    ids: Tensor,
+    config: GenerationConfig,
+    stop: tuple[str, ...] = (),
+) -> Iterator[str]:
+    """`stream_completion` of a prompt given as ids [1, S], read as they are."""
     text = StopText(tokenizer, stop)
-    for step in generate(model, ids.to(device), config):
+    for step in generate(model, ids.to(next(model.parameters()).device), config):
         token = step.lists()[0][0]
         if token in config.eos_ids:
             break

@@ -3,10 +3,11 @@
 as `MarianMTModel` (`interop/marian.py`).
 
     OUT/config.json              GPT2Config fields (model_type gpt2), or GPT-NeoX's
-    OUT/generation_config.json   <|endoftext|> as bos/eos
+    OUT/generation_config.json   <|endoftext|> as bos/eos (and <|end|> as eos for chat)
     OUT/model.safetensors        the weights under GPT-2's names (a tied head is wte)
     OUT/tokenizer.json           the tokenizer, and for BPE also GPT-2's vocab.json + merges.txt
     OUT/tokenizer_config.json, special_tokens_map.json
+    OUT/chat_template.jinja      the chat template (`tlm/chat.py`), for a run made for chat
     OUT/README.md                the run's model card, when it has one
 
 The directory is written in full under a temporary name and renamed, so a failure leaves
@@ -25,6 +26,7 @@ from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as HFTokenizer
 
 from tlm._version import __version__
+from tlm.chat import END, JINJA, SPECIALS, speaks
 from tlm.interop.gpt2 import HFFormatError, gpt2_config, state_to_gpt2
 from tlm.interop.gptneox import gptneox_config, state_to_gptneox
 from tlm.interop.marian import marian_config, state_to_marian
@@ -63,7 +65,8 @@ def export_hf(
     with atomic_path(out) as tmp:
         tmp.mkdir()
         _write_json(tmp / "config.json", {**config, "tlm_version": __version__})
-        generation = {"bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id}
+        ends = [tokenizer.eot_id] + ([tokenizer.special_id(END)] if speaks(tokenizer) else [])
+        generation = {"bos_token_id": tokenizer.eot_id, "eos_token_id": ends}
         _write_json(tmp / "generation_config.json", generation)
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_tokenizer_files(tokenizer, tmp, model.config.context_length)
@@ -93,6 +96,9 @@ def write_tokenizer_files(tokenizer: Tokenizer, folder: Path, context_length: in
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,  # decode must give back the exact text
     }
+    if speaks(tokenizer):  # the template transformers' apply_chat_template runs
+        settings["extra_special_tokens"] = list(SPECIALS)
+        (folder / "chat_template.jinja").write_text(JINJA, encoding="utf-8")
     _write_json(folder / "tokenizer_config.json", settings)
 
 
@@ -101,7 +107,8 @@ def _char_as_hf(tokenizer: CharTokenizer) -> HFTokenizer:
     vocab = {char: i for i, char in enumerate(tokenizer.chars)}
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     hf.decoder = decoders.Fuse()  # join the characters back without separators
-    hf.add_special_tokens([AddedToken(EOT, special=True, normalized=False)])
+    specials = tokenizer.specials  # <|endoftext|>, then any others, ids in order
+    hf.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     return hf
 
 

@@ -118,6 +118,15 @@ def padding_mask(T: int, key_padding: Tensor) -> Tensor:
     return mask | itself  # [T,S]: the diagonal of each query's own position
 
 
+def document_mask(documents: Tensor) -> Tensor:
+    """Causal attention within documents packed side by side in a window (padding-free
+    packing): `documents` [B,T] numbers the document of each position, and query i may
+    attend to key j only if j <= i and both are in one document. Returns bool [B,1,T,T]."""
+    T = documents.shape[1]
+    same = documents[:, :, None] == documents[:, None, :]  # [B,T,T]
+    return (causal_mask(T, T, documents.device) & same)[:, None]
+
+
 class MultiHeadAttention(nn.Module):
     """Causal multi-head self-attention, eq. 9.15-9.19 in the parallel form of eq. 9.34-9.36.
 

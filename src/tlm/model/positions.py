@@ -16,6 +16,18 @@ from torch import Tensor, nn
 from tlm.config import ModelConfig
 
 
+def document_positions(documents: Tensor) -> Tensor:
+    """The position of each token within its document, for documents packed side by side
+    in a window: `documents` [B,T] numbers each position's document (a run of equal
+    numbers is one document); each document's positions count from 0. Returns [B,T]."""
+    T = documents.shape[1]
+    t = torch.arange(T, device=documents.device).expand_as(documents)  # [B,T]
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]  # a document begins here
+    first = torch.where(starts, t, 0).cummax(dim=1).values  # where this token's document began
+    return t - first
+
+
 def sinusoidal_table(n_positions: int, d: int, base: float = 10000.0) -> Tensor:
     """[n_positions, d] with PE(pos, 2i) = sin(pos / base^(2i/d)), PE(pos, 2i+1) = cos(...)."""
     pos = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)  # [N,1]

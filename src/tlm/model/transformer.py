@@ -8,12 +8,13 @@ import torch
 from torch import Tensor, nn
 
 from tlm.config import ModelConfig
-from tlm.model.attention import padding_mask
+from tlm.model.attention import document_mask, padding_mask
 from tlm.model.counts import flops_per_token, parameter_counts
 from tlm.model.functional import linear
 from tlm.model.hooks import HookPoint, name_hook_points
 from tlm.model.kv_cache import Cache
 from tlm.model.layers import BLOCKS, Embedding, LayerNorm
+from tlm.model.positions import document_positions
 
 
 class TransformerLM(nn.Module):
@@ -82,6 +83,7 @@ class TransformerLM(nn.Module):
         cache: Cache | None = None,
         attention_mask: Tensor | None = None,
         last_only: bool = False,
+        documents: Tensor | None = None,
     ) -> Tensor:
         """input_ids [B,T] -> logits [B,T,V] ([B,1,V] with `last_only`).
 
@@ -90,12 +92,16 @@ class TransformerLM(nn.Module):
         last position (a cache of `tlm.inference.SlotCache` feeds many rows' tokens as one
         sequence [1,N] and gives [1,rows,V]). `attention_mask` [B, cached + T] is 1 for
         tokens and 0 for left padding: padding is never attended to, and positions count
-        tokens only.
+        tokens only. `documents` [B,T] (no cache) numbers the document of each position of
+        windows that hold several side by side (instruction tuning's packing): a token
+        attends within its document only, and its position counts from the document's start.
         """
         T = input_ids.shape[1]
         self.check_context(T if cache is None else cache.end(T))
         mask = None
-        if attention_mask is not None:  # the mask covers the cached positions and these T
+        if documents is not None:  # packed windows: each document as if it were alone
+            positions, mask = document_positions(documents), document_mask(documents)
+        elif attention_mask is not None:  # the mask covers the cached positions and these T
             positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -T:]  # [B,T]
             mask = padding_mask(T, attention_mask)
         elif cache is None:

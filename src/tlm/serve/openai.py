@@ -6,15 +6,11 @@ or the model is checked here. Every mistake gets OpenAI's error shape,
 turn the engine's events into the text_completion and chat.completion objects, whole or
 as server-sent chunks.
 
-The chat template (documented in docs/serve.md) renders messages to one plain prompt:
-
-    System: <content>         (system or developer)
-    User: <content>
-    Assistant: <content>
-    ...
-    Assistant:
-
-and the reply stops at "\\nUser:" (as well as at the end of text and the caller's stops).
+A run fine-tuned on conversations answers in its chat template (`tlm/chat.py`,
+`generate/chat.py`: the oldest turns dropped when the context is full, the reply ending at
+`<|end|>`); a base run gets the plain template (`chat.plain_prompt`, documented in
+docs/serve.md), one line per message, then "Assistant:", its reply stopping at "\\nUser:"
+(as well as at the end of text and the caller's stops).
 """
 
 from __future__ import annotations
@@ -40,9 +36,6 @@ from tlm.serve.schema import (
     unsupported,
 )
 from tlm.tokenizer import Tokenizer
-
-ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
-CHAT_STOP = "\nUser:"
 
 
 class ApiError(Exception):
@@ -210,10 +203,10 @@ def prompts(request: CompletionRequest) -> list[str | list[int]]:
     return list(prompt)
 
 
-def chat_prompt(messages: list[Message]) -> str:
-    """The chat template: a line per message, then "Assistant:" (developer is OpenAI's newer
-    name for system)."""
-    lines = []
+def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
+    """The request's messages as {role, content} (developer is OpenAI's newer name for
+    system; a content of text parts is their text)."""
+    out = []
     for i, message in enumerate(messages):
         content = message.content
         if isinstance(content, list):
@@ -222,8 +215,9 @@ def chat_prompt(messages: list[Message]) -> str:
             raise ApiError(
                 400, f"messages[{i}] has no content", f"messages[{i}].content", "invalid_value"
             )
-        lines.append(f"{ROLES[message.role]}: {content}\n")
-    return "".join(lines) + "Assistant:"
+        role = "system" if message.role == "developer" else message.role
+        out.append({"role": role, "content": content})
+    return out
 
 
 class Completions:
@@ -351,12 +345,13 @@ def rest(top: list[tuple[int, float]]) -> float:
 class Chat(Completions):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model, tokenizer, s: Sampling, metrics: Metrics):
+    def __init__(self, model, tokenizer, s: Sampling, metrics: Metrics, plain: bool = True):
         super().__init__(model, tokenizer, None, s, metrics)
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        self.plain = plain  # the plain template leaves a space after "Assistant:"
 
     def opening(self, index: int, text: str) -> tuple[str, bool]:
-        text = text.lstrip(" ")  # the template leaves a space after "Assistant:"
+        text = text.lstrip(" ") if self.plain else text
         return text, bool(text)
 
     def _logprobs(self, events: list[Event], offset: int) -> dict | None:

@@ -21,7 +21,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from tlm._version import __version__
+from tlm.chat import END, PLAIN_STOP, ChatError, plain_prompt, speaks
 from tlm.generate import GenerationConfig
+from tlm.generate.chat import chat_prompt
 from tlm.interpret.report import inspect_prompt
 from tlm.interpret.report import page as filled_page
 from tlm.serve import explain
@@ -29,12 +31,11 @@ from tlm.serve.echo import echoed, prompt_only, prompt_only_stream
 from tlm.serve.engine import Engine, Job, QueueFull
 from tlm.serve.metrics import Metrics
 from tlm.serve.openai import (
-    CHAT_STOP,
     ApiError,
     Chat,
     Completions,
     Sampling,
-    chat_prompt,
+    chat_messages,
     check_model,
     prompts,
     require_model,
@@ -52,6 +53,7 @@ from tlm.serve.schema import (
     ModelList,
 )
 from tlm.serve.server import Authorized, Server, ids, window
+from tlm.tokenizer import TokenizerError
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Metrics) -> FastAPI:
@@ -214,10 +216,23 @@ async def completions(request: Request, body: CompletionRequest, server: Authori
 
 @router.post("/v1/chat/completions", response_model=None, responses=CHAT)
 async def chat(request: Request, body: ChatRequest, server: Authorized):
+    """A run made for chat answers in its template until end of turn; a base run gets the
+    plain template (`tlm/chat.py`)."""
     check_model(body, server.name)
-    s = await settings(body, server.max_n, server.engine.tokenizer, default_max_tokens=256)
-    shape = Chat(server.name, server.engine.tokenizer, s, server.metrics)
-    return await answer(request, [chat_prompt(body.messages)], s, (CHAT_STOP,), shape)
+    tokenizer = server.engine.tokenizer
+    s = await settings(body, server.max_n, tokenizer, default_max_tokens=256)
+    messages = chat_messages(body.messages)
+    if not speaks(tokenizer):
+        shape = Chat(server.name, tokenizer, s, server.metrics)
+        return await answer(request, [plain_prompt(messages)], s, (PLAIN_STOP,), shape)
+    try:
+        room = min(s.max_tokens, server.context // 2)  # as generate.chat.reply_room
+        prompt = chat_prompt(messages, tokenizer, server.context, room)
+    except (ChatError, TokenizerError) as error:
+        raise ApiError(400, str(error), "messages", "invalid_value") from None
+    shape = Chat(server.name, tokenizer, s, server.metrics, plain=False)
+    ends = (tokenizer.special_id(END),)
+    return await answer(request, [prompt.ids], s, (), shape, ends)
 
 
 @router.post("/v1/inspect", response_model=None, responses=PAGE_ERRORS)
@@ -254,8 +269,9 @@ def prompt_tokens(texts: list[str | list[int]], tokens: list[list[int]]) -> int:
     return sum(len(t) - isinstance(text, str) for text, t in zip(texts, tokens, strict=True))
 
 
-async def answer(request: Request, texts: list[str], s: Sampling, extra_stop, shape):
-    """Submit a job per prompt and answer with the shape: whole, or streamed as events."""
+async def answer(request: Request, texts: list, s: Sampling, extra_stop, shape, ends=()):
+    """Submit a job per prompt and answer with the shape: whole, or streamed as events;
+    `ends` are end tokens besides <|endoftext|> (a chat template's end of turn)."""
     server = request.app.state.server
     if s.best_of > server.engine.max_queue:  # could never be queued, however long it waits
         name = "n" if s.best_of == s.n else "best_of"
@@ -263,7 +279,7 @@ async def answer(request: Request, texts: list[str], s: Sampling, extra_stop, sh
             400, f"{name} must be <= {server.engine.max_queue} (--max-queue)", name, "invalid_value"
         )
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-    started = jobs(server, texts, s, extra_stop, queue, loop)
+    started = jobs(server, texts, s, extra_stop, queue, loop, ends)
     submit(server.engine, started)
     shape.prompt_tokens = prompt_tokens(texts, [j.prompt for j in started])
     server.metrics.prompt_tokens.inc(shape.prompt_tokens)
@@ -289,7 +305,7 @@ async def until_gone(request: Request, answer, engine: Engine, started: list[Job
             raise ApiError(499, "the client went away", code="client_closed")
 
 
-def jobs(server: Server, texts: list[str], s: Sampling, extra_stop, queue, loop) -> list[Job]:
+def jobs(server: Server, texts: list, s: Sampling, extra_stop, queue, loop, ends=()) -> list[Job]:
     config = GenerationConfig.of(  # OpenAI samples unless told otherwise; 0 is greedy
         max_new_tokens=s.max_tokens,
         do_sample=True,
@@ -301,7 +317,7 @@ def jobs(server: Server, texts: list[str], s: Sampling, extra_stop, queue, loop)
         presence_penalty=s.presence_penalty,
         logit_bias=s.logit_bias,
         num_return_sequences=s.best_of,  # the candidates; the best n are answered
-        eos_token_id=None if s.ignore_eos else server.engine.tokenizer.eot_id,
+        eos_token_id=None if s.ignore_eos else (server.engine.tokenizer.eot_id, *ends),
         grammar=s.grammar,
     )
     out = []

@@ -16,13 +16,14 @@ import torch
 
 from tlm.checkpoint import latest_checkpoint, load_checkpoint, write_config
 from tlm.config import ModelConfig, TrainConfig
-from tlm.data import PairData, TokenData
+from tlm.data import ChatData, PairData, TokenData
 from tlm.inference.attention import causal_attention
 from tlm.inference.heap import keep_freed_memory
 from tlm.io import write_text_atomic
 from tlm.load import load_model
 from tlm.model import build_model
 from tlm.model.attention import use_attention_kernel
+from tlm.train.chat import ChatWindows
 from tlm.train.distributed import Runtime
 from tlm.train.loop import Progress, Trainer
 from tlm.train.optim import build_optimizer
@@ -91,15 +92,29 @@ def _check_batch(config: TrainConfig, rt: Runtime) -> None:
 
 
 def _batches(data, model_config: ModelConfig, config: TrainConfig, rt: Runtime):
-    """The batch source of the data's kind: token windows, or translation pairs."""
+    """The batch source of the data's kind: token windows, conversations packed in
+    windows, or translation pairs."""
     if isinstance(data, PairData):
         return PairBatches(data, model_config, config, rt)
+    if isinstance(data, ChatData):
+        return ChatWindows(data, model_config, config, rt.world_size)
     return TokenWindows(data, model_config, config, rt.world_size)
 
 
 def _initial_weights(source: str, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The weights of `--init-from`, learned positions cut to this run's context length."""
+    """The weights of `--init-from`, learned positions cut to this run's context length.
+    A vocabulary grown by special tokens (the chat template's) gets a row of E (and a
+    column of an untied W_U) for each new token, set to the mean of the trained ones: a
+    new token starts as an average token, its logit near the others', rather than as
+    noise the head has never seen."""
     state = load_model(source).state_dict()
     if "embedding.P" in state:
         state["embedding.P"] = state["embedding.P"][: config.context_length]  # [N, d] -> [T, d]
+    E = state["embedding.E"]
+    new = config.vocab_size - E.shape[0]
+    if new > 0:
+        state["embedding.E"] = torch.cat([E, E.mean(0, keepdim=True).expand(new, -1)])
+        if "W_U" in state:  # [d, V]
+            W_U = state["W_U"]
+            state["W_U"] = torch.cat([W_U, W_U.mean(1, keepdim=True).expand(-1, new)], dim=1)
     return state

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
+from tlm.chat import chat_tokenizer
 from tlm.checkpoint import LOCK, check_unlocked, latest_checkpoint, read_config
 from tlm.config import ConfigError, ModelConfig, TrainConfig, from_dict
-from tlm.data import PairData, TokenData, open_data
+from tlm.data import ChatData, PairData, TokenData, open_data
 from tlm.data.tokens import fingerprint_differences
 from tlm.errors import UserError
 from tlm.load import load_tokenizer, model_config
@@ -25,6 +26,8 @@ TRANSLATION_MODEL = {"model_type": "encoder-decoder", "position": "sinusoidal", 
 TRANSLATION_MODEL |= {"activation": "relu", "dropout": 0.1}
 TRANSLATION_TRAIN = {"schedule": "inverse-sqrt", "lr": 1.0, "warmup_steps": 4000, "beta2": 0.98}
 TRANSLATION_TRAIN |= {"label_smoothing": 0.1, "weight_decay": 0.0, "batch_tokens": 4096}
+# Instruction tuning's defaults (conversations, `--init-from BASE`): flags override
+CHAT_TRAIN = {"batch_size": 16, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 20}
 
 
 def new_run_configs(
@@ -44,6 +47,8 @@ def new_run_configs(
             raise RunError("--init-from fine-tunes a language model; a translation run starts anew")
         model_values = {**TRANSLATION_MODEL, **model_values}
         train_config = from_dict(TrainConfig, {**TRANSLATION_TRAIN, **train_values})
+    if isinstance(data, ChatData):
+        train_config = from_dict(TrainConfig, {**CHAT_TRAIN, **train_values})
     if train_config.init_from:
         model_values = _init_model_values(train_config.init_from, model_values, data)
     given = model_values.setdefault("vocab_size", data.vocab_size)
@@ -53,7 +58,8 @@ def new_run_configs(
     if isinstance(data, TokenData):
         if model_config.model_type != "decoder":
             raise RunError(f"{data.folder} is one text stream: it trains a decoder-only model")
-        _check_window(data, model_config)
+        if not isinstance(data, ChatData):  # conversations are packed into windows
+            _check_window(data, model_config)
     return model_config, train_config, data
 
 
@@ -101,8 +107,19 @@ FINE_TUNING_FIELDS = ("dropout", "attn_dropout", "resid_dropout", "embd_dropout"
 
 def _init_model_values(source: str, given: dict[str, Any], data: TokenData) -> dict[str, Any]:
     """The model of `--init-from` (a run or a Hugging Face GPT-2 directory) fixes the shape,
-    except that the context may be shortened; its tokenizer must be the data's."""
+    except that the context may be shortened; its tokenizer must be the data's, or for
+    conversations the data's less the chat template's tokens (the model grows rows for
+    them: `opening._initial_weights`)."""
     saved = model_config(source).to_dict()
+    if isinstance(data, ChatData):
+        base = load_tokenizer(source)
+        if chat_tokenizer(base).to_json() != load_tokenizer(data.folder).to_json():
+            raise RunError(
+                f"{data.folder} was not tokenized with the tokenizer of {source}; prepare it "
+                f"again with --tokenizer {source}"
+            )
+        saved["vocab_size"] = data.vocab_size  # the base's rows, then the template's
+        return {**saved, **given}
     differ = [
         f"{k}: {saved[k]!r} there, {v!r} given"
         for k, v in given.items()

@@ -1,0 +1,197 @@
+"""Conversations for instruction tuning: read, checked, rendered with the chat template, packed.
+
+`prepare_chat` reads JSONL files (one conversation per line) and Parquet or Arrow files (one
+per row), in either shape the field uses: `{"messages": [{"role", "content"}, ...]}` (OpenAI's
+and TRL's) or ShareGPT's `{"conversations": [{"from", "value"}, ...]}` (`human`, `gpt`,
+`system`). Each conversation passes `chat.check` (`tlm/chat.py`); the first that breaks a
+rule stops everything with one line naming its file, line (or row) and rule, and nothing is
+written. Conversations are rendered by `chat.render` and written back to back, per split:
+
+    OUT/{split}.bin    the rendered ids, uint16 when V <= 65535 else uint32 (no padding)
+    OUT/{split}.mask   one byte a token: 1 where training learns it (the assistant's turns)
+    OUT/{split}.idx    int64 offsets: conversation i is [idx[i], idx[i+1])
+    OUT/meta.json      "task": "chat", counts (conversations, tokens, supervised), sources
+
+The validation split is the last `val_fraction` of the conversations, or the built-in
+`python-qa`'s own held-out split. `tokens.ChatData` reads the folder; packing into windows
+happens when training makes batches (`train/chat.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tlm._version import __version__
+from tlm.chat import ChatError, chat_tokenizer, check, render
+from tlm.data.columnar import COLUMNAR, column_values
+from tlm.data.corpus import CorpusError
+from tlm.data.python_qa import python_qa
+from tlm.data.tokens import id_dtype
+from tlm.io import atomic_path, check_replaceable, write_text_atomic
+from tlm.tokenizer import KINDS, Tokenizer, TokenizerError, load_tokenizer, train_tokenizer
+
+FILES = ("meta.json", "tokenizer.json", "*.bin", "*.mask", "*.idx")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+BUILTIN_CHAT = {"python-qa": python_qa}
+
+Conversation = tuple[str, list[dict[str, str]]]  # (where it was read, its messages)
+
+
+def as_messages(record: Any) -> list[Any]:
+    """A record's messages in OpenAI's shape: its `messages`, or ShareGPT's `conversations`
+    ({from, value} turns) renamed. A record may be the list itself (a columnar row)."""
+    if isinstance(record, dict):
+        if "messages" in record:
+            return record["messages"]
+        if "conversations" not in record:
+            raise ChatError("no messages (or conversations) list")
+        record = record["conversations"]
+    if not isinstance(record, list):
+        raise ChatError("not a list of messages")
+    if not record or not isinstance(record[0], dict) or "from" not in record[0]:
+        return record  # OpenAI's shape: chat.check judges it
+    messages = []
+    for n, turn in enumerate(record, start=1):
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            raise ChatError(f"turn {n} is not an object with a from and a value")
+        if turn["from"] not in SHAREGPT_ROLES:
+            known = ", ".join(SHAREGPT_ROLES)
+            raise ChatError(f"turn {n} has unknown role {turn['from']!r} (from: {known})")
+        messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
+    return messages
+
+
+def read_conversations(path: Path) -> Iterator[Conversation]:
+    """The checked conversations of one file, each with where it was read ("file:line")."""
+    if not path.is_file():
+        raise CorpusError(f"{path}: no such file")
+    if path.suffix in COLUMNAR:
+        rows = column_values(path, str(path), ("messages", "conversations"))
+        for row, turns in enumerate(rows, start=1):
+            yield _checked(turns, f"{path} row {row}")
+        return
+    with open(path, encoding="utf-8") as f:
+        try:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise CorpusError(f"{path}:{n}: not JSON ({exc.msg})") from None
+                yield _checked(record, f"{path}:{n}")
+        except UnicodeDecodeError as exc:
+            raise CorpusError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
+
+
+def _checked(record: Any, where: str) -> Conversation:
+    try:
+        return where, check(as_messages(record))
+    except ChatError as exc:
+        raise CorpusError(f"{where}: {exc}") from None
+
+
+def prepare_chat(
+    inputs: list[str],
+    out: str | Path,
+    tokenizer: str = "bpe",
+    vocab_size: int | None = None,
+    val_fraction: float = 0.1,
+    force: bool = False,
+) -> dict[str, Any]:
+    """Render the conversations of `inputs` (files, or the built-in `python-qa`) into folder
+    `out`; returns its meta.json. `tokenizer` is a kind to train on the conversations'
+    text, or a tokenizer to reuse (a run, a data folder, a tokenizer.json); either way the
+    chat template's special tokens are added to it."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise CorpusError(f"{out} already exists; pass --force to replace it")
+    check_replaceable(out, FILES, "meta.json", "a folder written by tlm prepare")
+    train, val, sources = _split(inputs, val_fraction)
+    if tokenizer in KINDS:
+        texts = (m["content"] for _, messages in train for m in messages)
+        tok = chat_tokenizer(train_tokenizer(tokenizer, texts, vocab_size))
+    else:
+        if vocab_size is not None:
+            raise CorpusError("--vocab-size trains a new tokenizer; this one is reused as it is")
+        tok = chat_tokenizer(load_tokenizer(tokenizer))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        tok.save(tmp / "tokenizer.json")
+        splits = {"train": _write_split(tmp, "train", train, tok)}
+        splits["val"] = _write_split(tmp, "val", val, tok)
+        meta = {
+            "task": "chat",
+            "template": "tlm",
+            "tokenizer": tok.kind,
+            "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id,
+            "id_dtype": np.dtype(id_dtype(tok.vocab_size)).name,
+            "documents": len(train) + len(val),
+            "splits": splits,
+            "sources": sources,
+            "tlm": __version__,
+        }
+        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _split(
+    inputs: list[str], val_fraction: float
+) -> tuple[list[Conversation], list[Conversation], list[dict[str, Any]]]:
+    """(train, val, sources): a built-in corpus's own split, or the files' conversations
+    with the last `val_fraction` held out."""
+    if not inputs:
+        raise CorpusError("give the conversations to prepare: .jsonl/.parquet files or python-qa")
+    builtin = [name for name in inputs if name in BUILTIN_CHAT]
+    if builtin:
+        if len(inputs) > 1:
+            raise CorpusError(f"{builtin[0]} is a whole corpus with its own split; give it alone")
+        train, val, text = BUILTIN_CHAT[builtin[0]]()
+        return train, val, [_described(builtin[0], text.encode())]
+    conversations, sources = [], []
+    for name in inputs:
+        path = Path(name)
+        conversations += read_conversations(path)
+        sources.append(_described(name, path.read_bytes()))
+    if not conversations:
+        raise CorpusError(f"{', '.join(inputs)}: no conversations")
+    if not 0 <= val_fraction < 1:
+        raise CorpusError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    cut = len(conversations) - (round(len(conversations) * val_fraction) if val_fraction else 0)
+    if val_fraction and cut == len(conversations) and len(conversations) > 1:
+        cut -= 1  # a held-out split of at least one conversation
+    return conversations[:cut], conversations[cut:], sources
+
+
+def _write_split(folder: Path, split: str, conversations: list[Conversation], tok: Tokenizer):
+    """Render and write one split; returns its counts."""
+    ids, mask, offsets = [], [], [0]
+    for where, messages in conversations:
+        try:
+            rendered, learned = render(messages, tok)
+        except (ChatError, TokenizerError) as exc:
+            raise CorpusError(f"{where}: {exc}") from None
+        ids += rendered
+        mask += learned
+        offsets.append(len(ids))
+    np.asarray(ids, dtype=id_dtype(tok.vocab_size)).tofile(folder / f"{split}.bin")
+    np.asarray(mask, dtype=np.uint8).tofile(folder / f"{split}.mask")
+    np.asarray(offsets, dtype=np.int64).tofile(folder / f"{split}.idx")
+    return {
+        "file": f"{split}.bin",
+        "conversations": len(conversations),
+        "tokens": len(ids),
+        "supervised": int(sum(mask)),
+    }
+
+
+def _described(name: str, data: bytes) -> dict[str, Any]:
+    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}

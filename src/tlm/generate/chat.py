@@ -1,0 +1,82 @@
+"""Replies to conversations: the chat template's prompt, decoded until end of turn.
+
+Everything that answers a conversation (`tlm chat`, the server's `/v1/chat/completions`,
+`tlm eval --task chat`) builds its prompt here: `chat.render(..., generation=True)`, which
+ends with `<|assistant|>`, and decodes with `<|end|>` (and `<|endoftext|>`) as end tokens.
+A conversation longer than the context loses its oldest turns first, a user turn and the
+answer to it at a time, the system message kept, until the prompt leaves `room` tokens for
+the reply; the caller is told how many were dropped. A last user turn that does not fit on
+its own is refused in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from tlm.chat import END, ChatError, check, render
+from tlm.generate.config import GenerationConfig
+from tlm.generate.text import Completion, complete_tokens, stream_tokens
+from tlm.tokenizer import Tokenizer
+
+
+@dataclass
+class Prompt:
+    """A conversation's prompt: its ids, and how many of its oldest turns did not fit."""
+
+    ids: list[int]
+    dropped: int = 0
+
+
+def reply_room(config: GenerationConfig, context_length: int) -> int:
+    """Positions a prompt leaves for the reply: max_new_tokens, at most half the context
+    (a longer reply slides the window as any generation does)."""
+    return min(config.max_new_tokens, context_length // 2)
+
+
+def chat_prompt(
+    messages: Sequence[Any], tokenizer: Tokenizer, context_length: int, room: int
+) -> Prompt:
+    """The ids a reply to `messages` continues, with the oldest turns dropped (a user turn
+    and its answer at a time; the system message stays) until `room` positions are left."""
+    messages = check(messages, generation=True)
+    system = messages[:1] if messages[0]["role"] == "system" else []
+    turns = messages[len(system) :]
+    dropped = 0
+    while True:
+        ids, _ = render([*system, *turns], tokenizer, generation=True)
+        if len(ids) + room <= context_length:
+            return Prompt(ids, dropped)
+        if len(turns) == 1:
+            raise ChatError(
+                f"the conversation's last turn needs {len(ids)} tokens with the template; the "
+                f"model reads {context_length}, and {room} are kept for the reply"
+            )
+        turns, dropped = turns[2:], dropped + 2
+
+
+def reply_config(config: GenerationConfig, tokenizer: Tokenizer) -> GenerationConfig:
+    """`config` with end of turn (and end of text) as the end tokens."""
+    return replace(config, eos_token_id=(tokenizer.special_id(END), tokenizer.eot_id))
+
+
+def stream_reply(
+    model: nn.Module, tokenizer: Tokenizer, prompt: Prompt, config: GenerationConfig
+) -> Iterator[str]:
+    """The reply's text, piece by piece as it is generated, until end of turn."""
+    ids = torch.tensor([prompt.ids])
+    yield from stream_tokens(model, tokenizer, ids, reply_config(config, tokenizer))
+
+
+def replies(
+    model: nn.Module, tokenizer: Tokenizer, prompts: list[Prompt], config: GenerationConfig
+) -> list[Completion]:
+    """The replies to several prompts, decoded as one batch: finish_reason "eos" where a
+    reply ended its turn with `<|end|>`, "length" where it ran out of tokens (a reply that
+    writes `<|endoftext|>` instead runs on: it did not end its turn)."""
+    config = replace(config, eos_token_id=tokenizer.special_id(END))
+    return complete_tokens(model, tokenizer, [p.ids for p in prompts], config)

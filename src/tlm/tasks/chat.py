@@ -1,0 +1,156 @@
+"""Measuring an assistant on held-out conversations: loss, stop rate and chrF.
+
+Each held-out conversation (a `ChatData` split) is asked up to its last user turn, and the
+greedy reply is compared with the conversation's own last answer:
+
+- **loss**: the mean cross-entropy over the learned tokens (the assistant's turns and their
+  `<|end|>`) of the whole split, each conversation alone in its window, as training packs it;
+- **stop rate**: the share of replies that end their turn (`<|end|>`) within
+  `max_new_tokens`;
+- **chrF** (Popović 2015, sacrebleu's implementation): character n-gram F-score of the
+  replies against the answers, in points.
+
+A base model (a run without the template) is measured the way one would prompt it: the plain
+template (`chat.plain_prompt`) after three short training conversations as examples (fewer
+where three do not fit the context), its reply ending at the next "User:" line or at
+`<|endoftext|>` (that is its stop). It has no loss here: it never learned the template's
+tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import sacrebleu
+import torch
+from torch import nn
+
+from tlm.chat import END, PLAIN_STOP, parse, plain_prompt, speaks
+from tlm.data.tokens import ChatData
+from tlm.generate import GenerationConfig
+from tlm.generate.chat import chat_prompt, replies, reply_room
+from tlm.generate.text import complete_tokens
+from tlm.model.loss import IGNORE
+from tlm.tokenizer import Tokenizer, document_ids, load_tokenizer
+from tlm.train.chat import VAL_BATCH, pack, supervised_loss
+
+EXAMPLES = 3  # the base model's examples
+
+
+def held_out(data: ChatData, split: str, limit: int | None) -> list[list[dict[str, str]]]:
+    """The conversations of `split` as messages, the first `limit` of them."""
+    tokenizer = data_tokenizer(data)
+    tokens, offsets = data.split(split), data.offsets(split)
+    count = len(offsets) - 1 if limit is None else min(limit, len(offsets) - 1)
+    return [parse(tokens[offsets[i] : offsets[i + 1]].tolist(), tokenizer) for i in range(count)]
+
+
+def data_tokenizer(data: ChatData) -> Tokenizer:
+    return load_tokenizer(data.folder)
+
+
+def asked(conversation: list[dict[str, str]]) -> tuple[list[dict[str, str]], str]:
+    """(the messages up to the last user turn, the last answer: the reference)."""
+    last = max(i for i, m in enumerate(conversation) if m["role"] == "assistant")
+    return conversation[:last], conversation[last]["content"]
+
+
+@torch.no_grad()
+def chat_loss(model: nn.Module, data: ChatData, split: str) -> float:
+    """Mean loss per learned token of the split, each conversation as training packs it."""
+    tokenizer = data_tokenizer(data)
+    T = model.config.context_length
+    packed = pack(data, split, T, tokenizer.special_id(END), tokenizer.eot_id)
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for i in range(0, len(packed.inputs), VAL_BATCH):
+        rows = slice(i, i + VAL_BATCH)
+        x, y, d = (t[rows].to(device) for t in (packed.inputs, packed.targets, packed.documents))
+        total += supervised_loss(model(x, documents=d), y).item()
+        count += int((y != IGNORE).sum())
+    return total / max(count, 1)
+
+
+def evaluate_chat(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    data: ChatData,
+    split: str = "val",
+    max_new_tokens: int = 64,
+    limit: int | None = None,
+    batch_size: int = 32,
+    examples: int = 0,
+) -> dict[str, Any]:
+    """Loss (assistants only), stop rate and chrF of greedy replies to the held-out
+    conversations of `data` (the first `limit`); `examples` of them returned as shown."""
+    started = time.perf_counter()
+    conversations = held_out(data, split, limit)
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    assistant = speaks(tokenizer)
+    answers, stopped, references = [], [], []
+    for i in range(0, len(conversations), batch_size):
+        part = [asked(c) for c in conversations[i : i + batch_size]]
+        references += [reference for _, reference in part]
+        if assistant:
+            got = assistant_replies(model, tokenizer, [m for m, _ in part], config)
+        else:
+            got = base_replies(model, tokenizer, data, [m for m, _ in part], config)
+        answers += [text for text, _ in got]
+        stopped += [ended for _, ended in got]
+    results = {
+        "conversations": len(conversations),
+        "template": "tlm" if assistant else "plain, with examples",
+        "stop_rate": sum(stopped) / max(1, len(stopped)),
+        "chrf": sacrebleu.corpus_chrf(answers, [references]).score,
+    }
+    if assistant:
+        results["loss"] = chat_loss(model, data, split)
+    results["seconds"] = time.perf_counter() - started
+    results["examples"] = [
+        {"question": m[-1]["content"], "reply": a, "reference": r}
+        for (m, r), a in zip(map(asked, conversations[:examples]), answers, strict=False)
+    ]
+    return results
+
+
+def assistant_replies(model, tokenizer, conversations, config) -> list[tuple[str, bool]]:
+    """(reply, whether it ended its turn) for each conversation, with the template."""
+    T = model.config.context_length
+    prompts = [chat_prompt(m, tokenizer, T, reply_room(config, T)) for m in conversations]
+    return [(c.text, c.finish_reason == "eos") for c in replies(model, tokenizer, prompts, config)]
+
+
+def base_replies(model, tokenizer, data, conversations, config) -> list[tuple[str, bool]]:
+    """(reply, whether it stopped) for each conversation, in the plain template after the
+    examples that fit."""
+    shots = shortest(data, EXAMPLES)
+    T, eos = model.config.context_length, (tokenizer.eot_id,)
+    room = reply_room(config, T)
+    rows = []
+    for messages in conversations:
+        for k in range(len(shots), -1, -1):  # drop examples until the prompt fits
+            text = plain_prompt([m for shot in shots[len(shots) - k :] for m in shot] + messages)
+            ids = document_ids(tokenizer, text)
+            if len(ids) + room <= T:
+                break
+        rows.append(ids[-(T - room) :])  # without examples, its last tokens if still too long
+    config = GenerationConfig(max_new_tokens=config.max_new_tokens, eos_token_id=eos)
+    done = complete_tokens(model, tokenizer, rows, config, stop=(PLAIN_STOP,))
+    return [(c.text.strip(), c.finish_reason in ("eos", "stop")) for c in done]
+
+
+def shortest(data: ChatData, k: int) -> list[list[dict[str, str]]]:
+    """The base model's examples: the shortest one-turn training conversation (no system
+    message) for each of the first `k` ways a question begins (its first word), shortest
+    last, so that the examples show more than one kind of question."""
+    offsets = data.offsets("train")
+    lengths = offsets[1:] - offsets[:-1]
+    tokenizer, tokens, found = data_tokenizer(data), data.split("train"), {}
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        messages = parse(tokens[offsets[i] : offsets[i + 1]].tolist(), tokenizer)
+        if [m["role"] for m in messages] == ["user", "assistant"]:
+            found.setdefault(messages[0]["content"].split()[0], messages)
+        if len(found) == k:
+            break
+    return list(found.values())[::-1]
