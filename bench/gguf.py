@@ -3,6 +3,7 @@ perplexity, and decoding speed beside tlm's, in one run.
 
     make demo && python bench/gguf.py                 # the demo's model and its data
     python bench/gguf.py --run RUN --data DATA        # any trained run
+    python bench/gguf.py --run runs/demo-chat --data data/demo-chat   # also chat (tlm demo chat)
     python bench/gguf.py --gpt2                       # also decode speed, GPT-2 124M shape
 
 `tlm export-gguf` writes the run as f32, f16 and q8_0; llama.cpp reads each through
@@ -15,7 +16,11 @@ cores, the first time only: it is installed under --work, one folder per CPU's f
 3. Perplexity on the first --tokens of the validation split, in the windows `tlm eval`
    scores (context-length windows, each token a target once): tlm's `evaluate_tokens`
    (what `tlm eval` prints) and llama.cpp's logits of the same windows.
-4. Decoding, batch 1: 1-token prompt, 128 new tokens (the demo: up to its context), greedy;
+4. Chat (a run fine-tuned on conversations, with its prepared --data): llama.cpp's
+   `create_chat_completion`, which renders the GGUF's `tokenizer.chat_template` itself and
+   stops at its end token, against tlm's reply (`tlm chat`), greedy, on the first
+   --questions held-out conversations, every type.
+5. Decoding, batch 1: 1-token prompt, 128 new tokens (the demo: up to its context), greedy;
    tlm `load_model(path, dtype=...)` + `generate` against llama.cpp's `eval` one token at a
    time, alternating, best of --rounds: f32 / f16 / q8_0 against float32 / float16 / int8.
 """
@@ -176,6 +181,37 @@ def part_agreement(llama, run: Path, data: Path, files, tokens: int, threads: in
         print(f"{kind:10s} {agree:>19s} {ppl:12.4f} {ppl / scored['perplexity'] - 1:+8.2%}")
 
 
+def part_chat(llama, run: Path, data: Path, files, questions: int, threads: int) -> None:
+    """llama.cpp's chat completion against tlm's reply to the same held-out conversations."""
+    from tlm.chat import speaks
+    from tlm.data import ChatData, open_data
+    from tlm.generate import GenerationConfig
+    from tlm.generate.chat import chat_prompt, replies, reply_room
+    from tlm.tasks.chat import asked, held_out
+
+    model, tokenizer = load_model(run).eval(), load_tokenizer(run)
+    chats = open_data(data)
+    if not speaks(tokenizer) or not isinstance(chats, ChatData):
+        print("chat: skipped (not a run made for chat with its conversations as --data)")
+        return
+    T, config = model.config.context_length, GenerationConfig(max_new_tokens=48)
+    asks = [asked(c)[0] for c in held_out(chats, "val", questions)]
+    prompts = [chat_prompt(m, tokenizer, T, reply_room(config, T)) for m in asks]
+    ours = replies(model, tokenizer, prompts, config)
+    print(f"chat: {len(asks)} held-out questions, greedy, at most 48 tokens a reply")
+    print("llama.cpp  same reply as tlm chat   both ended their turn")
+    for kind, path in files.items():
+        llm = open_llama(llama, path, T, threads)
+        same = ended = 0
+        for messages, mine in zip(asks, ours, strict=True):
+            got = llm.create_chat_completion(
+                messages=messages, max_tokens=48, temperature=0.0, top_k=1
+            )["choices"][0]
+            same += got["message"]["content"] == mine.text
+            ended += (got["finish_reason"] == "stop") == (mine.finish_reason == "eos")
+        print(f"{kind:10s} {same:>14d}/{len(asks)} {ended:>16d}/{len(asks)}")
+
+
 def decode_rate_llama(llama, llm, new: int) -> float:
     """tok/s of `new` greedy steps after the first token (the prompt's pass excluded)."""
     llm.reset()
@@ -236,6 +272,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=ROOT / "data" / "demo")
     parser.add_argument("--tokens", type=int, default=8192, help="validation tokens scored")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--questions", type=int, default=32, help="held-out chats (part 4)")
     parser.add_argument("--gpt2", action="store_true", help="decode speed, GPT-2 124M shape")
     parser.add_argument("--work", type=Path, default=ROOT / "out" / "bench")
     args = parser.parse_args()
@@ -248,6 +285,7 @@ def main() -> None:
     print(f"{host()}, {threads} threads; llama-cpp-python {llama.__version__}")
     files = write_files(load_model(args.run), load_tokenizer(args.run), args.work / "gguf", "run")
     part_agreement(llama, args.run, args.data, files, args.tokens, threads)
+    part_chat(llama, args.run, args.data, files, args.questions, threads)
     new = min(128, load_model(args.run).config.context_length - 2)
     part_speed(llama, str(args.run), args.run, files, new, args.rounds, threads)
     if args.gpt2:

@@ -130,3 +130,11 @@ def test_transformers_renders_the_exported_template_to_the_same_ids_and_mask(tok
             asking, tokenize=True, add_generation_prompt=True, return_dict=True
         )
         assert out["input_ids"] == prompt
+
+
+def test_content_given_as_text_parts_is_their_text(tok):
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "len?"}]
+    as_parts = [{"role": "user", "content": parts}, {"role": "assistant", "content": "It counts."}]
+    assert render(as_parts, tok) == render(CONVERSATIONS[0], tok)
+    with pytest.raises(ChatError, match="not text"):
+        check([{"role": "user", "content": [{"type": "image_url"}]}], generation=True)

@@ -128,9 +128,7 @@ def test_the_step_is_normalised_over_all_its_answer_tokens_not_per_micro_batch(b
     for a, b in zip(one, accum, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     rows = windows.step_windows(0)  # the direct mean over the step's answer tokens
-    x, y, d = (
-        t[rows] for t in (windows.train.inputs, windows.train.targets, windows.train.documents)
-    )  # noqa: E501
+    x, y, d = windows.train.batch(rows)
     model.zero_grad()
     logits = model(x, documents=d)
     loss = torch.nn.functional.cross_entropy(
@@ -201,3 +199,25 @@ def test_a_chat_run_interrupted_resumes_to_the_weights_of_an_uninterrupted_one(
     whole, half = (load_model(tmp_path / n).state_dict() for n in ("whole", "half"))
     for name in whole:
         torch.testing.assert_close(whole[name], half[name], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_two_processes_fine_tune_as_one_with_the_same_global_batch(base_and_data, tmp_path):
+    from test_distributed import assert_close_weights, finish, torchrun
+
+    base, data = base_and_data
+    args = ["train", "--init-from", str(base), "--data", str(data.folder), "--quiet"]
+    args += ["--dtype", "float32", "--max-steps", "12", "--eval-interval", "6", "--lr", "3e-3"]
+    assert main([*args, "--out", str(tmp_path / "one"), "--batch-size", "4"]) == 0
+    out, _ = finish(
+        torchrun(*args, "--out", str(tmp_path / "two"), "--batch-size", "1", "--grad-accum", "4")
+    )  # noqa: E501
+    assert out.count("done: step") == 1
+    assert_close_weights(tmp_path / "two", tmp_path / "one")
+    logged = [
+        [json.loads(r) for r in (tmp_path / n / "metrics.jsonl").open() if "train_loss" in r]
+        for n in ("one", "two")
+    ]
+    for key in ("train_loss", "grad_norm"):  # Adam would hide a gradient of the wrong scale
+        one, two = ([r[key] for r in rows] for rows in logged)
+        assert one == pytest.approx(two, abs=1e-4), key

@@ -48,3 +48,24 @@ def test_demo_trains_on_the_files_it_is_given(tmp_path, capsys):
     assert json.loads((data / "meta.json").read_text())["sources"] == [source]
     card = (out / "MODEL_CARD.md").read_text()
     assert f"| `{corpus}` | {len(raw):,} | `{source['sha256']}` |" in card
+
+
+@pytest.mark.slow
+def test_demo_chat_fine_tunes_the_base_and_measures_both(tmp_path, capsys):
+    base = tmp_path / "base"
+    pretrain = ["demo", "python-docs", "--data", str(tmp_path / "docs"), "--out", str(base)]
+    assert main([*pretrain, "--max-steps", "5", "--vocab-size", "300", "--quiet"]) == 0
+    data, out = tmp_path / "chat-data", tmp_path / "chat"
+    args = ["demo", "chat", "--base", str(base), "--data", str(data), "--out", str(out)]
+    assert main([*args, "--max-steps", "20", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    for step in ("[1/4] base model", "[2/4] prepare python-qa", "[3/4] fine-tune", "[4/4] answer"):
+        assert step in printed
+    figures = json.loads((out / "chat_eval.json").read_text())
+    assert set(figures) == {"base", "assistant"}
+    assert set(figures["base"]) == {"stop_rate", "chrf"}
+    assert set(figures["assistant"]) == {"stop_rate", "chrf", "loss"}
+    assert all(0 <= f["stop_rate"] <= 1 and 0 <= f["chrf"] <= 100 for f in figures.values())
+    assert "goals: stop rate" in printed and "Q: " in printed
+    hint = next(line for line in printed.splitlines() if "--message" in line)
+    assert main([*shlex.split(hint)[1:], "--max-new-tokens", "4"]) == 0  # works as printed

@@ -224,3 +224,33 @@ def test_a_file_that_is_not_gguf_is_one_line(tmp_path, capsys):
     assert err.startswith("tlm: error:") and "GGUF" in err and "\n" not in err
     with pytest.raises(GGUFError):
         read_gguf(bad)
+
+
+@pytest.mark.parametrize("kind", ["bpe", "char"])
+def test_a_chat_run_carries_its_template_and_ends_at_end_of_turn(
+    tmp_path, bpe_tokenizer, char_tokenizer, kind
+):
+    import jinja2
+
+    from tlm.chat import END, JINJA_PLAIN, SPECIALS, chat_tokenizer, render, speaks
+
+    tok = chat_tokenizer(bpe_tokenizer if kind == "bpe" else char_tokenizer)
+    path = export_gguf(random_model(tok.vocab_size, position="rope"), tok, tmp_path / "c.gguf")
+    fields, _, _ = read_raw(path)
+    end = tok.special_id(END)
+    assert fields["tokenizer.chat_template"] == JINJA_PLAIN
+    assert fields["tokenizer.ggml.eos_token_id"] == end == fields["tokenizer.ggml.eot_token_id"]
+    assert fields["tokenizer.ggml.bos_token_id"] == tok.eot_id
+    types = fields["tokenizer.ggml.token_type"]
+    assert [types[tok.special_id(s)] for s in SPECIALS] == [3] * 4  # control tokens
+    messages = [
+        {"role": "system", "content": "Hello, world!"},
+        {"role": "user", "content": "tabs\there."},
+        {"role": "assistant", "content": "The end"},
+        {"role": "user", "content": "Ünïcode"},
+    ]
+    prompt, _ = render(messages, tok, generation=True)
+    text = jinja2.Template(JINJA_PLAIN).render(messages=messages, add_generation_prompt=True)
+    assert tok.encode(text) == prompt  # the template a GGUF reader renders: tlm's ids
+    back = load_tokenizer(path)
+    assert speaks(back) and render(messages, back, generation=True)[0] == prompt

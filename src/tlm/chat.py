@@ -51,6 +51,11 @@ JINJA = (
 )
 
 
+# ... and without `{% generation %}`, which only transformers' Jinja knows (llama.cpp's
+# and llama-cpp-python's renderers reject it): what GGUF's tokenizer.chat_template holds
+JINJA_PLAIN = JINJA.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
 class ChatError(UserError):
     """A conversation the template cannot render; the message names the rule it breaks."""
 
@@ -68,7 +73,8 @@ def chat_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
 def check(messages: Sequence[Any], generation: bool = False) -> list[dict[str, str]]:
     """The messages as {role, content} dicts, or a ChatError naming the broken rule.
 
-    The rules: every message is {role, content} with a known role and non-empty text; a
+    The rules: every message is {role, content} with a known role and non-empty text (a
+    string, or OpenAI's list of text parts, joined); a
     system message comes first or not at all; then user and assistant turns alternate,
     starting with the user's. A conversation to train on has an assistant turn; one to
     answer (`generation`) ends with the user's turn. No content spells a special token."""
@@ -79,6 +85,10 @@ def check(messages: Sequence[Any], generation: bool = False) -> list[dict[str, s
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ChatError(f"message {n} is not an object with a role and a content")
         role, content = message["role"], message["content"]
+        if isinstance(content, list):  # OpenAI's content parts: their text, joined
+            if not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+                raise ChatError(f"message {n} has content parts that are not text")
+            content = "".join(p["text"] for p in content)
         if role not in ROLES:
             raise ChatError(f"message {n} has unknown role {role!r} (roles: {', '.join(ROLES)})")
         if not isinstance(content, str) or not content.strip():

@@ -84,6 +84,11 @@ def run_chat(args: argparse.Namespace) -> int:
         f"{loss}stop rate {results['stop_rate']:.1%}, chrF {results['chrf']:.2f} on "
         f"{results['conversations']:,} conversations ({results['template']} template; "
         f"{results['seconds']:.1f} s)"
+        + (
+            f"; {results['skipped']:,} skipped: a question longer than the context"
+            if results["skipped"]
+            else ""
+        )  # noqa: E501
     )
     for example in results["examples"]:
         print(f"  question:  {example['question']}")

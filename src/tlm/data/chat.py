@@ -172,24 +172,27 @@ def _split(
 
 
 def _write_split(folder: Path, split: str, conversations: list[Conversation], tok: Tokenizer):
-    """Render and write one split; returns its counts."""
-    ids, mask, offsets = [], [], [0]
-    for where, messages in conversations:
-        try:
-            rendered, learned = render(messages, tok)
-        except (ChatError, TokenizerError) as exc:
-            raise CorpusError(f"{where}: {exc}") from None
-        ids += rendered
-        mask += learned
-        offsets.append(len(ids))
-    np.asarray(ids, dtype=id_dtype(tok.vocab_size)).tofile(folder / f"{split}.bin")
-    np.asarray(mask, dtype=np.uint8).tofile(folder / f"{split}.mask")
+    """Render and write one split, a conversation at a time; returns its counts."""
+    dtype, tokens, supervised, offsets = id_dtype(tok.vocab_size), 0, 0, [0]
+    with (
+        open(folder / f"{split}.bin", "wb") as ids_file,
+        open(folder / f"{split}.mask", "wb") as mask_file,
+    ):
+        for where, messages in conversations:
+            try:
+                ids, mask = render(messages, tok)
+            except (ChatError, TokenizerError) as exc:
+                raise CorpusError(f"{where}: {exc}") from None
+            ids_file.write(np.asarray(ids, dtype=dtype).tobytes())
+            mask_file.write(np.asarray(mask, dtype=np.uint8).tobytes())
+            tokens, supervised = tokens + len(ids), supervised + sum(mask)
+            offsets.append(tokens)
     np.asarray(offsets, dtype=np.int64).tofile(folder / f"{split}.idx")
     return {
         "file": f"{split}.bin",
         "conversations": len(conversations),
-        "tokens": len(ids),
-        "supervised": int(sum(mask)),
+        "tokens": tokens,
+        "supervised": supervised,
     }
 
 

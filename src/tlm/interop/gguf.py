@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tlm.chat import JINJA_PLAIN
 from tlm.config import ConfigError, ModelConfig
 from tlm.interop.gguf_tokens import GGUFError, _gguf, open_gguf, tokenizer_of, vocab_fields
 from tlm.interop.gpt2 import refuse_unless_plain
@@ -133,7 +134,12 @@ def _write_fields(writer, gguf, config: ModelConfig, vocab: dict[str, Any], kind
     writer.add_token_types(vocab["types"])
     writer.add_token_merges(vocab["merges"])
     writer.add_bos_token_id(vocab["eot_id"])
-    writer.add_eos_token_id(vocab["eot_id"])
+    if vocab["end_id"] is not None:  # an assistant ends its turn, and its text, at <|end|>
+        writer.add_eos_token_id(vocab["end_id"])
+        writer.add_eot_token_id(vocab["end_id"])
+        writer.add_chat_template(JINJA_PLAIN)
+    else:
+        writer.add_eos_token_id(vocab["eot_id"])
     writer.add_add_bos_token(False)  # tlm's conditioning puts no token before a prompt
     writer.add_string("tlm.activation", config.activation)
     writer.add_string("tlm.tokenizer", vocab["kind"])

@@ -22,6 +22,7 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from tlm.chat import END, speaks
 from tlm.errors import UserError
 from tlm.tokenizer import (
     BYTE_CHARS,
@@ -89,12 +90,15 @@ def unspelled(token: str) -> str:
 
 def vocab_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
     """The `tokenizer.ggml.*` values for `tokenizer` in a model of `vocab_size` rows: tokens
-    and their types (rows past the tokenizer's are unused padding), merges, the end-of-text
-    id as bos and eos, and tlm's own kind so a reader rebuilds the same tokenizer."""
+    and their types (special tokens are llama.cpp's control tokens; rows past the
+    tokenizer's are unused padding), merges, the end-of-text id (bos, and eos unless the run
+    is made for chat: then `<|end|>` is eos and eot), and tlm's own kind so a reader
+    rebuilds the same tokenizer."""
     if isinstance(tokenizer, CharTokenizer):
-        tokens = [spelled(c) for c in tokenizer.chars] + [EOT]
+        spellings = [spelled(c) for c in tokenizer.chars]
+        tokens, specials = spellings + tokenizer.specials, set(tokenizer.specials)
         merges = []
-        for token in tokens[:-1]:
+        for token in spellings:
             for end in range(2, len(token) + 1):  # join a character's bytes, left to right
                 merges.append(f"{token[: end - 1]} {token[end - 1]}")
         merges = list(dict.fromkeys(merges))  # characters that share their first bytes
@@ -102,13 +106,15 @@ def vocab_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
         by_id = {i: t for t, i in tokenizer.tokenizer.get_vocab(with_added_tokens=True).items()}
         tokens = [by_id[i] for i in range(tokenizer.vocab_size)]
         merges = [m if isinstance(m, str) else " ".join(m) for m in _bpe_model(tokenizer)["merges"]]
-    types = [CONTROL if t == EOT else NORMAL for t in tokens]
+        specials = {t.content for t in tokenizer.tokenizer.get_added_tokens_decoder().values()}
+    types = [CONTROL if t in specials else NORMAL for t in tokens]  # <|endoftext|>, <|end|>...
     padding = vocab_size - len(tokens)
     return {
         "tokens": tokens + [f"[PAD{i}]" for i in range(len(tokens), vocab_size)],
         "types": types + [UNUSED] * padding,
         "merges": merges,
         "eot_id": tokenizer.eot_id,
+        "end_id": tokenizer.special_id(END) if speaks(tokenizer) else None,  # a chat run's
         "kind": tokenizer.kind,
     }
 
@@ -130,9 +136,10 @@ def tokenizer_from_fields(
     else the byte-level BPE of `tokens` and `merges` (padding rows dropped)."""
     used = [t for t, kind_of in zip(tokens, types, strict=True) if kind_of != UNUSED]
     if kind == "char":
-        if used[-1:] != [EOT]:
-            raise TokenizerError(f"a character vocabulary ends with {EOT}")
-        return CharTokenizer(unspelled(t) for t in used[:-1])
+        if EOT not in used:
+            raise TokenizerError(f"a character vocabulary ends with {EOT} and its specials")
+        first = used.index(EOT)  # the characters, then <|endoftext|> and any other specials
+        return CharTokenizer((unspelled(t) for t in used[:first]), used[first + 1 :])
     vocab = {t: i for i, t in enumerate(used)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs))

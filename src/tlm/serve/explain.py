@@ -19,14 +19,17 @@ import math
 import torch
 from fastapi import APIRouter
 
+from tlm.chat import speaks
 from tlm.interpret.attention import attention_steps
 from tlm.interpret.hooks import HookError
 from tlm.interpret.report import next_token
-from tlm.serve.openai import ApiError, require_model
+from tlm.serve.openai import ApiError, chat_messages, require_model
 from tlm.serve.page_schema import (
     PAGE_ERRORS,
     AttentionRequest,
     AttentionSteps,
+    ChatRendered,
+    ChatRenderRequest,
     Detokenized,
     DetokenizeRequest,
     Distribution,
@@ -35,7 +38,7 @@ from tlm.serve.page_schema import (
     TokenizerInfo,
     Tokens,
 )
-from tlm.serve.server import Authorized, Server, ids, window
+from tlm.serve.server import Authorized, Server, chat_ids, ids, window
 from tlm.tokenizer import EOT
 
 router = APIRouter(responses=PAGE_ERRORS)
@@ -60,6 +63,25 @@ async def detokenize(body: DetokenizeRequest, server: Authorized) -> dict:
     require_model(body.model, server.name)
     tokens = ids(server, body.tokens, "the tokens", param="tokens")
     return {"prompt": server.engine.tokenizer.decode(tokens)}
+
+
+@router.post("/v1/chat/render", response_model=ChatRendered)
+async def chat_render(body: ChatRenderRequest, server: Authorized) -> dict:
+    """A conversation's ids in the run's chat template, as /v1/chat/completions renders it
+    for a reply of `max_tokens` (the oldest turns dropped when it outgrows the context), and
+    each token's text: the page's chat mode shows these, then streams the reply after them."""
+    require_model(body.model, server.name)
+    if not speaks(server.engine.tokenizer):
+        raise ApiError(
+            400, "this run has no chat template (a base model)", "messages", "invalid_value"
+        )
+    prompt = chat_ids(server, chat_messages(body.messages), body.max_tokens)
+    decode = server.engine.tokenizer.decode
+    return {
+        "tokens": prompt.ids,
+        "texts": [decode([t]) for t in prompt.ids],
+        "dropped": prompt.dropped,
+    }
 
 
 @router.get("/tokenizer_info", response_model=TokenizerInfo)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field, StrictInt
 
-from tlm.serve.schema import ERRORS, Closed, TokenIds
+from tlm.serve.schema import ERRORS, Closed, Message, TokenIds
 
 PAGE_ERRORS = {status: ERRORS[status] for status in (400, 401, 404)}  # never queued: no 429
 
@@ -53,6 +53,14 @@ class AttentionRequest(PageRequest):
     head: StrictInt = Field(0, ge=0)
 
 
+class ChatRenderRequest(PageRequest):
+    """`POST /v1/chat/render`: a conversation in the run's chat template, as
+    /v1/chat/completions renders it for a reply of `max_tokens`."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: StrictInt = Field(256, ge=1)
+
+
 class InspectRequest(PageRequest):
     """`POST /v1/inspect`: what `tlm inspect` computes for `prompt`."""
 
@@ -67,6 +75,12 @@ class Tokens(BaseModel):
     texts: list[str]  # each token's text
     count: int
     max_model_len: int
+
+
+class ChatRendered(BaseModel):
+    tokens: list[int]
+    texts: list[str]  # each token's text
+    dropped: int  # the oldest turns left out: the conversation outgrew the context
 
 
 class Detokenized(BaseModel):

@@ -21,9 +21,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from tlm._version import __version__
-from tlm.chat import END, PLAIN_STOP, ChatError, plain_prompt, speaks
+from tlm.chat import END, PLAIN_STOP, plain_prompt, speaks
 from tlm.generate import GenerationConfig
-from tlm.generate.chat import chat_prompt
 from tlm.interpret.report import inspect_prompt
 from tlm.interpret.report import page as filled_page
 from tlm.serve import explain
@@ -52,8 +51,7 @@ from tlm.serve.schema import (
     Model,
     ModelList,
 )
-from tlm.serve.server import Authorized, Server, ids, window
-from tlm.tokenizer import TokenizerError
+from tlm.serve.server import Authorized, Server, chat_ids, ids, window
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None, metrics: Metrics) -> FastAPI:
@@ -158,6 +156,7 @@ async def health(request: Request) -> dict:
         "slots": slots,
         "busy": engine.busy,
         "queued": engine.queued,
+        "chat": speaks(engine.tokenizer),  # a run made for chat: its template, the page's chat
         "config": {name: getattr(config, name) for name in HEALTH_CONFIG},
     }
 
@@ -225,11 +224,7 @@ async def chat(request: Request, body: ChatRequest, server: Authorized):
     if not speaks(tokenizer):
         shape = Chat(server.name, tokenizer, s, server.metrics)
         return await answer(request, [plain_prompt(messages)], s, (PLAIN_STOP,), shape)
-    try:
-        room = min(s.max_tokens, server.context // 2)  # as generate.chat.reply_room
-        prompt = chat_prompt(messages, tokenizer, server.context, room)
-    except (ChatError, TokenizerError) as error:
-        raise ApiError(400, str(error), "messages", "invalid_value") from None
+    prompt = chat_ids(server, messages, s.max_tokens)
     shape = Chat(server.name, tokenizer, s, server.metrics, plain=False)
     ends = (tokenizer.special_id(END),)
     return await answer(request, [prompt.ids], s, (), shape, ends)

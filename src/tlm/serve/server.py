@@ -1,6 +1,7 @@
 """What every route reads: the `Server` (engine, model name, key, metrics), the API key
-checked (`Authorized`), and a prompt turned into token ids: whole (`ids`), or as the
-model reads it where generation reached its end (`window`). Bodies are validated by the
+checked (`Authorized`), and a prompt turned into token ids: whole (`ids`), as the model
+reads it where generation reached its end (`window`), or a conversation in the run's chat
+template (`chat_ids`). Bodies are validated by the
 routes' pydantic models (`schema.py`, `page_schema.py`)."""
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from tlm.chat import ChatError
 from tlm.generate import window_start
+from tlm.generate.chat import Prompt, chat_prompt
 from tlm.serve.engine import Engine
 from tlm.serve.metrics import Metrics
 from tlm.serve.openai import ApiError
@@ -83,3 +86,15 @@ def window(server: Server, prompt: str | list[int], name: str) -> tuple[list[int
     tokens = ids(server, prompt, name, whole=False)
     first = window_start(len(tokens), server.window_size)
     return tokens[first:], first
+
+
+def chat_ids(server: Server, messages: list[dict[str, str]], max_tokens: int) -> Prompt:
+    """A conversation's prompt in the run's template (`generate.chat.chat_prompt`: the
+    oldest turns dropped until `max_tokens`, at most half the context, are left for the
+    reply), or a 400 naming the rule it breaks."""
+    try:
+        return chat_prompt(
+            messages, server.engine.tokenizer, server.context, min(max_tokens, server.context // 2)
+        )
+    except (ChatError, TokenizerError) as error:
+        raise ApiError(400, str(error), "messages", "invalid_value") from None

@@ -19,6 +19,7 @@ tokens.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ import sacrebleu
 import torch
 from torch import nn
 
-from tlm.chat import END, PLAIN_STOP, parse, plain_prompt, speaks
+from tlm.chat import END, PLAIN_STOP, ChatError, parse, plain_prompt, speaks
 from tlm.data.tokens import ChatData
 from tlm.generate import GenerationConfig
 from tlm.generate.chat import chat_prompt, replies, reply_room
@@ -46,6 +47,7 @@ def held_out(data: ChatData, split: str, limit: int | None) -> list[list[dict[st
     return [parse(tokens[offsets[i] : offsets[i + 1]].tolist(), tokenizer) for i in range(count)]
 
 
+@functools.cache  # one data folder's tokenizer, read once
 def data_tokenizer(data: ChatData) -> Tokenizer:
     return load_tokenizer(data.folder)
 
@@ -64,9 +66,9 @@ def chat_loss(model: nn.Module, data: ChatData, split: str) -> float:
     packed = pack(data, split, T, tokenizer.special_id(END), tokenizer.eot_id)
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    for i in range(0, len(packed.inputs), VAL_BATCH):
-        rows = slice(i, i + VAL_BATCH)
-        x, y, d = (t[rows].to(device) for t in (packed.inputs, packed.targets, packed.documents))
+    for i in range(0, len(packed), VAL_BATCH):
+        rows = range(i, min(i + VAL_BATCH, len(packed)))
+        x, y, d = (t.to(device) for t in packed.batch(rows))
         total += supervised_loss(model(x, documents=d), y).item()
         count += int((y != IGNORE).sum())
     return total / max(count, 1)
@@ -85,7 +87,8 @@ def evaluate_chat(
     """Loss (assistants only), stop rate and chrF of greedy replies to the held-out
     conversations of `data` (the first `limit`); `examples` of them returned as shown."""
     started = time.perf_counter()
-    conversations = held_out(data, split, limit)
+    every = held_out(data, split, limit)
+    conversations = [c for c in every if askable(c, data, model.config.context_length)]
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     assistant = speaks(tokenizer)
     answers, stopped, references = [], [], []
@@ -100,6 +103,7 @@ def evaluate_chat(
         stopped += [ended for _, ended in got]
     results = {
         "conversations": len(conversations),
+        "skipped": len(every) - len(conversations),  # a last question longer than the context
         "template": "tlm" if assistant else "plain, with examples",
         "stop_rate": sum(stopped) / max(1, len(stopped)),
         "chrf": sacrebleu.corpus_chrf(answers, [references]).score,
@@ -114,10 +118,25 @@ def evaluate_chat(
     return results
 
 
+def askable(conversation: list[dict[str, str]], data: ChatData, T: int) -> bool:
+    """Whether the conversation's last question fits the context with the template."""
+    try:
+        chat_prompt(asked(conversation)[0], data_tokenizer(data), T, 1)
+        return True
+    except ChatError:
+        return False
+
+
 def assistant_replies(model, tokenizer, conversations, config) -> list[tuple[str, bool]]:
-    """(reply, whether it ended its turn) for each conversation, with the template."""
-    T = model.config.context_length
-    prompts = [chat_prompt(m, tokenizer, T, reply_room(config, T)) for m in conversations]
+    """(reply, whether it ended its turn) for each conversation, with the template: the
+    prompt leaves `reply_room` for the reply where it can, else one position (the reply
+    then slides the window, as any generation past the context)."""
+    T, prompts = model.config.context_length, []
+    for messages in conversations:
+        try:
+            prompts.append(chat_prompt(messages, tokenizer, T, reply_room(config, T)))
+        except ChatError:
+            prompts.append(chat_prompt(messages, tokenizer, T, 1))
     return [(c.text, c.finish_reason == "eos") for c in replies(model, tokenizer, prompts, config)]
 
 

@@ -44,17 +44,43 @@ VAL_BATCH = 32  # validation windows per forward pass
 
 @dataclass
 class Packed:
-    """A split's conversations in windows: inputs [W,T], targets [W,T] (IGNORE where not
-    learned), documents [W,T] (a conversation's number within its window; -1 on padding),
-    and the counts of what packing did."""
+    """A split's conversations in windows of T positions: each window's conversations as
+    (first token in the split, tokens kept), the learned targets of each window, and the
+    counts of what packing did. `batch` builds the tensors of some windows, when asked: a
+    split of any size costs memory for its conversations' places, not for its windows."""
 
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    documents: torch.Tensor
+    tokens: np.ndarray  # the split's ids (memory-mapped)
+    mask: np.ndarray  # and its loss mask
+    windows: list[list[tuple[int, int]]]
+    supervised: np.ndarray  # [W]: the learned targets of each window
+    T: int
+    pad_id: int
     conversations: int  # packed, whole or cut
     cut: int  # cut after their last whole assistant turn that fits
     dropped: int  # whose first assistant turn does not fit
     padding: float  # the share of window positions that are padding
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def batch(self, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Windows `rows` as inputs [B,T], targets [B,T] (IGNORE where nothing is learned,
+        padding included) and documents [B,T] (a conversation's number within its window;
+        -1 on padding)."""
+        B, T = len(rows), self.T
+        inputs = torch.full((B, T), self.pad_id, dtype=torch.long)
+        targets = torch.full((B, T), IGNORE, dtype=torch.long)
+        documents = torch.full((B, T), -1, dtype=torch.long)
+        for r, w in enumerate(rows):
+            at = 0
+            for number, (first, n) in enumerate(self.windows[w]):
+                ids = torch.from_numpy(self.tokens[first : first + n].astype(np.int64))
+                learned = torch.from_numpy(self.mask[first + 1 : first + n].astype(bool))
+                inputs[r, at : at + n - 1] = ids[:-1]  # n tokens: n - 1 inputs and targets
+                targets[r, at : at + n - 1] = torch.where(learned, ids[1:], IGNORE)
+                documents[r, at : at + n - 1] = number
+                at += n - 1
+        return inputs, targets, documents
 
 
 def fitted(ids: np.ndarray, mask: np.ndarray, T: int, end_id: int) -> int:
@@ -88,29 +114,19 @@ def best_fit(lengths: list[int], T: int) -> list[list[int]]:
 def pack(data: ChatData, split: str, T: int, end_id: int, pad_id: int) -> Packed:
     """The conversations of `split` packed into windows of T positions."""
     tokens, mask, offsets = data.split(split), data.mask(split), data.offsets(split)
-    pieces, cut, dropped = [], 0, 0  # (ids, learned) of each conversation that goes in
-    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
-        ids, learned = np.asarray(tokens[a:b], dtype=np.int64), np.asarray(mask[a:b])
-        n = fitted(ids, learned, T, end_id)
-        cut, dropped = cut + (0 < n < len(ids)), dropped + (n == 0)
-        if n:
-            pieces.append((ids[:n], learned[:n]))
-    bins = best_fit([len(ids) - 1 for ids, _ in pieces], T)
-    inputs = torch.full((len(bins), T), pad_id, dtype=torch.long)
-    targets = torch.full((len(bins), T), IGNORE, dtype=torch.long)
-    documents = torch.full((len(bins), T), -1, dtype=torch.long)
-    for w, members in enumerate(bins):
-        at = 0
-        for number, i in enumerate(members):
-            ids, learned = pieces[i]
-            n = len(ids) - 1
-            inputs[w, at : at + n] = torch.from_numpy(ids[:-1])
-            labels = torch.from_numpy(np.where(learned[1:] == 1, ids[1:], IGNORE))
-            targets[w, at : at + n], documents[w, at : at + n] = labels, number
-            at += n
-    used = sum(len(ids) - 1 for ids, _ in pieces)
+    pieces, learned, cut, dropped = [], [], 0, 0  # (first token, tokens kept) of each kept
+    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
+        n = fitted(tokens[a:b], mask[a:b], T, end_id)
+        cut, dropped = cut + (0 < n < b - a), dropped + (n == 0)
+        if n > 1:
+            pieces.append((a, n))
+            learned.append(int(mask[a + 1 : a + n].sum(dtype=np.int64)))  # its targets' mask
+    bins = best_fit([n - 1 for _, n in pieces], T)
+    windows = [[pieces[i] for i in members] for members in bins]
+    supervised = np.array([sum(learned[i] for i in members) for members in bins], dtype=np.int64)
+    used = sum(n - 1 for _, n in pieces)
     padding = 1 - used / max(1, len(bins) * T)
-    return Packed(inputs, targets, documents, len(pieces), cut, dropped, padding)
+    return Packed(tokens, mask, windows, supervised, T, pad_id, len(pieces), cut, dropped, padding)
 
 
 def supervised_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -133,7 +149,7 @@ class ChatWindows:
             raise RunError(f"{data.folder}'s tokenizer has no chat template; prepare it again")
         self.train = pack(data, "train", self.T, end_id, pad_id)
         self.val = pack(data, "val", self.T, end_id, pad_id)
-        if len(self.train.inputs) == 0:
+        if len(self.train) == 0:
             raise RunError(f"no training conversation has an assistant turn within {self.T} tokens")
         self.global_batch = config.batch_size * config.grad_accum  # windows a step, all ranks
         self.share = self.global_batch // world_size
@@ -145,7 +161,7 @@ class ChatWindows:
         """What packing did, in one line (`tlm train` prints it)."""
         p = self.train
         return (
-            f"chat: {p.conversations:,} conversations in {len(p.inputs):,} windows of "
+            f"chat: {p.conversations:,} conversations in {len(p):,} windows of "
             f"{self.T} ({p.cut:,} cut after their last whole answer that fits, {p.dropped:,} "
             f"dropped), padding {p.padding:.1%}"
         )
@@ -153,7 +169,7 @@ class ChatWindows:
     def step_windows(self, step: int) -> np.ndarray:
         """The window indices of step `step`'s global batch: pass e over the windows has
         its own order (seed, e), so any step is found again after a resume."""
-        W = len(self.train.inputs)
+        W = len(self.train)
         first = step * self.global_batch
         picked = []
         for k in range(first, first + self.global_batch):
@@ -169,7 +185,7 @@ class ChatWindows:
         over every process (0.0 for a step with none, which then makes no update)."""
         c, rt = self.config, trainer.runtime
         windows = self.step_windows(step)
-        supervised = int((self.train.targets[windows] != IGNORE).sum())  # all ranks' windows
+        supervised = int(self.train.supervised[windows].sum())  # all ranks' windows
         if supervised == 0:
             self.empty_steps += 1
             return 0.0
@@ -177,7 +193,7 @@ class ChatWindows:
         micros = [mine[i : i + c.batch_size] for i in range(0, self.share, c.batch_size)]
         total = 0.0
         for i, micro in enumerate(micros):
-            x, y, d = (t[micro].to(trainer.device) for t in self._tensors(self.train))
+            x, y, d = (t.to(trainer.device) for t in self.train.batch(micro))
             with rt.sync(trainer.wrapped, last=i == len(micros) - 1):
                 with trainer.autocast():
                     loss = supervised_loss(trainer.forward(x, documents=d), y)
@@ -186,15 +202,11 @@ class ChatWindows:
             total += loss.item() * rt.world_size / supervised
         return rt.all_reduce_mean(total)
 
-    @staticmethod
-    def _tensors(packed: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return packed.inputs, packed.targets, packed.documents
-
     @torch.no_grad()
     def validation_loss(self, trainer: Trainer) -> float | None:
         """The mean loss per supervised target of the validation windows; under torchrun
         rank r scores batches r, r + K, ... (every rank as many forward passes)."""
-        rt, W = trainer.runtime, len(self.val.inputs)
+        rt, W = trainer.runtime, len(self.val)
         if W == 0:
             return None
         batches = [range(i, min(i + VAL_BATCH, W)) for i in range(0, W, VAL_BATCH)]
@@ -204,7 +216,7 @@ class ChatWindows:
             for i in range(rt.rank, rounds * rt.world_size, rt.world_size):
                 mine = i < len(batches)
                 rows = list(batches[i if mine else 0])
-                x, y, d = (t[rows].to(trainer.device) for t in self._tensors(self.val))
+                x, y, d = (t.to(trainer.device) for t in self.val.batch(rows))
                 loss = supervised_loss(trainer.forward(x, documents=d), y)
                 if mine:
                     total, count = total + loss.item(), count + int((y != IGNORE).sum())
@@ -230,7 +242,7 @@ turns of tlm's chat template (`tlm/chat.py`) and ends each answer with `<|end|>`
 {sources}, prepared in `{self.data.folder}`: {train["conversations"]:,} training
 conversations ({train["tokens"]:,} tokens, {train["supervised"]:,} learned: the assistant's
 turns), {val["conversations"]:,} held out ({val["tokens"]:,} tokens, {val["supervised"]:,}
-learned). Packed into {len(p.inputs):,} windows of {self.T}: {p.conversations:,}
+learned). Packed into {len(p):,} windows of {self.T}: {p.conversations:,}
 conversations, {p.cut:,} cut after their last whole answer that fits, {p.dropped:,} dropped
 (no whole answer fits); padding {p.padding:.1%}. Steps with no learned token: {self.empty_steps}.
 
