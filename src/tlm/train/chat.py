@@ -231,11 +231,13 @@ class ChatWindows:
         )
         loss = results.get("val_loss")
         settings = {"model": trainer.model_config.to_dict(), "train": self.config.to_dict()}
+        base = self.config.init_from
+        origin = f"fine-tuned from the base run `{base}`" if base else "from scratch (no base run)"
         card = f"""# Model card: `{run.name}`
 
-An assistant: a causal transformer language model fine-tuned with tlm on conversations
-(instruction tuning, J&M ch. 12) from the base run `{self.config.init_from}`. It answers in
-turns of tlm's chat template (`tlm/chat.py`) and ends each answer with `<|end|>`.
+An assistant: a causal transformer language model trained with tlm on conversations
+(instruction tuning, J&M ch. 12), {origin}. It answers in turns of tlm's chat template
+(`tlm/chat.py`) and ends each answer with `<|end|>`.
 
 ## Data
 
