@@ -36,7 +36,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from generate import GPT2, PROMPT, hf_gpt2, hf_rate, timed, tlm_gpt2, tlm_rate
+from _decoding import GPT2, PROMPT, hf_gpt2, hf_rate, timed, tlm_gpt2, tlm_rate
 
 from tlm import ModelConfig, TransformerLM
 from tlm.generate import generate

@@ -12,7 +12,7 @@ callback (the engine thread), from the moment the job is submitted. The model is
 and runs, off the Python main thread throughout, each time on a thread that ends before the
 next starts, as `tlm serve` loads its model in its engine thread: OpenMP keeps a pool of
 workers per thread that has run torch's parallel work, and a second pool on two cores costs
-a quiet machine a quarter to a third of its batch-1 speed (docs/benchmarks.md, "Goal 5").
+a quiet machine a quarter to a third of its batch-1 speed (docs/benchmarks-history.md, "Goal 5").
 
 1. clients: 1, 8 and 32 clients (as many slots), each submitting a request of 64 new
    tokens, waiting for it to end, and repeating; aggregate tok/s, time to first token

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import torch
+from _decoding import ROOT, saved_gpt2, tlm_rate
 from _peers import host
-from generate import ROOT, saved_gpt2, tlm_rate
 
 from tlm import load_model
 from tlm.inference.threads import Threads

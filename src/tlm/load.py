@@ -67,7 +67,7 @@ def load_model(
     `dtype` ("float32", "float16", "bfloat16", "int8") gives a language model prepared for
     inference, as `tlm.inference.for_inference(model, dtype)` would, and on a CPU reads it
     one part at a time, packing each part before the next is read: the whole fp32 model is never in
-    memory, so the peak follows the format (docs/benchmarks.md, "Memory").
+    memory, so the peak follows the format (docs/benchmarks-history.md, "Memory").
     """
     path = Path(path)
     hf = is_hf_model_dir(path)

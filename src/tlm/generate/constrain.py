@@ -10,7 +10,7 @@ ends with finish reason "length". The log-probability reported for a token stays
 model's own, before the mask.
 
 The matching itself is llguidance's (the `structured` extra: `pip install
-'tlm[structured]'`), chosen by measurement (docs/benchmarks.md, `bench/structured.py`):
+'tlm[structured]'`), chosen by measurement (docs/benchmarks-history.md, `bench/structured.py`):
 of llguidance, xgrammar and outlines-core it was the only one whose outputs of random
 walks all validated, at 0.15-0.25 ms per masked row over a 50,257-token vocabulary. JSON is
 written compact (no whitespace between its tokens); `maxLength`, `minimum`/`maximum`,

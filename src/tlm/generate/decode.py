@@ -35,7 +35,7 @@ class Step:
     Made from tensors, or (the slot loop) from lists, each list made a tensor when first
     read: a loop that keeps its steps and stacks them after decoding (`model.generate`)
     makes its tensors then, with torch's code in the caches, instead of between two steps,
-    where one small tensor costs 30-45 µs on the CPU (docs/benchmarks.md)."""
+    where one small tensor costs 30-45 µs on the CPU (docs/benchmarks-history.md)."""
 
     def __init__(self, tokens, logprobs, finished, device: torch.device | None = None) -> None:
         self._values, self._device = [tokens, logprobs, finished], device

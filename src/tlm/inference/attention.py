@@ -2,7 +2,7 @@
 
 Under CPU autocast, `attention_fused` runs PyTorch's CPU kernel in fp32 on the bf16-rounded
 q, k, v (its bf16 kernel is slower still): ~56 GFLOP/s, a sixth of the bf16 products' rate,
-and a quarter of nanoGPT's 6-layer step (docs/benchmarks.md). `attention.c` computes the
+and a quarter of nanoGPT's 6-layer step (docs/benchmarks-history.md). `attention.c` computes the
 same equations with AVX512_BF16's dot products, adding in fp32: the scores, the softmax, the
 output and every gradient stay fp32, and only the pattern α and its gradient are rounded to
 bf16 to enter their products. `attention32.c` computes them all in fp32 with the vector

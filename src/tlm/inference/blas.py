@@ -8,7 +8,7 @@ copied, and a model that trains on afterwards is still right at the next step.
 - `products.c` (`float32_rows`, `float32_dots`), where the library is built with OpenMP:
   each of torch's threads streams its share of W's rows front to back into a partial sum.
   It reads at 31 GB/s where numpy's BLAS reads at 26 on the GPT-2 124M shape
-  (docs/benchmarks.md, "Decoding without per-token overhead"), and runs on torch's own
+  (docs/benchmarks-history.md, "Decoding without per-token overhead"), and runs on torch's own
   threads, so torch keeps them for everything else.
 - numpy's BLAS (OpenBLAS in numpy's wheels) otherwise; PyTorch's few-row product (MKL)
   reaches 50-60% of the read bandwidth on the CPUs we measured. numpy keeps a thread pool

@@ -4,7 +4,7 @@ At batch 1 a product reads every weight once and does two operations per weight,
 as fast as the weights stream from memory. fbgemm's kernels (what `kernels.PackedLinear`
 runs otherwise) are built for larger batches: on the GPT-2 124M shape at batch 1 they read
 the small matrices of a layer at a third to a half of the memory's speed, and cost ~12 µs
-a call whatever the size (docs/benchmarks.md, "Decoding without per-token overhead").
+a call whatever the size (docs/benchmarks-history.md, "Decoding without per-token overhead").
 Here each matrix W [out, in] is laid out in the order the product reads it:
 
     int8:    [out/16, in/4, 16, 4]   block j, inputs 4g..4g+3: the 16 rows' 4 bytes each

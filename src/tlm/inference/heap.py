@@ -8,7 +8,7 @@ back when the block is freed; free memory at the top of its heap beyond the trim
 and frees the same large activations every step, so every step takes their pages anew: a
 page fault and a zeroed 4 KB page each. On nanoGPT's 6-layer Shakespeare-char shape (batch
 16 × 256) that was 20,000-86,000 faults a step and about a tenth of its time
-(docs/benchmarks.md).
+(docs/benchmarks-history.md).
 
 `keep_freed_memory` sets the mmap threshold to glibc's ceiling and the trim threshold out
 of reach, so freed blocks stay in the heap and the next step reuses them. The process then

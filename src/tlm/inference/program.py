@@ -125,7 +125,7 @@ def program(model, layers, rows: int) -> Program | None:
     such step), and its parameters in place otherwise, for up to FLOAT32_ROWS rows: those
     loops read each line of weights once for all rows but keep every row's partial sums in
     the cache, and an 8-row GPT-2 step took 38-40 ms that way against 25.5 through
-    oneDNN's product and 23-24 through the blocks (docs/benchmarks.md)."""
+    oneDNN's product and 23-24 through the blocks (docs/benchmarks-history.md)."""
     route = "packed"
     if model.inference_format == "float32":
         copies = getattr(model.blocks[0].attn.qkv_kernel, "use_layout", False)

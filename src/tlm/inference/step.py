@@ -4,7 +4,7 @@ At batch 1 a decoding step is 49 weight products (4 per layer and the head) with
 small operations between each two (LayerNorm, residual adds, writing the new key and
 value, one query's attention). One torch operation costs a few µs to dispatch, and a
 module call or hook point more; together they took a third to a half of a step
-(docs/benchmarks.md, "Decoding without per-token overhead"). Here, for a pass in which
+(docs/benchmarks-history.md, "Decoding without per-token overhead"). Here, for a pass in which
 every row feeds one token, the stretch between two products is one call into `step.c`
 (`native.py`):
 
@@ -25,7 +25,7 @@ pass, and no hook listening anywhere (a hooked model runs `TransformerLM.forward
 every hook point sees its activation). Tests hold both ways of taking it equal to the
 forward pass in every format and cache. A decoding loop over a `SlotCache` (`Slots`)
 calls `slot_step` itself, without the forward pass and its per-pass checks around it
-(0.15-0.2 ms a token of int8 GPT-2: docs/benchmarks.md).
+(0.15-0.2 ms a token of int8 GPT-2: docs/benchmarks-history.md).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class Scratch:
     residual stream, the logits and greedy's choices, for up to every slot at once, with
     numpy views of what Python writes and reads, and their addresses. Python's work
     between two steps runs after the step's weights have streamed through the caches,
-    and a torch operation then costs 30-45 µs (docs/benchmarks.md)."""
+    and a torch operation then costs 30-45 µs (docs/benchmarks-history.md)."""
 
     def __init__(self, slots: int, d: int, vocab: int) -> None:
         self.vocab = vocab

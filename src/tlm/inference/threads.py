@@ -5,7 +5,7 @@ layer's attention), microseconds apart. Between them OpenMP's workers spin, wait
 the next: on a quiet machine that is what keeps a step fast. When other processes want the
 cores, a spinning worker holds a core that another needs, and a worker that was swapped out
 stalls the step at the next region's end until it runs again. Measured on a 2-core host
-with two busy processes beside it (int8 GPT-2, batch 1, docs/benchmarks.md): 2.1-73
+with two busy processes beside it (int8 GPT-2, batch 1, docs/benchmarks-history.md): 2.1-73
 tokens/s on two threads, 80-131 on one; quiet, two threads are 1.5x one. Which is faster
 depends on the load at the moment, which no setting knows, so `Threads` measures it.
 

@@ -91,7 +91,7 @@ def attention_fused(
 
     `is_causal=True` (only with T == S and no mask) lets the kernel skip the masked half.
     Under bf16 autocast on a CPU it runs in fp32 on the bf16-rounded q, k, v: PyTorch's CPU
-    kernel is slower in bf16 than in fp32 (3.7x at d_head 32, T 64; docs/benchmarks.md), and
+    kernel is slower in bf16 than in fp32 (3.7x at d_head 32, T 64; docs/benchmarks-history.md), and
     the products around it still run in bf16. A bf16 training run on a CPU with AVX512_BF16
     runs tlm's own kernel instead where it applies (`use_attention_kernel`).
     """

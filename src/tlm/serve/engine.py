@@ -69,7 +69,8 @@ class Engine:
     way runs every parallel torch operation on one thread: OpenMP keeps a pool of workers
     per thread that has run one, and with two pools on two cores its workers sleep between
     a step's parallel regions instead of spinning, a quarter to a third of a quiet
-    machine's batch-1 speed (docs/benchmarks.md, "Goal 5"). A load's error is raised here."""
+    machine's batch-1 speed (docs/benchmarks-history.md, "Goal 5"). A load's error is
+    raised here."""
 
     def __init__(
         self,
