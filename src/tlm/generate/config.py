@@ -8,7 +8,7 @@ defaults, and temperature 0 means greedy wherever it is given (`greedy`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from tlm.generate.constrain import Grammar
 from tlm.generate.sampling import GenerationError
@@ -85,6 +85,15 @@ class GenerationConfig:
         if unknown:
             raise GenerationError(f"no generation setting {unknown[0]!r}")
         return cls(**{name: value for name, value in settings.items() if value is not None})
+
+    def candidates(self) -> tuple[GenerationConfig, int]:
+        """(the config that decodes every candidate, how many of each prompt's to keep):
+        with `best_of` m, m samples of each prompt are drawn, of which the
+        num_return_sequences of highest total log-probability are kept (`best_rows`). The one
+        place `best_of` becomes candidates (`model.generate`, `complete`, the server)."""
+        keep = self.num_return_sequences
+        drawn = max(keep, self.best_of or keep)
+        return replace(self, num_return_sequences=drawn, best_of=None), keep
 
     @property
     def adjusts_logits(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -89,9 +89,8 @@ def _complete(model, tokenizer, prompts, ids, mask, config, stop, prompt_logprob
     log-probability (of the text returned) kept, best first."""
     device = next(model.parameters()).device
     ids, mask = ids.to(device), None if mask is None else mask.to(device)
-    keep = config.num_return_sequences
-    n = max(keep, config.best_of or keep)  # candidates per prompt
-    config = replace(config, num_return_sequences=n, best_of=None)
+    config, keep = config.candidates()
+    n = config.num_return_sequences  # candidates per prompt
     out = [Completion(prompt) for prompt in prompts for _ in range(n)]
     if prompt_logprobs:
         for row, (tokens, logprobs) in enumerate(score_prompts(model, ids, mask)):

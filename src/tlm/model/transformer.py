@@ -149,38 +149,16 @@ class TransformerLM(nn.Module):
         that end early are padded with their end token. More settings (repetition_penalty,
         length_penalty, num_return_sequences, frequency_penalty, presence_penalty,
         logit_bias, best_of) pass through `settings`; with `best_of` m, m samples are drawn
-        per prompt and the n of highest total log-probability returned, best first.
+        per prompt and the n of highest total log-probability returned, best first. The
+        decoding policy is `tlm.generate`'s (`generate/sequences.py`).
         """
-        from dataclasses import replace
+        from tlm.generate.sequences import generate_sequences
 
-        from tlm.generate import GenerationConfig, beam_search, best_rows, generate
-
-        config = GenerationConfig.of(
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            num_beams=num_beams,
-            eos_token_id=eos_token_id,
-            seed=seed,
-            use_cache=use_cache,
-            **settings,
-        )
-        if num_beams > 1:
-            return beam_search(self, input_ids, config, attention_mask).sequences
-        n = config.num_return_sequences
-        candidates = max(n, config.best_of or n)
-        config = replace(config, num_return_sequences=candidates, best_of=None)
-        steps = list(generate(self, input_ids, config, attention_mask))
-        prompts = input_ids.repeat_interleave(candidates, dim=0)
-        if not steps:  # max_new_tokens 0: every candidate is its prompt
-            return input_ids.repeat_interleave(n, dim=0)
-        out = torch.cat([prompts, torch.stack([s.tokens for s in steps], dim=1)], dim=1)
-        if candidates > n:  # a row's log-probabilities are 0 once it has ended
-            totals = torch.stack([s.logprobs for s in steps], dim=1).sum(dim=1)
-            out = out[best_rows(totals.cpu(), candidates, n).to(out.device)]
-        return out
+        return generate_sequences(
+            self, input_ids, attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
+            temperature=temperature, top_k=top_k, top_p=top_p, num_beams=num_beams,
+            eos_token_id=eos_token_id, seed=seed, use_cache=use_cache, **settings,
+        )  # fmt: skip
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters counted once each (a tied E is one matrix); Kaplan's N if non_embedding."""

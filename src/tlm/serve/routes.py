@@ -311,10 +311,12 @@ def jobs(server: Server, texts: list, s: Sampling, extra_stop, queue, loop, ends
         frequency_penalty=s.frequency_penalty,
         presence_penalty=s.presence_penalty,
         logit_bias=s.logit_bias,
-        num_return_sequences=s.best_of,  # the candidates; the best n are answered
+        num_return_sequences=s.n,
+        best_of=s.best_of,
         eos_token_id=None if s.ignore_eos else (server.engine.tokenizer.eot_id, *ends),
         grammar=s.grammar,
     )
+    config, _ = config.candidates()  # every candidate decoded; the best n are answered
     out = []
     for p, text in enumerate(texts):
 
