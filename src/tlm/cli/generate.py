@@ -23,6 +23,11 @@ EXAMPLE = """examples:
   tlm generate runs/demo --prompt "Call " --regex "[0-9]{3}-[0-9]{4}" --do-sample
 """
 SAMPLING = ("temperature", "top_k", "top_p")
+SETTINGS = (  # the flags that are GenerationConfig's fields, by the same names
+    "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
+    "num_beams", "length_penalty", "num_return_sequences", "seed", "frequency_penalty",
+    "presence_penalty", "best_of",
+)  # fmt: skip
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -83,22 +88,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = args.prompt + [read_text_file(path) for path in args.prompt_file] or [""]
     if args.prompt_logprobs and not args.json:
         fail("--prompt-logprobs adds to the --json output: add --json")
+    flags = {name: getattr(args, name) for name in SETTINGS}  # named as GenerationConfig's
     config = GenerationConfig.of(
-        max_new_tokens=args.max_new_tokens,
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        num_beams=args.num_beams,
-        length_penalty=args.length_penalty,
-        num_return_sequences=args.num_return_sequences,
-        seed=args.seed,
-        use_cache=not args.no_cache,
-        frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty,
-        logit_bias=_logit_bias(args.logit_bias),
-        best_of=args.best_of,
+        **flags, use_cache=not args.no_cache, logit_bias=_logit_bias(args.logit_bias)
     )
     if args.stream and (
         len(prompts) > 1

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlm.generate import GenerationError, best_rows
+from tlm.generate import GenerationConfig, GenerationError, best_rows
 from tlm.generate.constrain import Grammar
 from tlm.serve.engine import Event
 from tlm.serve.metrics import Metrics
@@ -66,25 +66,21 @@ class ApiError(Exception):
 
 @dataclass
 class Sampling:
-    """The settings both endpoints share, from a validated request (`schema.Sampled`)."""
+    """A validated request's settings (`schema.Sampled`): how to decode, as the one
+    `GenerationConfig` every entry point builds (`GenerationConfig.of`: its defaults are
+    the CLI's and Python's too), with every candidate of `best_of` decoded; and what only
+    the API has."""
 
+    config: GenerationConfig  # num_return_sequences: the candidates (`candidates()`)
     max_tokens: int
-    temperature: float
-    top_p: float | None
-    top_k: int | None
     n: int
+    best_of: int  # candidates per prompt (n unless best_of is given)
     stop: tuple[str, ...]
     seed: int | None
-    repetition_penalty: float
-    frequency_penalty: float
-    presence_penalty: float
-    logit_bias: tuple[tuple[int, float], ...]
-    best_of: int  # candidates per prompt (n unless best_of is given)
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: int | None  # alternatives per token; None: no logprobs object
     ignore_eos: bool  # an extra, as vLLM names it: decode past <|endoftext|>
-    grammar: Grammar | None  # response_format json_object or json_schema
 
 
 def require_model(model: str | None, served: str) -> None:
@@ -141,24 +137,34 @@ def sampling(
             message = "top_logprobs needs logprobs: true"
             raise ApiError(400, message, "top_logprobs", "invalid_value")
         logprobs = (r.top_logprobs or 0) if r.logprobs else None
+    try:
+        config = GenerationConfig.of(
+            max_new_tokens=max_tokens,
+            do_sample=True,  # OpenAI samples unless told otherwise; temperature 0 is greedy
+            temperature=r.temperature,
+            top_p=None if r.top_p == 0 else r.top_p,  # 0 keeps the likeliest token: top-k 1
+            top_k=1 if r.top_p == 0 else r.top_k,
+            repetition_penalty=r.repetition_penalty,
+            frequency_penalty=r.frequency_penalty,
+            presence_penalty=r.presence_penalty,
+            logit_bias=logit_bias(r.logit_bias, tokenizer.vocab_size),
+            num_return_sequences=n,
+            best_of=best_of,
+            grammar=grammar(r.response_format, tokenizer),
+        )
+    except GenerationError as error:
+        raise ApiError(400, str(error), code="invalid_value") from None
     return Sampling(
+        config=config.candidates()[0],
         max_tokens=max_tokens,
-        temperature=1.0 if r.temperature is None else r.temperature,
-        top_p=None if r.top_p == 0 else r.top_p,  # 0 keeps the likeliest token: top-k 1
-        top_k=1 if r.top_p == 0 else r.top_k,
         n=n,
+        best_of=best_of,
         stop=tuple(stop),
         seed=r.seed,
-        repetition_penalty=r.repetition_penalty or 1.0,
-        frequency_penalty=r.frequency_penalty or 0.0,
-        presence_penalty=r.presence_penalty or 0.0,
-        logit_bias=logit_bias(r.logit_bias, tokenizer.vocab_size),
-        best_of=best_of,
         stream=bool(r.stream),
         include_usage=bool(r.stream_options and r.stream_options.include_usage),
         logprobs=logprobs,
         ignore_eos=bool(r.ignore_eos),
-        grammar=grammar(r.response_format, tokenizer),
     )
 
 

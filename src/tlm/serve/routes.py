@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,7 +23,6 @@ from starlette.exceptions import HTTPException
 
 from tlm._version import __version__
 from tlm.chat import END, PLAIN_STOP, plain_prompt, speaks
-from tlm.generate import GenerationConfig
 from tlm.interpret.report import inspect_prompt
 from tlm.interpret.report import page as filled_page
 from tlm.serve import explain
@@ -301,22 +301,9 @@ async def until_gone(request: Request, answer, engine: Engine, started: list[Job
 
 
 def jobs(server: Server, texts: list, s: Sampling, extra_stop, queue, loop, ends=()) -> list[Job]:
-    config = GenerationConfig.of(  # OpenAI samples unless told otherwise; 0 is greedy
-        max_new_tokens=s.max_tokens,
-        do_sample=True,
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        repetition_penalty=s.repetition_penalty,
-        frequency_penalty=s.frequency_penalty,
-        presence_penalty=s.presence_penalty,
-        logit_bias=s.logit_bias,
-        num_return_sequences=s.n,
-        best_of=s.best_of,
-        eos_token_id=None if s.ignore_eos else (server.engine.tokenizer.eot_id, *ends),
-        grammar=s.grammar,
-    )
-    config, _ = config.candidates()  # every candidate decoded; the best n are answered
+    config = s.config  # every candidate decoded; the best n are answered
+    if not s.ignore_eos:
+        config = replace(config, eos_token_id=(server.engine.tokenizer.eot_id, *ends))
     out = []
     for p, text in enumerate(texts):
 
