@@ -16,6 +16,9 @@ from tlm.inference import for_inference
 from tlm.load import load_model, load_tokenizer
 
 KEY = "test-key"
+# seconds a server gets to free its rows or its queue: far more than a loaded 2-core host
+# needs, far less than the million tokens the requests of these tests ask for would take
+SETTLE = 60
 ARTIFACTS = Path(__file__).resolve().parents[1] / "out" / "test-artifacts"  # screenshots
 CHAT = (  # three turns: the model learns to write "\nUser:" after a reply
     "System: Be brief.\nUser: for?\nAssistant: It runs a block.\nUser: while?\nAssistant: Again."
@@ -74,3 +77,13 @@ def post(url, body, key=KEY, raw=None):
 def health(url):
     with urllib.request.urlopen(url + "/health", timeout=5) as response:
         return json.loads(response.read())
+
+
+def eventually(condition, within: float = SETTLE) -> bool:
+    """Whether `condition()` holds within `within` seconds (asked every 50 ms)."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 
-from serving import KEY, TEXT, health, local, post, start
+from serving import KEY, SETTLE, TEXT, eventually, health, local, post, start
 from tlm.load import load_model, load_tokenizer
 
 pytestmark = pytest.mark.slow  # every test here starts processes or a server
@@ -96,8 +96,10 @@ def test_chat_renders_the_template_and_stops_at_the_next_turn(client, run):
 
 
 def test_greedy_is_unchanged_while_eight_other_requests_decode(client, run):
+    """Greedy's text with eight sampled streams decoding beside it: they must be seen
+    decoding (a chunk arrives) while it is in flight, or the test proves nothing."""
     expected = local(run, "The while", 40).text
-    others = []
+    others, chunks, started = [], [], threading.Semaphore(0)
 
     def busy(i):
         stream = client.completions.create(
@@ -108,17 +110,28 @@ def test_greedy_is_unchanged_while_eight_other_requests_decode(client, run):
             top_p=0.9,
             seed=i,
             stream=True,
+            extra_body={"ignore_eos": True},
         )
-        others.append("".join(c.choices[0].text for c in stream))
+        text = []
+        for c in stream:
+            if not text:
+                started.release()
+            chunks.append(time.monotonic())
+            text.append(c.choices[0].text)
+        others.append("".join(text))
 
     threads = [threading.Thread(target=busy, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
-    time.sleep(0.2)
+    for _ in range(4):  # the server's 4 slots are decoding others
+        assert started.acquire(timeout=SETTLE)
+    began = time.monotonic()
     got = client.completions.create(model="run", prompt="The while", max_tokens=40, temperature=0)
+    ended = time.monotonic()
     for t in threads:
         t.join()
     assert got.choices[0].text == expected and len(others) == 8
+    assert any(began < at < ended for at in chunks)  # others decoded while greedy did
 
 
 @pytest.mark.parametrize(
@@ -168,11 +181,9 @@ def test_a_full_queue_answers_429_with_retry_after(run):
         assert status == 400 and answer["error"]["param"] == "n"  # could never fit
         for stream in streams:
             stream.close()
-        deadline = time.monotonic() + 2  # the closed streams leave; retry as Retry-After says
-        while (got := post(url + "/v1/completions", {"prompt": "a", "max_tokens": 2})[0]) == 429:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert got == 200
+        answered = lambda: post(url + "/v1/completions", {"prompt": "a", "max_tokens": 2})[0]  # noqa: E731
+        assert eventually(lambda: answered() != 429)  # the closed streams leave; retry
+        assert answered() == 200
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -186,10 +197,7 @@ def test_a_client_that_goes_away_frees_its_slot(client, server):
         pass
     assert health(server)["busy"] == 1
     stream.close()  # a million tokens to go: only the cancel can free the slot in time
-    deadline = time.monotonic() + 1
-    while health(server)["busy"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    assert eventually(lambda: health(server)["busy"] == 0)
 
 
 def test_32_streaming_clients_five_requests_each_all_complete(client, server):
