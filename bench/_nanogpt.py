@@ -13,7 +13,7 @@ What a reader of the figures must know about nanoGPT's train.py (checked at comm
 
 - On a CPU it trains in fp32 on every host: its `dtype` default is 'float16' when CUDA is
   absent, but its autocast context is `nullcontext()` for device 'cpu', and its GradScaler
-  (CUDA's) disables itself with a warning. tlm's `--dtype auto` takes bf16 where the CPU has
+  (CUDA's) disables itself with a warning. tlm's `--precision auto` takes bf16 where the CPU has
   bf16 units; each tlm figure names its precision.
 - Optimizer: both AdamW, betas (0.9, 0.99), weight decay 0.1, clip 1.0, lr 1e-3 to 1e-4 by a
   cosine after 100 warm-up steps. nanoGPT's is the foreach AdamW (fused only on CUDA) and
@@ -105,7 +105,7 @@ class Shape:
             f"--n-layers {self.n_layers} --n-heads {self.n_heads} --d-model {self.d_model} "
             f"--context-length {self.context} --batch-size {self.batch} --dropout 0 --bias false "
             f"--max-steps {self.steps} --lr 1e-3 --min-lr 1e-4 --warmup-steps 100 "
-            f"--eval-interval {self.steps} --eval-tokens 4096 --log-interval 1 --dtype {dtype}"
+            f"--eval-interval {self.steps} --eval-tokens 4096 --log-interval 1 --precision {dtype}"
         )
 
 
@@ -126,7 +126,7 @@ class TlmSide:
     train: str
     evaluate: str
     recipes: dict[str, str]
-    dtype: str = "auto"  # every tlm run's --dtype (float32: what a host without bf16 runs)
+    dtype: str = "auto"  # every tlm run's --precision (float32: what a host without bf16 runs)
 
 
 def shrink(flags: str, factor: int) -> str:
@@ -194,7 +194,7 @@ def tlm_rate(run: Path) -> float:
 
 
 def precision(run: Path) -> str:
-    """The precision `--dtype auto` chose for a tlm run."""
+    """The precision `--precision auto` chose for a tlm run."""
     return json.loads((run / "config.json").read_text())["precision"]["dtype"]
 
 
@@ -262,7 +262,7 @@ def tlm_recipe(tlm: TlmSide, name: str, factor: int) -> tuple[float, float, floa
     training seconds, the whole command's seconds) and prints them."""
     run = f"nanogpt_{name}"
     shutil.rmtree(tlm.work / "runs" / run, ignore_errors=True)
-    flags = shrink(tlm.recipes[name], factor) + f" --dtype {tlm.dtype}"
+    flags = shrink(tlm.recipes[name], factor) + f" --precision {tlm.dtype}"
     _, wall = tlm.run(tlm.train.format(run=run) + flags)
     val = json.loads(tlm.run(tlm.evaluate.format(run=run))[0])["loss"]
     seconds = max(row["time"] for row in tlm_rows(tlm.work / "runs" / run))

@@ -11,7 +11,7 @@ early stop; tlm's `generate` (each step one replay of a CUDA graph, and with
 
 mfu: `tlm train` on the GPT-2 124M shape (12 layers, d 768, context 1024, vocabulary
 50304) over a corpus that fills such a vocabulary: the Python sources of the installed
-`transformers`' models (~10M tokens, prepared in the run), `--dtype auto` (bf16 autocast on
+`transformers`' models (~10M tokens, prepared in the run), `--precision auto` (bf16 autocast on
 CUDA), compiled and not; tokens/s from the training clock between two log
 lines after the compilation, × training FLOPs a token (6N plus attention,
 `flops_per_token`), over the bf16 matmul peak measured here (8192³).
@@ -111,7 +111,7 @@ def prepared_code(work: Path) -> None:
 GPT2_SHAPE = (
     "--n-layers 12 --n-heads 12 --d-model 768 --context-length 1024 "
     "--batch-size 16 --dropout 0 --max-steps 80 --eval-interval 80 --eval-tokens 16384 "
-    "--log-interval 10 --device cuda --dtype auto"
+    "--log-interval 10 --device cuda --precision auto"
 )
 
 
@@ -142,7 +142,7 @@ def part_mfu(work: Path) -> None:
 GPU_RECIPE = (
     "--n-layers 6 --n-heads 6 --d-model 384 --context-length 256 --batch-size 64 "
     "--lr 1e-3 --min-lr 1e-4 --warmup-steps 100 --beta2 0.99 --max-steps 5000 "
-    "--eval-interval 250 --eval-tokens 0 --device cuda --dtype auto --dropout 0.2"
+    "--eval-interval 250 --eval-tokens 0 --device cuda --precision auto --dropout 0.2"
 )
 RECIPES = {
     "nanoGPT's settings (AdamW, learned positions)": "",

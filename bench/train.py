@@ -14,7 +14,7 @@
                                                # bf16 trains, tokens/s and time to quality)
     python bench/train.py --part attention     # one layer's attention: tlm's kernel, PyTorch's
 
-Every recipe also prints its precision (`--dtype auto`'s choice on this host) and its MFU:
+Every recipe also prints its precision (`--precision auto`'s choice on this host) and its MFU:
 tokens/s × the model's training FLOPs a token (6N plus attention, `flops_per_token`) over
 the measured matmul peak of that precision. The host's CPU and flags come first.
 
@@ -186,7 +186,7 @@ NANOGPT_SHAPE += "--dropout 0 --max-steps 100"
 
 
 def part_anatomy(work: Path) -> None:
-    """A step of `tlm train` (--dtype auto and float32) beside its products and attention
+    """A step of `tlm train` (--precision auto and float32) beside its products and attention
     replayed alone (bench/_anatomy.py): the share of a step that is not the products."""
     from _anatomy import anatomy, describe, trainer_for
 
@@ -195,7 +195,7 @@ def part_anatomy(work: Path) -> None:
     for name, (flags, steps) in shapes.items():
         for dtype in ("auto", "float32"):
             with tempfile.TemporaryDirectory(dir=work) as folder:
-                trainer = trainer_for(f"{flags} --dtype {dtype}", data, Path(folder) / "run")
+                trainer = trainer_for(f"{flags} --precision {dtype}", data, Path(folder) / "run")
                 print(describe(name, str(trainer.precision), anatomy(trainer, steps)))
 
 
@@ -204,7 +204,7 @@ def part_nanogpt(
 ) -> None:
     """nanoGPT's own train.py beside tlm (issue 33, part 3; bench/_nanogpt.py): tokens/s on
     two shapes, alternating `rounds` times, and time to quality. `quick` divides every step
-    count by 20, for a check of the part in a minute or two; `dtype` is tlm's --dtype for
+    count by 20, for a check of the part in a minute or two; `dtype` is tlm's --precision for
     tokens/s (float32: what a host without bf16 units runs)."""
     from _nanogpt import TlmSide, compare
 
@@ -236,7 +236,7 @@ def main() -> None:
         "--tlm-dtype",
         default="auto",
         choices=["auto", "float32"],
-        help="--part nanogpt: every tlm run's --dtype (float32: what a host without bf16 runs)",
+        help="--part nanogpt: every tlm run's --precision (float32: what a host without bf16 runs)",
     )
     parser.add_argument(
         "--rounds",

@@ -183,7 +183,7 @@ def test_a_chat_run_interrupted_resumes_to_the_weights_of_an_uninterrupted_one(
 ):
     base, data = base_and_data
     args = ["train", "--init-from", str(base), "--data", str(data.folder), "--quiet"]
-    args += ["--dtype", "float32", "--max-steps", "8", "--eval-interval", "4"]
+    args += ["--precision", "float32", "--max-steps", "8", "--eval-interval", "4"]
     assert main([*args, "--out", str(tmp_path / "whole")]) == 0
     step = Trainer.train_step
 
@@ -207,7 +207,7 @@ def test_two_processes_fine_tune_as_one_with_the_same_global_batch(base_and_data
 
     base, data = base_and_data
     args = ["train", "--init-from", str(base), "--data", str(data.folder), "--quiet"]
-    args += ["--dtype", "float32", "--max-steps", "12", "--eval-interval", "6", "--lr", "3e-3"]
+    args += ["--precision", "float32", "--max-steps", "12", "--eval-interval", "6", "--lr", "3e-3"]
     assert main([*args, "--out", str(tmp_path / "one"), "--batch-size", "4"]) == 0
     out, _ = finish(
         torchrun(*args, "--out", str(tmp_path / "two"), "--batch-size", "1", "--grad-accum", "4")

@@ -68,9 +68,10 @@ def test_an_older_runs_attention_impl_is_ignored():
         ModelConfig(attention_impl="fused")  # not a field any more
 
 
-def test_the_training_precision_keeps_its_older_name_as_an_alias():
+def test_the_training_precision_keeps_its_older_name_as_an_alias(capsys):
     """TrainConfig.precision was `dtype`: old runs' config.json, TOML files and the
-    `--dtype` flag (nanoGPT's name) still set it."""
+    `--dtype` flag (nanoGPT's name) still set it; the flag says, in one line, that it is
+    `--precision` now (`--dtype` names the weight format a model is read in)."""
     import argparse
 
     from tlm.cli.args import add_config_flags, config_overrides
@@ -84,5 +85,8 @@ def test_the_training_precision_keeps_its_older_name_as_an_alias():
     for flag in ("--dtype", "--precision"):
         args = parser.parse_args([flag, "float32"])
         assert config_overrides(args, TrainConfig) == {"precision": "float32"}
+        said = capsys.readouterr().err.strip().splitlines()
+        moved = "tlm: --dtype is now --precision here (the training precision); --dtype names"
+        assert said == ([moved + " a weight format"] if flag == "--dtype" else [])
     with pytest.raises(ConfigError, match="precision must be one of"):
         TrainConfig(precision="float16")

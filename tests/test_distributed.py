@@ -30,7 +30,7 @@ ARGS += ["--batch-size", "2", "--grad-accum", "4"]  # a global batch of 8: 2 x 2
 ARGS += ["--warmup-steps", "10", "--lr", "3e-3"]
 ARGS += ["--checkpoint-interval", "10", "--eval-interval", "60", "--log-interval", "10"]
 ARGS += ["--max-steps", str(STEPS), "--dropout", "0", "--quiet"]
-ARGS += ["--dtype", "float32"]  # bf16's rounding would tell the all-reduce's order apart
+ARGS += ["--precision", "float32"]  # bf16's rounding would tell the all-reduce's order apart
 EVAL_TOKENS = 2 * 32 * 32 + 5  # validation: 3 batches (32, 32, 1 windows), uneven over 2 ranks
 ARGS += ["--eval-tokens", str(EVAL_TOKENS), "--keep-best"]
 

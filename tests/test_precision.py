@@ -1,5 +1,5 @@
-"""The training precision: `--dtype auto` is bf16 autocast on a CPU with bf16 units and fp32
-on one without (where `--dtype bfloat16` is refused); the choice is written down; bf16
+"""The training precision: `--precision auto` is bf16 autocast on a CPU with bf16 units and fp32
+on one without (where `--precision bfloat16` is refused); the choice is written down; bf16
 training follows fp32's loss curve and its model scores the same in either precision."""
 
 import json
@@ -48,13 +48,13 @@ def losses(run) -> list[float]:
 def test_auto_is_bf16_only_where_the_cpu_has_bf16_units(without_bf16):
     assert pick_precision("auto", CPU).dtype == torch.float32
     assert pick_precision("float32", CPU).dtype == torch.float32
-    with pytest.raises(ConfigError, match="no bf16 units .* use --dtype auto or float32"):
+    with pytest.raises(ConfigError, match="no bf16 units .* use --precision auto or float32"):
         pick_precision("bfloat16", CPU)
     assert pick_precision("auto", torch.device("cuda")).dtype == torch.bfloat16
 
 
 def test_an_avx512_host_held_to_avx2_has_no_bf16_units():
-    """ATEN_CPU_CAPABILITY=avx2 runs an AVX-512 host as an AVX2-only one: --dtype auto is
+    """ATEN_CPU_CAPABILITY=avx2 runs an AVX-512 host as an AVX2-only one: --precision auto is
     fp32 there, as on such a host (a fresh process: torch reads it when it starts)."""
     script = "from tlm.train.precision import bf16_units; print(bf16_units())"
     env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}
@@ -71,7 +71,7 @@ def test_auto_on_a_cpu_with_bf16_units_says_which(with_bf16):
 def test_bfloat16_on_a_cpu_without_units_is_one_line_and_writes_nothing(
     docs_chars, tmp_path, capsys, without_bf16
 ):
-    assert train(docs_chars, tmp_path / "run", "--max-steps", "2", "--dtype", "bfloat16") == 2
+    assert train(docs_chars, tmp_path / "run", "--max-steps", "2", "--precision", "bfloat16") == 2
     error = capsys.readouterr().err.strip()
     assert "no bf16 units" in error and "\n" not in error
     assert not (tmp_path / "run").exists()
@@ -79,7 +79,7 @@ def test_bfloat16_on_a_cpu_without_units_is_one_line_and_writes_nothing(
 
 def test_without_bf16_units_auto_is_fp32_exactly(docs_chars, tmp_path, without_bf16):
     assert train(docs_chars, tmp_path / "auto", "--max-steps", "10") == 0
-    assert train(docs_chars, tmp_path / "fp32", "--max-steps", "10", "--dtype", "float32") == 0
+    assert train(docs_chars, tmp_path / "fp32", "--max-steps", "10", "--precision", "float32") == 0
     assert losses(tmp_path / "auto") == losses(tmp_path / "fp32")
     config = json.loads((tmp_path / "auto" / "config.json").read_text())
     assert (

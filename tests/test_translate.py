@@ -167,7 +167,7 @@ def test_a_small_model_learns_to_translate_a_toy_language(tmp_path, capsys, gpt2
     `tlm prepare --task translate` and `tlm train`, the run translates held-out sentences.
     700 steps in fp32: seeds 0-5 with 1 and 2 threads all translate 4/4 (chrF 100); at 400
     steps one of them fell to chrF 85.8 here and another host saw 60.7. In bf16 autocast
-    (`--dtype auto` on a CPU with bf16 units) seed 1337 reached chrF 60.7 at 700 steps, 0
+    (`--precision auto` on a CPU with bf16 units) seed 1337 reached chrF 60.7 at 700 steps, 0
     and 1 100: the test pins fp32, where its margin was measured."""
     rng = random.Random(0)
     src, tgt = [], []
@@ -184,7 +184,7 @@ def test_a_small_model_learns_to_translate_a_toy_language(tmp_path, capsys, gpt2
     args = ["--d-model", "64", "--n-heads", "4", "--n-layers", "2", "--d-ff", "128"]
     args += ["--context-length", "16", "--batch-tokens", "256", "--lr", "0.3", "--warmup-steps"]
     args += ["60", "--max-steps", "700", "--dropout", "0", "--eval-interval", "350", "--quiet"]
-    args += ["--dtype", "float32"]
+    args += ["--precision", "float32"]
     assert main(["train", "--data", str(data), "--out", str(run), *args]) == 0
     model, tok = load_model(run), load_tokenizer(run)
     held_out = ["sun dog", "cup red pen", "hat", "sky big"]

@@ -277,7 +277,7 @@ class TrainConfig:
     checkpoint_interval: int | None = None
     seed: int = 1337
     device: str = "auto"
-    precision: str = "auto"  # --dtype on the command line: float32, or bf16 autocast
+    precision: str = "auto"  # --precision: float32, or bf16 autocast
     compile: bool = False
     init_from: str | None = None
     schedule: str = "cosine"

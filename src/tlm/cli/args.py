@@ -33,7 +33,19 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-ALIASES = {"precision": ("--dtype",)}  # the flag a user of nanoGPT knows for it
+# a field's old flag: it still works, with a line that names the new one (--dtype names the
+# weight format a model is read in, everywhere else: one meaning per name)
+DEPRECATED = {"precision": "--dtype"}
+
+
+class Deprecated(argparse.Action):
+    """An old spelling of a flag: sets the same field and says, once, what it is now."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        now = flag(self.dest)
+        print(f"tlm: {option_string} is now {now} here (the training precision); "
+              f"{option_string} names a weight format", file=sys.stderr)  # fmt: skip
+        setattr(namespace, self.dest, values)
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
@@ -46,9 +58,12 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> 
         kinds = getattr(hints[field.name], "__args__", (hints[field.name],))
         kind = "|".join(k.__name__ for k in kinds if k is not type(None))
         switch = {"nargs": "?", "const": "true"} if kinds == (bool,) else {}
+        if field.name in DEPRECATED:
+            group.add_argument(
+                DEPRECATED[field.name], dest=field.name, action=Deprecated, help=argparse.SUPPRESS
+            )
         group.add_argument(
             flag(field.name),
-            *ALIASES.get(field.name, ()),
             dest=field.name,
             default=None,
             metavar=kind.upper(),

@@ -6,7 +6,7 @@ and a quarter of nanoGPT's 6-layer step (docs/benchmarks-history.md). `attention
 same equations with AVX512_BF16's dot products, adding in fp32: the scores, the softmax, the
 output and every gradient stay fp32, and only the pattern α and its gradient are rounded to
 bf16 to enter their products. `attention32.c` computes them all in fp32 with the vector
-width the compiler has (AVX2, AVX-512, NEON): an fp32 run, what `--dtype auto` trains on
+width the compiler has (AVX2, AVX-512, NEON): an fp32 run, what `--precision auto` trains on
 a CPU without bf16 units. `causal_attention` takes the place of `attention_fused`
 (`model.attention.use_attention_kernel`; `train/opening.py` sets it for training on a CPU)
 and runs a kernel where one applies: a CPU under bf16 autocast (a library built with

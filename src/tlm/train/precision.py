@@ -1,13 +1,13 @@
 """The training precision: fp32, or bf16 autocast where the hardware multiplies bf16 itself.
 
-`--dtype auto` (the default) trains in bf16 autocast on a CUDA device and on a CPU with its
+`--precision auto` (the default) trains in bf16 autocast on a CUDA device and on a CPU with its
 own bf16 units (AVX512_BF16 or AMX, as PyTorch finds them at run time), in fp32 elsewhere.
 Autocast keeps the weights, the optimizer and the loss in fp32 and runs the products in
 bf16: on a CPU with AVX512_BF16 a 4096×768 by 768×3072 product runs 2.1-2.5× (this
 project's AVX-512 EPYC hosts) to 4.2× (a Zen 5) faster than in fp32; attention runs in
 tlm's own kernel there (`inference/attention.py`: bf16 products adding in fp32, 2.4×
 PyTorch's fp32 kernel), which `open_run` sets. On a CPU without such units a bf16 product
-is emulated (1 GFLOP/s against 91 in fp32 on an AVX2 host), so there `--dtype bfloat16` is
+is emulated (1 GFLOP/s against 91 in fp32 on an AVX2 host), so there `--precision bfloat16` is
 refused in one line instead of training 20× slower without a word. Muon's Newton–Schulz
 iteration runs in the same precision.
 """
@@ -57,9 +57,9 @@ def bf16_units() -> str | None:
 
 
 def pick_precision(name: str, device: torch.device) -> Precision:
-    """The precision of `--dtype NAME` (auto, float32, bfloat16) on `device`."""
+    """The precision of `--precision NAME` (auto, float32, bfloat16) on `device`."""
     if name == "float32":
-        return Precision(torch.float32, "as asked (--dtype float32)")
+        return Precision(torch.float32, "as asked (--precision float32)")
     if device.type == "cuda":
         why = "as asked" if name == "bfloat16" else "the default on a GPU"
         return Precision(torch.bfloat16, why)
@@ -67,8 +67,8 @@ def pick_precision(name: str, device: torch.device) -> Precision:
     if name == "bfloat16":
         if device.type == "cpu" and units is None:
             raise ConfigError(
-                "--dtype bfloat16: this CPU has no bf16 units (no AVX512_BF16 or AMX), so "
-                "every bf16 product is emulated, 20x or more slower than fp32; use --dtype "
+                "--precision bfloat16: this CPU has no bf16 units (no AVX512_BF16 or AMX), so "
+                "every bf16 product is emulated, 20x or more slower than fp32; use --precision "
                 "auto or float32"
             )
         return Precision(torch.bfloat16, f"as asked, on {units or device.type}")
