@@ -6,7 +6,7 @@ import torch
 
 from tlm.generate import GenerationConfig
 from tlm.generate.slots import Slots
-from tlm.inference.threads import Threads
+from tlm.inference.threads import Threads, on_threads
 
 
 def run(threads: Threads, seconds: dict[int, float], steps: int, kind=(1, 1)) -> list[int]:
@@ -97,3 +97,12 @@ def test_a_step_runs_on_the_chosen_count_and_gives_the_callers_back(make_model):
     with pytest.raises(ZeroDivisionError):
         slots.step()
     assert torch.get_num_threads() == before
+
+
+def test_a_decode_sets_the_thread_count_for_its_block_and_gives_it_back():
+    before = torch.get_num_threads()
+    other = 1 if before > 1 else 2  # a count that differs from the caller's
+    with pytest.raises(RuntimeError), on_threads(other):
+        assert torch.get_num_threads() == other
+        raise RuntimeError("a step that fails")
+    assert torch.get_num_threads() == before  # restored however the block ended

@@ -35,7 +35,7 @@ from tlm.generate.constrain import Matcher
 from tlm.generate.sampling import GenerationError, choose, greedy_logprob
 from tlm.inference import InferenceLM, SlotCache, decoding_step, for_decoding
 from tlm.inference.step import could_step, listening, slot_step
-from tlm.inference.threads import Threads
+from tlm.inference.threads import Threads, on_threads
 
 
 @dataclass(eq=False)  # compared and hashed by identity
@@ -177,10 +177,8 @@ class Slots:
         one_each = len(tokens) == len(feeds)  # every row feeds one token: a decoding step
         picks = None  # greedy's choices, where the step made them
         count = self.threads.count_for((len(slots), len(tokens)))
-        if count != self.threads.most:
-            torch.set_num_threads(count)
         started = time.perf_counter()
-        try:
+        with on_threads(count):  # back to the caller's setting, always
             if one_each and self.stepped and not listening(self.model):  # step.can_step
                 greedy = all(_plain_greedy(self.rows[slot]) for slot in slots)
                 logits, picks = slot_step(self.model, self.cache, slots, tokens, greedy)
@@ -189,9 +187,6 @@ class Slots:
                 with decoding_step(self.model, len(feeds)) if one_each else torch.no_grad():
                     fed = self.cache.feed(slots, [len(feed) for feed in feeds])
                     logits = self.model(ids[None], fed, last_only=True)[0]  # [rows,V]
-        finally:
-            if count != self.threads.most:
-                torch.set_num_threads(self.threads.most)  # the caller's setting, always
         self.threads.took(time.perf_counter() - started)
         picks = picks or [None] * len(slots)
         rows = enumerate(zip(slots, picks, strict=True))  # a row's logits taken where needed

@@ -23,13 +23,11 @@ torch's product.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from torch import Tensor
 
 from tlm.inference import native
+from tlm.inference.threads import on_threads
 
 
 def product(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
@@ -67,12 +65,6 @@ def needs_one_thread() -> bool:
     return not native.threaded()
 
 
-@contextmanager
-def torch_on_one_thread() -> Iterator[None]:
+def torch_on_one_thread():
     """torch's pool at one thread for the block (numpy's BLAS has the cores), then back."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return on_threads(1)

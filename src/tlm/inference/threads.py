@@ -23,10 +23,26 @@ context or a batch that changes size does not pass for a change of load.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 RECENT = 5  # steps on the kept count that a probe is compared with
+
+
+@contextmanager
+def on_threads(count: int) -> Iterator[None]:
+    """torch's pool at `count` threads for the block, then back to the caller's setting,
+    whatever happens in it: the one place a decode changes torch's thread count."""
+    before = torch.get_num_threads()
+    if count != before:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if count != before:
+            torch.set_num_threads(before)
 
 
 class Threads:
