@@ -68,12 +68,15 @@ def test_sharegpt_jsonl_and_parquet_give_the_same_tokens(tmp_path):
     openai = write_jsonl(tmp_path / "a.jsonl", [{"messages": m} for m in CHATS])
     shared = write_jsonl(tmp_path / "b.jsonl", [sharegpt(m) for m in CHATS])
     pq.write_table(pa.table({"messages": CHATS}), tmp_path / "c.parquet", row_group_size=2)
+    turns = [sharegpt(m)["conversations"] for m in CHATS]
+    pq.write_table(pa.table({"conversations": turns}), tmp_path / "d.parquet")
     folders = []
-    for name, source in [("a", openai), ("b", shared), ("c", tmp_path / "c.parquet")]:
+    sources = [("a", openai), ("b", shared), ("c", tmp_path / "c.parquet")]
+    for name, source in [*sources, ("d", tmp_path / "d.parquet")]:
         prepare_chat([str(source)], tmp_path / name, tokenizer="bpe", vocab_size=280)
         folders.append(tmp_path / name)
     tokens = [[conversations_of(ChatData(f), split) for split in ("train", "val")] for f in folders]
-    assert tokens[0] == tokens[1] == tokens[2]
+    assert tokens[0] == tokens[1] == tokens[2] == tokens[3]
 
 
 @pytest.mark.parametrize(
