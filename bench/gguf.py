@@ -196,7 +196,7 @@ def part_chat(llama, run: Path, data: Path, files, questions: int, threads: int)
         return
     T, config = model.config.context_length, GenerationConfig(max_new_tokens=48)
     asks = [asked(c)[0] for c in held_out(chats, "val", questions)]
-    prompts = [chat_prompt(m, tokenizer, T, reply_room(config, T)) for m in asks]
+    prompts = [chat_prompt(m, tokenizer, T, reply_room(config.max_new_tokens, T)) for m in asks]
     ours = replies(model, tokenizer, prompts, config)
     print(f"chat: {len(asks)} held-out questions, greedy, at most 48 tokens a reply")
     print("llama.cpp  same reply as tlm chat   both ended their turn")

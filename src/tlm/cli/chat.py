@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 def say(model, tokenizer, messages: list[dict[str, str]], config: GenerationConfig):
     """Stream the reply to `messages` to stdout; returns (its text, turns dropped)."""
     T = model.config.context_length
-    prompt = chat_prompt(messages, tokenizer, T, reply_room(config, T))
+    prompt = chat_prompt(messages, tokenizer, T, reply_room(config.max_new_tokens, T))
     if prompt.dropped:
         print(
             f"(the context of {T} tokens is full: the oldest {prompt.dropped} turns are dropped)",

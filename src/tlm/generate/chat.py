@@ -32,10 +32,10 @@ class Prompt:
     dropped: int = 0
 
 
-def reply_room(config: GenerationConfig, context_length: int) -> int:
+def reply_room(max_new_tokens: int, context_length: int) -> int:
     """Positions a prompt leaves for the reply: max_new_tokens, at most half the context
     (a longer reply slides the window as any generation does)."""
-    return min(config.max_new_tokens, context_length // 2)
+    return min(max_new_tokens, context_length // 2)
 
 
 def chat_prompt(

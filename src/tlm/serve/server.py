@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 
 from tlm.chat import ChatError
 from tlm.generate import window_start
-from tlm.generate.chat import Prompt, chat_prompt
+from tlm.generate.chat import Prompt, chat_prompt, reply_room
 from tlm.serve.engine import Engine
 from tlm.serve.metrics import Metrics
 from tlm.serve.openai import ApiError
@@ -93,8 +93,7 @@ def chat_ids(server: Server, messages: list[dict[str, str]], max_tokens: int) ->
     oldest turns dropped until `max_tokens`, at most half the context, are left for the
     reply), or a 400 naming the rule it breaks."""
     try:
-        return chat_prompt(
-            messages, server.engine.tokenizer, server.context, min(max_tokens, server.context // 2)
-        )
+        room = reply_room(max_tokens, server.context)
+        return chat_prompt(messages, server.engine.tokenizer, server.context, room)
     except (ChatError, TokenizerError) as error:
         raise ApiError(400, str(error), "messages", "invalid_value") from None

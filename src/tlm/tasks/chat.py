@@ -19,7 +19,6 @@ tokens.
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -30,7 +29,7 @@ from torch import nn
 from tlm.chat import END, PLAIN_STOP, ChatError, parse, plain_prompt, speaks
 from tlm.data.tokens import ChatData
 from tlm.generate import GenerationConfig
-from tlm.generate.chat import chat_prompt, replies, reply_room
+from tlm.generate.chat import Prompt, chat_prompt, replies, reply_room
 from tlm.generate.text import complete_tokens
 from tlm.model.loss import IGNORE
 from tlm.tokenizer import Tokenizer, document_ids, load_tokenizer
@@ -41,15 +40,10 @@ EXAMPLES = 3  # the base model's examples
 
 def held_out(data: ChatData, split: str, limit: int | None) -> list[list[dict[str, str]]]:
     """The conversations of `split` as messages, the first `limit` of them."""
-    tokenizer = data_tokenizer(data)
+    tokenizer = load_tokenizer(data.folder)
     tokens, offsets = data.split(split), data.offsets(split)
     count = len(offsets) - 1 if limit is None else min(limit, len(offsets) - 1)
     return [parse(tokens[offsets[i] : offsets[i + 1]].tolist(), tokenizer) for i in range(count)]
-
-
-@functools.cache  # one data folder's tokenizer, read once
-def data_tokenizer(data: ChatData) -> Tokenizer:
-    return load_tokenizer(data.folder)
 
 
 def asked(conversation: list[dict[str, str]]) -> tuple[list[dict[str, str]], str]:
@@ -61,7 +55,7 @@ def asked(conversation: list[dict[str, str]]) -> tuple[list[dict[str, str]], str
 @torch.no_grad()
 def chat_loss(model: nn.Module, data: ChatData, split: str) -> float:
     """Mean loss per learned token of the split, each conversation as training packs it."""
-    tokenizer = data_tokenizer(data)
+    tokenizer = load_tokenizer(data.folder)
     T = model.config.context_length
     packed = pack(data, split, T, tokenizer.special_id(END), tokenizer.eot_id)
     device = next(model.parameters()).device
@@ -87,18 +81,24 @@ def evaluate_chat(
     """Loss (assistants only), stop rate and chrF of greedy replies to the held-out
     conversations of `data` (the first `limit`); `examples` of them returned as shown."""
     started = time.perf_counter()
+    T, config = model.config.context_length, GenerationConfig(max_new_tokens=max_new_tokens)
     every = held_out(data, split, limit)
-    conversations = [c for c in every if askable(c, data, model.config.context_length)]
-    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    theirs = load_tokenizer(data.folder)  # the data's: the template's tokens
+    prompts = [
+        template_prompt(asked(c)[0], theirs, T, reply_room(config.max_new_tokens, T)) for c in every
+    ]
+    conversations = [c for c, p in zip(every, prompts, strict=True) if p is not None]
+    prompts = [p for p in prompts if p is not None]
     assistant = speaks(tokenizer)
-    answers, stopped, references = [], [], []
+    shots = [] if assistant else shortest(data, EXAMPLES)
+    answers, stopped, references = [], [], [asked(c)[1] for c in conversations]
     for i in range(0, len(conversations), batch_size):
-        part = [asked(c) for c in conversations[i : i + batch_size]]
-        references += [reference for _, reference in part]
         if assistant:
-            got = assistant_replies(model, tokenizer, [m for m, _ in part], config)
+            got = replies(model, tokenizer, prompts[i : i + batch_size], config)
+            got = [(c.text, c.finish_reason == "eos") for c in got]
         else:
-            got = base_replies(model, tokenizer, data, [m for m, _ in part], config)
+            part = [asked(c)[0] for c in conversations[i : i + batch_size]]
+            got = base_replies(model, tokenizer, shots, part, config)
         answers += [text for text, _ in got]
         stopped += [ended for _, ended in got]
     results = {
@@ -118,34 +118,23 @@ def evaluate_chat(
     return results
 
 
-def askable(conversation: list[dict[str, str]], data: ChatData, T: int) -> bool:
-    """Whether the conversation's last question fits the context with the template."""
-    try:
-        chat_prompt(asked(conversation)[0], data_tokenizer(data), T, 1)
-        return True
-    except ChatError:
-        return False
-
-
-def assistant_replies(model, tokenizer, conversations, config) -> list[tuple[str, bool]]:
-    """(reply, whether it ended its turn) for each conversation, with the template: the
-    prompt leaves `reply_room` for the reply where it can, else one position (the reply
-    then slides the window, as any generation past the context)."""
-    T, prompts = model.config.context_length, []
-    for messages in conversations:
+def template_prompt(messages, tokenizer: Tokenizer, T: int, room: int) -> Prompt | None:
+    """The template's prompt of a conversation, leaving `room` positions for the reply where
+    it can, else one (the reply then slides the window, as any generation past the
+    context); None where even the last question does not fit the context."""
+    for left in (room, 1):
         try:
-            prompts.append(chat_prompt(messages, tokenizer, T, reply_room(config, T)))
+            return chat_prompt(messages, tokenizer, T, left)
         except ChatError:
-            prompts.append(chat_prompt(messages, tokenizer, T, 1))
-    return [(c.text, c.finish_reason == "eos") for c in replies(model, tokenizer, prompts, config)]
+            continue
+    return None
 
 
-def base_replies(model, tokenizer, data, conversations, config) -> list[tuple[str, bool]]:
+def base_replies(model, tokenizer, shots, conversations, config) -> list[tuple[str, bool]]:
     """(reply, whether it stopped) for each conversation, in the plain template after the
-    examples that fit."""
-    shots = shortest(data, EXAMPLES)
+    examples (`shots`) that fit."""
     T, eos = model.config.context_length, (tokenizer.eot_id,)
-    room = reply_room(config, T)
+    room = reply_room(config.max_new_tokens, T)
     rows = []
     for messages in conversations:
         for k in range(len(shots), -1, -1):  # drop examples until the prompt fits
@@ -165,7 +154,7 @@ def shortest(data: ChatData, k: int) -> list[list[dict[str, str]]]:
     last, so that the examples show more than one kind of question."""
     offsets = data.offsets("train")
     lengths = offsets[1:] - offsets[:-1]
-    tokenizer, tokens, found = data_tokenizer(data), data.split("train"), {}
+    tokenizer, tokens, found = load_tokenizer(data.folder), data.split("train"), {}
     for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
         messages = parse(tokens[offsets[i] : offsets[i + 1]].tolist(), tokenizer)
         if [m["role"] for m in messages] == ["user", "assistant"]:
