@@ -11,7 +11,7 @@ import torch
 
 from tlm import ModelConfig, TransformerLM
 from tlm.generate import GenerationConfig, generate
-from tlm.inference import blas
+from tlm.inference import Decoder, blas
 from tlm.interop.gpt2 import gpt2_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,15 +48,18 @@ def tlm_rate(
     new: int,
     use_cache: bool = True,
     prompt: int = PROMPT,
+    decoder: Decoder | None = None,
     **settings,
 ) -> float:
     """Tokens/s of greedy `generate` from random prompts, on the model's device; `settings`
-    go to `GenerationConfig` (bench/gpu.py: cuda_graph)."""
+    go to `GenerationConfig` (bench/gpu.py: cuda_graph). A caller that measures one model
+    again and again passes its `decoder`, as a program that generates again and again
+    keeps one (its thread choice, its prepared step, its recorded CUDA graph)."""
     device = next(model.parameters()).device
     ids = torch.randint(0, GPT2["vocab_size"], (batch, prompt), device=device)
     config = GenerationConfig(max_new_tokens=new, use_cache=use_cache, **settings)
     steps = []
-    elapsed = timed(lambda: steps.extend(generate(model, ids, config)), device)
+    elapsed = timed(lambda: steps.extend(generate(model, ids, config, decoder=decoder)), device)
     return batch * len(steps) / elapsed
 
 

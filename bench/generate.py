@@ -23,6 +23,7 @@ import itertools
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -42,26 +43,27 @@ from _peers import host
 
 from tlm import ModelConfig, TransformerLM, load_model
 from tlm.generate import generate
-from tlm.inference import decoding_step, for_decoding, for_inference, native, program
-from tlm.inference.step import layers_of
+from tlm.inference import Decoder, blas, for_inference, native
+from tlm.inference.threads import on_threads
 from tlm.model.kv_cache import KVCache
 
 
 def part_peer(rounds: int) -> None:
     ours, theirs = for_inference(tlm_gpt2(), "float32"), hf_gpt2()
-    tlm_rate(ours, 1, 4), hf_rate(theirs, 1, 4)  # warm up
+    ours = Decoder(ours)  # kept across the calls, as a program that generates again keeps it
+    tlm_rate(ours.model, 1, 4, decoder=ours), hf_rate(theirs, 1, 4)  # warm up
     print("GPT-2 124M shape, fp32, greedy, prompt 32; tokens/s (median of alternating rounds)")
     for batch, new in [(1, 128), (8, 128), (1, 512), (8, 512)]:
         rates = alternate(ours, theirs, batch, new, rounds if new <= 128 else max(1, rounds - 1))
         print(f"  batch {batch}, {new:3d} new: {rates}")
 
 
-def alternate(ours: TransformerLM, theirs, batch: int, new: int, rounds: int) -> str:
+def alternate(ours: Decoder, theirs, batch: int, new: int, rounds: int) -> str:
     """tok/s of each side, alternating rounds (so drifts in machine speed hit both), medians."""
     a, b = [], []
     for _ in range(rounds):
         b.append(hf_rate(theirs, batch, new))
-        a.append(tlm_rate(ours, batch, new))
+        a.append(tlm_rate(ours.model, batch, new, decoder=ours))
     mine, peer = statistics.median(a), statistics.median(b)
     return f"tlm {mine:6.1f}, transformers {peer:6.1f}, ratio {mine / peer:.2f}x"
 
@@ -84,7 +86,8 @@ def part_cache(rounds: int) -> None:
     step, full = statistics.median(cached), statistics.median(recomputed)
     times = f"cached step {step * 1e3:.1f} ms, recomputing the window {full * 1e3:.0f} ms"
     print(f"token 1024: {times}: the cache is {full / step:.0f}x faster")
-    with_cache, without = tlm_rate(model, 1, 128), tlm_rate(model, 1, 128, use_cache=False)
+    with_cache = tlm_rate(model, 1, 128, decoder=Decoder(model))
+    without = tlm_rate(model, 1, 128, use_cache=False)
     print(f"128 new tokens, batch 1: {with_cache:.1f} tok/s with the cache, {without:.1f} without")
 
 
@@ -96,8 +99,9 @@ def part_dtypes(rounds: int, work: Path) -> None:
     print("weights     batch 1 tok/s   batch 8 tok/s   validation loss (small trained model)")
     for dtype in ("float32", "float16", "bfloat16", "int8"):
         model = for_inference(tlm_gpt2(), dtype)
-        one = statistics.median(tlm_rate(model, 1, 128) for _ in range(rounds))
-        eight = statistics.median(tlm_rate(model, 8, 128) for _ in range(rounds))
+        decoder = Decoder(model)
+        one = statistics.median(tlm_rate(model, 1, 128, decoder=decoder) for _ in range(rounds))
+        eight = statistics.median(tlm_rate(model, 8, 128, decoder=decoder) for _ in range(rounds))
         small = for_inference(load_model(run), dtype)
         loss = evaluate_tokens(small, data.split("val"), load_tokenizer(run).token_bytes())["loss"]
         print(f"  {dtype:9s} {one:13.1f} {eight:15.1f}   {loss:.4f}")
@@ -170,15 +174,17 @@ def part_limit(rounds: int, work: Path) -> None:
     smallest = min(weight_bytes(model.config, fmt) for fmt, model in models.items())
     rows = {}
     for fmt, model in models.items():
-        tlm_rate(model, 1, 4)
+        decoder = Decoder(model)
+        tlm_rate(model, 1, 4, decoder=decoder)
         rates, prompts, steps, products = [], [], [], []
         for _ in range(rounds):
-            rates.append(tlm_rate(model, 1, 64))
-            prompt, step = token_times(model, 64)
-            prompts.append(prompt), steps.append(step), products.append(products_only(model))
-        eight, many = tlm_rate(model, 8, 32), tlm_rate(model, 32, 32)
+            rates.append(tlm_rate(model, 1, 64, decoder=decoder))
+            prompt, step = token_times(decoder, 64)
+            prompts.append(prompt), steps.append(step), products.append(products_only(decoder))
+        eight = tlm_rate(model, 8, 32, decoder=decoder)
+        many = tlm_rate(model, 32, 32, decoder=decoder)
         medians = [statistics.median(v) for v in (rates, prompts, steps, products)]
-        rows[fmt] = (*medians, eight, many, step_at(model, 1024))
+        rows[fmt] = (*medians, eight, many, step_at(decoder, 1024))
     readers = read_bandwidth(threads, smallest)
     for fmt, row in rows.items():  # bytes over seconds of the products alone
         readers[f"{fmt} products"] = weight_bytes(models[fmt].config, fmt) / row[3]
@@ -207,12 +213,13 @@ def part_limit(rounds: int, work: Path) -> None:
     print(f"transformers fp32 batch 1: {hf:.1f} tok/s")
 
 
-def token_times(model: TransformerLM, new: int) -> tuple[float, float]:
+def token_times(decoder: Decoder, new: int) -> tuple[float, float]:
     """(seconds to the first token, the median seconds from one token to the next) of
     batch-1 greedy `generate` from a random 32-token prompt."""
     ids = torch.randint(0, GPT2["vocab_size"], (1, PROMPT))
     started = time.perf_counter()
-    stamps = [time.perf_counter() for _ in generate(model, ids, max_new_tokens=new)]
+    steps = generate(decoder.model, ids, max_new_tokens=new, decoder=decoder)
+    stamps = [time.perf_counter() for _ in steps]
     return stamps[0] - started, statistics.median(b - a for a, b in itertools.pairwise(stamps))
 
 
@@ -243,26 +250,27 @@ def part_ggml(rounds: int, work: Path, source: Path | None) -> None:
     print("tlm format   ggml type   tlm tok/s   ggml tok/s   tlm / ggml")
     pairs = {"float32": "f32", "float16": "f16", "int8": "q8_0"}
     for fmt, model in user_models(folder).items():
-        ours, theirs = [], []
-        tlm_rate(model, 1, 4, prompt=1)
+        ours, theirs, decoder = [], [], Decoder(model)
+        tlm_rate(model, 1, 4, prompt=1, decoder=decoder)
         for _ in range(rounds):
             theirs.append(_ggml.rate(binaries, files[pairs[fmt]], threads, new, "a"))
-            ours.append(tlm_rate(model, 1, new, prompt=1))
+            ours.append(tlm_rate(model, 1, new, prompt=1, decoder=decoder))
         mine, peer = max(ours), max(theirs)
         print(f"{fmt:12s} {pairs[fmt]:9s} {mine:11.1f} {peer:12.1f} {mine / peer:11.2f}x")
 
 
-def products_only(model: TransformerLM) -> float:
+def products_only(decoder: Decoder) -> float:
     """Seconds for one row through every product of a decoding step and nothing else (no
     attention, LayerNorm or loop), in the step's order, run as the step runs them (in one
     C call where the whole step is one, `inference/program.py`): the most the kernels
     allow (median of 5)."""
-    model = for_decoding(model)
-    whole = program.program(model, layers_of(model), 1) if native.library() else None
+    model = decoder.model
+    whole = decoder.program(1) if native.library() else None
     x, h = torch.randn(1, 1, model.config.d_model), torch.randn(1, 1, model.config.d_ff)
+    one_thread = model.inference_format == "float32" and blas.needs_one_thread()
     times = []
     for _ in range(5):
-        with decoding_step(model, 1):
+        with torch.no_grad(), on_threads(1) if one_thread else nullcontext():
             started = time.perf_counter()
             if whole is not None:
                 config, logits = model.config, torch.empty(whole.head.out)
@@ -273,26 +281,25 @@ def products_only(model: TransformerLM) -> float:
                 )  # fmt: skip
             else:
                 for block in model.blocks:
-                    block.attn.project_qkv(x), block.attn.project_out(x)
-                    block.ffn.up(x), block.ffn.down(h)
-                model.unembed(x)
+                    block.attn.qkv_kernel.step(x), block.attn.out_kernel.step(x)
+                    block.ffn.up_kernel.step(x), block.ffn.down_kernel.step(h)
+                model.head.step(x)
             times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
-def step_at(model: TransformerLM, position: int) -> float:
+def step_at(decoder: Decoder, position: int) -> float:
     """Seconds of one cached batch-1 step with `position` tokens of context (median of 5)."""
-    model = for_decoding(model)
+    model = decoder.model
     ids = torch.randint(0, GPT2["vocab_size"], (1, position))
     cache = KVCache(model.config, 1, capacity=position)
     with torch.no_grad():
         model(ids[:, : position - 5], cache)
     times = []
     for t in range(position - 5, position):
-        with decoding_step(model, 1):
-            started = time.perf_counter()
-            model(ids[:, t : t + 1], cache, last_only=True)
-            times.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        decoder.logits(ids[:, t : t + 1], cache, None)
+        times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 

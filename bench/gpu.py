@@ -40,6 +40,7 @@ from _decoding import GPT2, PROMPT, hf_gpt2, hf_rate, timed, tlm_gpt2, tlm_rate
 
 from tlm import ModelConfig, TransformerLM
 from tlm.generate import generate
+from tlm.inference import Decoder
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.device("cuda")
@@ -58,13 +59,14 @@ def part_decode(rounds: int = 3, new: int = 128) -> None:
         same = "identical" if torch.equal(graphed, stepped) else "DIFFERENT"
         print(f"{str(dtype)[6:]}: graphed and step-by-step tokens {same} (2 x 64 greedy)")
         for batch in (1, 8):
-            first = timed(partial(tlm_rate, ours, batch, 4), CUDA)  # records the step
+            decoder = Decoder(ours)  # keeps the recorded step from one call to the next
+            first = timed(partial(tlm_rate, ours, batch, 4, decoder=decoder), CUDA)  # records
             tlm_rate(ours, batch, 4, cuda_graph=False), hf_rate(theirs, batch, 4)  # warm up
             rates = {"graph": [], "steps": [], "hf": []}
             for _ in range(rounds):
                 rates["hf"].append(hf_rate(theirs, batch, new))
                 rates["steps"].append(tlm_rate(ours, batch, new, cuda_graph=False))
-                rates["graph"].append(tlm_rate(ours, batch, new))
+                rates["graph"].append(tlm_rate(ours, batch, new, decoder=decoder))
             m = {name: statistics.median(r) for name, r in rates.items()}
             print(
                 f"  batch {batch}: tlm {m['graph']:7.1f} (step by step {m['steps']:6.1f}), "

@@ -24,21 +24,21 @@ from _decoding import ROOT, saved_gpt2, tlm_rate
 from _peers import host
 
 from tlm import load_model
-from tlm.inference.threads import Threads
+from tlm.inference import Decoder
 
 
 def phase(model, calls: int, rounds: int) -> tuple[dict[str, list[float]], list[int]]:
     """tok/s of each setting's calls, the settings taking turns for `rounds` rounds, and
-    the thread count kept at the end of each round of the chosen setting."""
-    rates: dict[str, list[float]] = {"chosen per step": [], "fixed": []}
+    the thread count kept at the end of each round of the chosen setting. Each setting
+    has its decoder for the whole phase, as a program that generates again and again."""
+    decoders = {"chosen per step": Decoder(model), "fixed": Decoder(model, fixed_threads=True)}
+    rates: dict[str, list[float]] = {setting: [] for setting in decoders}
     kept = []
     for _ in range(rounds):
-        for setting, fixed in (("chosen per step", False), ("fixed", True)):
-            Threads.fix(model, fixed)
-            rates[setting] += [tlm_rate(model, 1, 64) for _ in range(calls)]
-            if not fixed:
-                kept.append(Threads.of(model).count)
-    Threads.fix(model, fixed=False)
+        for setting, decoder in decoders.items():
+            rates[setting] += [tlm_rate(model, 1, 64, decoder=decoder) for _ in range(calls)]
+            if not decoder.fixed_threads:
+                kept.append(decoder.threads.count)
     return rates, kept
 
 

@@ -92,3 +92,67 @@ def test_the_math_has_no_switch_for_the_machinery():
         text = path.read_text()
         for banned in ("threading", "setattr(", "isinstance(cache"):
             assert banned not in text, f"{path.name} has {banned}"
+
+
+# where a write by a name or into a __dict__ is not a side door: (module, function) -> why
+WRITES_ALLOWED = {
+    ("tlm.inference.modules", "derived"): "fills the new object it has just made",
+    ("tlm.inference.modules", "swapped"): "fills the new object it has just made",
+    ("tlm.cli.args", "__call__"): "argparse's Action API: the parsed value on its Namespace",
+}
+
+
+def side_doors(path: Path, module: str) -> list[str]:
+    """Writes into an object's `__dict__` (`x.__dict__[k] = v`, `x.__dict__.setdefault(…)`,
+    …) and `setattr`/`delattr` calls in `module`'s file at `path`, outside WRITES_ALLOWED."""
+    found = []
+
+    def into_dict(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "__dict__"
+
+    def visit(node: ast.AST, function: str) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            function = node.name
+        door = None
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.Delete):
+            targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
+            if any(isinstance(t, ast.Subscript) and into_dict(t.value) for t in targets):
+                door = "writes into a __dict__"
+        elif isinstance(node, ast.Call):
+            called = node.func
+            if isinstance(called, ast.Attribute) and into_dict(called.value):
+                if called.attr in ("setdefault", "update", "pop", "clear", "__setitem__"):
+                    door = f"calls __dict__.{called.attr}"
+            elif isinstance(called, ast.Name) and called.id in ("setattr", "delattr"):
+                door = f"calls {called.id}"
+        if door and (module, function) not in WRITES_ALLOWED:
+            found.append(f"{module}.{function}:{node.lineno} {door}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(ast.parse(path.read_text()), "<module>")
+    return found
+
+
+def test_no_state_is_left_on_another_object():
+    """What a decode prepares lives in its `Decoder` (inference/decoder.py), not stashed on
+    the model or its cache: no module writes into an object's __dict__ or sets attributes
+    by name, but where WRITES_ALLOWED says why."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    assert [door for path in paths for door in side_doors(path, module_name(path))] == []
+
+
+def test_a_side_door_is_seen(tmp_path):
+    """The test above can fail: each kind of side door in a file is found."""
+    source = tmp_path / "doors.py"
+    source.write_text(
+        "def stash(model, cache):\n"
+        "    model.__dict__['_layers'] = 1\n"
+        "    cache.__dict__.setdefault('_scratch', 2)\n"
+        "    setattr(model, 'route', 3)\n"
+    )
+    assert side_doors(source, "tlm.doors") == [
+        "tlm.doors.stash:2 writes into a __dict__",
+        "tlm.doors.stash:3 calls __dict__.setdefault",
+        "tlm.doors.stash:4 calls setattr",
+    ]

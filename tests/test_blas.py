@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tlm import ModelConfig, TransformerLM
-from tlm.inference import InferenceLM, blas, decoding_step, for_decoding, for_inference, native
+from tlm.inference import InferenceLM, blas, for_decoding, for_inference, native
 from tlm.inference.program import FLOAT32_ROWS
 from tlm.model.kv_cache import KVCache
 
@@ -61,8 +61,7 @@ def test_decoding_route_equals_the_plain_model(monkeypatch, route, tie):
     cache = KVCache(model.config, 1)
     with torch.no_grad():
         steps = [fast(ids[:, :5], cache)]
-    with decoding_step(fast, 1):
-        steps.append(fast(ids[:, 5:6], cache))
+        steps.append(fast(ids[:, 5:6], cache))  # a decoding step: one token, a cache
     assert len(routed) == 2 * 6 + 1  # only the step: Q, K, V, O, W_1, W_2 a layer, the head
     for got, expected in zip(steps, plain_steps, strict=True):
         assert torch.allclose(got, expected, atol=1e-5)
@@ -84,37 +83,56 @@ def test_the_model_for_decoding_shares_the_parameters_and_leaves_the_model_alone
         fast.train()
 
 
-def test_threads_are_restored_and_autograd_stays_off(route):
+def threads_inside(model, fail: bool = False) -> int:
+    """torch's thread count while a decoding step's forward pass runs (read by a hook on
+    its last block, which fails the pass if `fail`)."""
+    seen = []
+
+    def hook(module, inputs):
+        seen.append(torch.get_num_threads())
+        if fail:
+            raise RuntimeError("inside")
+
+    handle = model.blocks[-1].register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            model(torch.randint(0, 97, (1, 1)), KVCache(model.config, 1))
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def test_threads_are_restored_when_the_step_fails(route):
     """torch keeps one thread while numpy's pool has the cores, and all of them for tlm's
-    own loops (which run on them)."""
+    own loops (which run on them); the caller's count and the route come back even when
+    the pass fails."""
     fast, threads = for_decoding(make_model()), torch.get_num_threads()
-    with pytest.raises(RuntimeError, match="inside"), decoding_step(fast, 1):
-        inside = 1 if route == "numpy" else threads
-        assert torch.get_num_threads() == inside and not torch.is_grad_enabled()
-        raise RuntimeError("inside")
+    assert threads_inside(fast) == (1 if route == "numpy" else threads)
+    with pytest.raises(RuntimeError, match="inside"):
+        threads_inside(fast, fail=True)
     assert torch.get_num_threads() == threads and fast.route.rows == 0
 
 
 def test_gradients_inside_take_torchs_path(monkeypatch):
-    """A user who turns autograd back on inside the step still gets gradients."""
+    """A decoding step run with autograd on takes torch's products: its logits have a
+    graph back to the parameters."""
     model, ids = make_model(), torch.randint(0, 97, (1, 1))
     fast, routed = for_decoding(model), count_products(monkeypatch)
-    with decoding_step(fast, 1), torch.enable_grad():
-        fast(ids).sum().backward()
-    assert routed == [] and model.blocks[0].attn.W_Q.grad is not None
+    logits = fast(ids, KVCache(model.config, 1))
+    assert routed == [] and logits.requires_grad
 
 
 def test_training_on_is_seen_at_the_next_step(route):
     """Both routes read the parameters' own memory: an optimizer step is visible at once."""
     model, ids = make_model(), torch.randint(0, 97, (1, 1))
     fast = for_decoding(model)
-    with decoding_step(fast, 1):
-        before = fast(ids)
+    with torch.no_grad():  # a decoding step each: one token into a cache
+        before = fast(ids, KVCache(model.config, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model(torch.randint(0, 97, (1, 6))).logsumexp(-1).mean().backward()
     optimizer.step()
-    with decoding_step(fast, 1):
-        after = fast(ids)
+    with torch.no_grad():
+        after = fast(ids, KVCache(model.config, 1))
     with torch.no_grad():
         assert torch.allclose(after, model(ids), atol=1e-5)
     assert not torch.allclose(after, before, atol=1e-3)
@@ -123,17 +141,15 @@ def test_training_on_is_seen_at_the_next_step(route):
 def test_packed_models_keep_torchs_threads(monkeypatch):
     model, threads = for_inference(make_model(), "int8"), torch.get_num_threads()
     routed = count_products(monkeypatch)
-    with decoding_step(model, 1):
-        assert torch.get_num_threads() == threads
-        model(torch.randint(0, 97, (1, 1)))
+    assert threads_inside(model) == threads
     assert routed == []
 
 
 def test_the_head_of_a_tied_model_reads_E(route):
     model, h = make_model(), torch.randn(1, 1, 64)
     fast, expected = for_decoding(model), h @ model.embedding.E.t()
-    with decoding_step(fast, 1):
-        assert torch.allclose(fast.unembed(h), expected, atol=1e-5)
+    with torch.no_grad():  # the head of a decoding step
+        assert torch.allclose(fast.head.step(h), expected, atol=1e-5)
     assert torch.allclose(model.unembed(h), expected, atol=1e-5)
 
 

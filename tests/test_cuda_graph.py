@@ -10,7 +10,8 @@ import torch
 from conftest import POSITIONS
 from tlm.generate import GenerationConfig, generate
 from tlm.generate.decode import GraphedState, _decode
-from tlm.inference.cuda_graph import GraphedDecoder, StaticCache, graphable, graphed_decoder
+from tlm.inference import Decoder
+from tlm.inference.cuda_graph import GraphedDecoder, StaticCache
 from tlm.model.attention import padding_mask
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -83,33 +84,37 @@ def test_static_cache_samples_as_the_reference_loop(make_model):
 
 def test_what_is_not_graphed(make_model):
     model = make_model()
-    assert not graphable(model, 4, 8)  # a CPU model: the slot path
+    assert not Decoder(model).graphable(4, 8)  # a CPU model: the slot path
     on_gpu = torch.device("cuda") if torch.cuda.is_available() else None
     if on_gpu is None:
         return
     model = model.to(on_gpu)
-    assert graphable(model, 4, 8)
-    assert not graphable(model, 4, model.config.context_length)  # the window would slide
+    decoder = Decoder(model)
+    assert decoder.graphable(4, 8)
+    assert not decoder.graphable(4, model.config.context_length)  # the window would slide
     handle = model.blocks[0].attn.pattern.register_forward_hook(lambda m, i, o: None)
-    assert not graphable(model, 4, 8)  # a hook would run once, at recording
+    assert not decoder.graphable(4, 8)  # a hook would run once, at recording
     handle.remove()
-    assert not graphable(model.train(), 4, 8)  # dropout would draw one mask for every step
+    model.train()
+    assert not decoder.graphable(4, 8)  # dropout would draw one mask for every step
 
 
-def test_one_recording_is_kept_per_model_for_windows_of_256(make_model):
+def test_one_recording_is_kept_per_decoder_for_windows_of_256(make_model):
     model = make_model(context_length=600)
-    first = graphed_decoder(model, 2, 40)
+    decoder = Decoder(model)
+    first = decoder.graphed(2, 40)
     assert first.cache.capacity == 256  # 40 positions, rounded up
-    assert graphed_decoder(model, 2, 200) is first  # the same window: replayed
-    wider = graphed_decoder(model, 2, 300)
+    assert decoder.graphed(2, 200) is first  # the same window: replayed
+    wider = decoder.graphed(2, 300)
     assert wider is not first and wider.cache.capacity == 512
-    assert graphed_decoder(model, 2, 590).cache.capacity == 600  # at most the context
-    assert graphed_decoder(model, 3, 40) is not graphed_decoder(model, 2, 40)
-    before = graphed_decoder(model, 2, 40)
-    assert graphed_decoder(model, 2, 40) is before
+    assert decoder.graphed(2, 590).cache.capacity == 600  # at most the context
+    assert decoder.graphed(3, 40) is not decoder.graphed(2, 40)
+    before = decoder.graphed(2, 40)
+    assert decoder.graphed(2, 40) is before
+    assert Decoder(model).graphed(2, 40) is not before  # another decoder records its own
     W_Q = model.blocks[0].attn.W_Q
     W_Q.data = W_Q.data.clone()  # moved: a recording would read the old address
-    assert graphed_decoder(model, 2, 40) is not before
+    assert decoder.graphed(2, 40) is not before
 
 
 @cuda
@@ -119,15 +124,16 @@ def test_graph_replays_decode_as_the_slot_path(make_model, dtype):
     ids, mask = left_padded(
         torch.randint(0, 97, (3, 9), generator=torch.Generator().manual_seed(1))
     )
-    ids, mask = ids.cuda(), mask.cuda()
+    ids, mask, decoder = ids.cuda(), mask.cuda(), Decoder(model)
     for new in (14, 20):  # the second call replays the first one's recording
-        graphed, _ = tokens_of(generate(model, ids, GenerationConfig(max_new_tokens=new), mask))
+        config = GenerationConfig(max_new_tokens=new)
+        graphed, _ = tokens_of(generate(model, ids, config, mask, decoder=decoder))
         eager, _ = tokens_of(
             generate(model, ids, GenerationConfig(max_new_tokens=new, cuda_graph=False), mask)
         )
         assert torch.equal(graphed, eager)
-    decoder = graphed_decoder(model, 3, 9 + 20)
-    assert decoder.graph is not None and decoder.cache.filled == 9 + 20 - 1
+    graphed = decoder.graphed(3, 9 + 20)
+    assert graphed.graph is not None and graphed.cache.filled == 9 + 20 - 1
 
 
 @cuda

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import NORMS, POSITIONS, written_out
-from tlm.inference import blocked, decoding_step, for_inference
+from tlm.inference import blocked, for_inference
 from tlm.model.kv_cache import KVCache
 
 pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
@@ -82,12 +82,11 @@ KERNEL = {  # the op each product runs through once packed (none of them is aten
 
 
 def ops_called(model, ids, cache=None) -> tuple[dict[str, int], torch.Tensor]:
-    """The ops of one forward pass and its logits; with a cache, as a decoding step of
-    len(ids) rows."""
+    """The ops of one forward pass and its logits; with a cache and one token a row, those
+    of a decoding step of len(ids) rows."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = torch.no_grad() if cache is None else decoding_step(model, len(ids))
-    with step, profile(activities=[ProfilerActivity.CPU]) as prof:
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         logits = model(ids, cache)
     return {e.key: e.count for e in prof.key_averages()}, logits
 
@@ -207,12 +206,12 @@ def test_float32_packing_copies_nothing_until_a_batch(make_model):
     rows."""
     model = for_inference(make_model(), "float32")
     qkv, cache = model.blocks[0].attn.qkv_kernel, KVCache(model.config, 2)
-    with decoding_step(model, 1):
-        one = model(torch.randint(0, 97, (1, 1)))
+    with torch.no_grad():
+        one = model(torch.randint(0, 97, (1, 1)), KVCache(model.config, 1))
     with torch.no_grad():
         model(torch.randint(0, 97, (2, 3)), cache)
     assert qkv.layout is None and one.shape == (1, 1, 97)
-    with decoding_step(model, 2):
+    with torch.no_grad():  # a decoding step: one token for each of 2 rows
         model(torch.randint(0, 97, (2, 1)), cache)
     assert qkv.layout is not None
 

@@ -7,7 +7,7 @@ from test_kv_cache import FORMAT_ERROR
 
 from conftest import POSITIONS
 from tlm.generate.sampling import greedy_logprob
-from tlm.inference import SlotCache, blocked, decoding_step, for_decoding, for_inference, native
+from tlm.inference import Decoder, SlotCache, blocked, for_decoding, for_inference, native
 from tlm.inference import program as whole_program
 from tlm.inference import step as native_step
 from tlm.model.kv_cache import KVCache
@@ -24,7 +24,7 @@ class Spy:
 
     def __init__(self, monkeypatch) -> None:
         self.calls = 0
-        for name in ("run", "_scratch_step"):  # slot_step's whole step takes the second
+        for name in ("run", "scratch_step"):  # a slot step's whole step takes the second
             monkeypatch.setattr(native_step, name, self.counted(getattr(native_step, name)))
 
     def counted(self, real):
@@ -40,15 +40,16 @@ def forward_only(monkeypatch):
     monkeypatch.setattr(native, "library", lambda: None)
 
 
-def stepped(model, ids, prefill: int, rows: int | None = None) -> tuple[torch.Tensor, KVCache]:
-    """Logits [B,T-prefill,V] of decoding ids [B,T] one token at a time after a prefill."""
+def stepped(model, ids, prefill: int, decoder: Decoder | None = None):
+    """Logits [B,T-prefill,V] of decoding ids [B,T] one token at a time after a prefill, as
+    a decoding loop steps (`Decoder.logits`), and the cache."""
+    decoder = decoder or Decoder(model)
     cache = KVCache(model.config, len(ids))
     with torch.no_grad():
         model(ids[:, :prefill], cache)
     out = []
     for t in range(prefill, ids.shape[1]):
-        with decoding_step(model, len(ids)):
-            out.append(model(ids[:, t : t + 1], cache, last_only=True))
+        out.append(decoder.logits(ids[:, t : t + 1], cache, None)[:, None])
     return torch.cat(out, 1), cache
 
 
@@ -116,17 +117,17 @@ def test_rows_at_their_own_lengths(make_model, monkeypatch):
     nxt = torch.randint(0, 97, (4, 2))
 
     def run(direct: bool = False) -> tuple[torch.Tensor, SlotCache]:
-        """Through the forward pass, or (direct) `slot_step`, as `Slots` steps."""
-        cache, out = SlotCache(model.config, 3, capacity=16), []
+        """Through the forward pass, or (direct) `Decoder.slot_step`, as `Slots` steps."""
+        cache, out, decoder = SlotCache(model.config, 3, capacity=16), [], Decoder(model)
         for slot, prompt in prompts.items():
             with torch.no_grad():
                 model(prompt[None], cache.feed([slot], [len(prompt)]))
         for tokens in nxt:
             if direct:
-                logits, _ = native_step.slot_step(model, cache, [0, 2], tokens.tolist())
-                out.append(logits.clone()[None])  # a view of the cache's scratch
+                logits, _ = decoder.slot_step(cache, [0, 2], tokens.tolist())
+                out.append(logits.clone()[None])  # a view of the decoder's scratch
                 continue
-            with decoding_step(model, 2):
+            with torch.no_grad():
                 out.append(model(tokens[None], cache.feed([0, 2], [1, 1]), last_only=True))
         return torch.cat(out), cache
 
@@ -136,7 +137,7 @@ def test_rows_at_their_own_lengths(make_model, monkeypatch):
     with monkeypatch.context() as m:
         forward_only(m)
         expected, cache = run()
-    assert spy.calls == 8 and got.shape == direct.shape == (4, 2, 97)
+    assert spy.calls == 4 and got.shape == direct.shape == (4, 2, 97)  # the direct steps
     for logits, store in ((got, got_cache), (direct, direct_cache)):
         assert torch.allclose(logits, expected, atol=1e-5)
         assert store.lengths == cache.lengths == [11, 0, 7]
@@ -155,8 +156,9 @@ def test_the_steps_greedy_choices_are_the_logits_own(make_model, dtype):
     for slot in range(3):
         with torch.no_grad():
             model(torch.randint(0, 97, (1, 2 + slot)), cache.feed([slot], [2 + slot]))
+    decoder = Decoder(model)
     for _ in range(3):
-        logits, picks = native_step.slot_step(model, cache, [0, 1, 2], [5, 6, 7], greedy=True)
+        logits, picks = decoder.slot_step(cache, [0, 1, 2], [5, 6, 7], greedy=True)
         assert picks == [greedy_logprob(row) for row in logits]
         assert len({token for token, _ in picks}) > 1  # rows of their own, not one row thrice
 
@@ -170,8 +172,13 @@ def test_a_hooked_model_runs_the_forward_pass(make_model, monkeypatch):
     stepped(model, torch.randint(0, 97, (1, 8)), 4)
     assert spy.calls == 0 and len(seen) == 5  # the prefill and every step reached the hook
     handle.remove()
-    stepped(model, torch.randint(0, 97, (1, 8)), 4)
+    decoder = Decoder(model)
+    stepped(model, torch.randint(0, 97, (1, 8)), 4, decoder)
     assert spy.calls == 4
+    handle = model.blocks[1].attn.pattern.register_forward_hook(lambda m, i, o: seen.append(o))
+    stepped(model, torch.randint(0, 97, (1, 8)), 4, decoder)  # a hook added since: heard
+    assert spy.calls == 4 and len(seen) == 10
+    handle.remove()
 
 
 @needs_native
@@ -193,8 +200,8 @@ def test_the_c_step_keeps_the_cache_bounds(make_model):
     cache = KVCache(model.config, 1, capacity=4)
     with torch.no_grad():
         model(torch.randint(0, 97, (1, 4)), cache)
-    with pytest.raises(ValueError, match="holds 4 positions"), decoding_step(model, 1):
-        model(torch.randint(0, 97, (1, 1)), cache, last_only=True)
+    with pytest.raises(ValueError, match="holds 4 positions"):
+        Decoder(model).logits(torch.randint(0, 97, (1, 1)), cache, None)
 
 
 WHOLE = [("float32", 1, "learned"), ("float32", 2, "rope"), ("float16", 1, "rope")]
@@ -238,10 +245,11 @@ def test_a_replaced_parameter_is_read_at_the_next_step(make_model):
     tensor, at a new address) is what the next step reads."""
     model = make_model()
     fast, ids = for_decoding(model), torch.randint(0, 97, (1, 6))
-    stepped(fast, ids, 3)  # the step described, at the parameters' addresses then
+    decoder = Decoder(fast)  # one decoder throughout: its Program is made at the first step
+    stepped(fast, ids, 3, decoder)  # the step described, at the parameters' addresses then
     for block in model.blocks:
         block.ffn.W_2.data = torch.randn_like(block.ffn.W_2) * 0.5
         block.ln2.gamma.data = torch.rand_like(block.ln2.gamma)
-    stepped_logits, _ = stepped(fast, ids, 3)
+    stepped_logits, _ = stepped(fast, ids, 3, decoder)
     with torch.no_grad():
         assert torch.allclose(stepped_logits, model(ids)[:, 3:], atol=1e-5)

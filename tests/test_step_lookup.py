@@ -8,7 +8,7 @@ import torch
 from test_native_step import needs_native
 
 from tlm import load_model
-from tlm.inference import SlotCache, for_decoding, for_inference, native
+from tlm.inference import Decoder, SlotCache, for_decoding, for_inference, native
 from tlm.inference import program as whole_program
 from tlm.inference import step as native_step
 from tlm.tensor_files import TensorFileError
@@ -75,15 +75,16 @@ def test_a_bad_token_or_a_cut_file_fails_the_step_and_moves_nothing(tmp_path):
     cache = SlotCache(model.config, 2, capacity=16)
     with torch.no_grad():
         model(torch.randint(0, 97, (1, 3)), cache.feed([0], [3]))
+    decoder = Decoder(model)
     with pytest.raises(IndexError, match=r"\[0, 97\)"):
-        native_step.slot_step(model, cache, [0], [97])
+        decoder.slot_step(cache, [0], [97])
     assert cache.lengths == [3, 0]
-    first, _ = native_step.slot_step(model, cache, [0], [5])
+    first, _ = decoder.slot_step(cache, [0], [5])
     assert cache.lengths == [4, 0] and torch.isfinite(first).all()
     data = (run / "model.safetensors").read_bytes()
     (run / "model.safetensors").write_bytes(data[: 8 + int.from_bytes(data[:8], "little")])
     with pytest.raises(TensorFileError, match="shorter than its header"):
-        native_step.slot_step(model, cache, [0], [5])
+        decoder.slot_step(cache, [0], [5])
     assert cache.lengths == [4, 0]
 
 

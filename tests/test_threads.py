@@ -6,6 +6,7 @@ import torch
 
 from tlm.generate import GenerationConfig
 from tlm.generate.slots import Slots
+from tlm.inference import Decoder
 from tlm.inference.threads import Threads, on_threads
 
 
@@ -66,18 +67,18 @@ def test_one_thread_has_nothing_to_choose_and_a_fixed_count_never_probes(make_mo
     threads = Threads(1)
     assert run(threads, {1: 1.0}, 100) == [1] * 100
     model = make_model()
-    Threads.fix(model)
-    fixed = Threads.of(model)
+    fixed = Decoder(model, fixed_threads=True).threads
     assert run(fixed, {fixed.most: 10.0, 1: 1.0}, 100) == [fixed.most] * 100
-    Threads.fix(model, fixed=False)
-    assert Threads.of(model) is not fixed and Threads.of(model).adapt == (fixed.most > 1)
+    chosen = Decoder(model).threads
+    assert chosen is not fixed and chosen.adapt == (fixed.most > 1)
     on_meta = make_model().to("meta")  # a model off the CPU: its steps' times are not the CPU's
-    assert not Threads.of(on_meta).adapt
+    assert not Decoder(on_meta).threads.adapt
 
 
 def test_a_step_runs_on_the_chosen_count_and_gives_the_callers_back(make_model):
     """Slots sets torch's threads for a step and restores the caller's setting after it,
-    also when the step fails; a model keeps its Threads from one Slots to the next."""
+    also when the step fails; a decoder keeps its Threads from one Slots to the next, and
+    two decoders of one model learn apart."""
     before = torch.get_num_threads()
     if before < 2:
         pytest.skip("one thread here: nothing to choose")
@@ -85,8 +86,9 @@ def test_a_step_runs_on_the_chosen_count_and_gives_the_callers_back(make_model):
     seen = []
     handle = model.register_forward_hook(lambda m, i, o: seen.append(torch.get_num_threads()))
     slots = Slots(model, 1)
-    assert Slots(model, 2).threads is slots.threads
-    slots.threads.count_for = lambda kind: 1  # a probe, every step
+    assert Slots(model, 2, decoder=slots.decoder).decoder.threads is slots.decoder.threads
+    assert Slots(model, 1).decoder.threads is not slots.decoder.threads
+    slots.decoder.threads.count_for = lambda kind: 1  # a probe, every step
     sequence = slots.add([1, 2, 3], GenerationConfig(max_new_tokens=3))
     while not sequence.done:
         slots.step()

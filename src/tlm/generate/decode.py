@@ -22,8 +22,8 @@ from tlm.generate.config import GenerationConfig
 from tlm.generate.constrain import allowed_rows
 from tlm.generate.sampling import GenerationError, choose
 from tlm.generate.slots import Slots, random_seed, row_generator, window_start
-from tlm.inference import decoding_step, for_decoding
-from tlm.inference.cuda_graph import GraphedDecoder, graphable, graphed_decoder
+from tlm.inference import Decoder
+from tlm.inference.cuda_graph import GraphedDecoder
 from tlm.model.kv_cache import KVCache
 
 
@@ -68,7 +68,7 @@ class DecodeState:
     The cache (or, without one, the window each step runs) covers ids[:, start:]. When the
     text outgrows the context window, the window slides (`window_start`): the cache is
     rebuilt from the last context_length tokens, which is exactly what the uncached model
-    sees at that step.
+    sees at that step. The cached steps run on a `Decoder` of the model.
     """
 
     def __init__(
@@ -79,7 +79,8 @@ class DecodeState:
         use_cache: bool,
         max_new_tokens: int | None = None,
     ) -> None:
-        self.model, self.ids = for_decoding(model) if use_cache else model, ids
+        self.decoder = Decoder(model) if use_cache else None
+        self.model, self.ids = self.decoder.model if use_cache else model, ids
         self.mask = None if mask is None or bool(mask.all()) else mask  # no padding: no mask
         self.N = model.config.context_length
         self.cache, self.start = None, 0
@@ -100,8 +101,7 @@ class DecodeState:
             self.cache.reset()
             self.start = window_start(S, self.cache.capacity)
         new = self.ids[:, self.start + self.cache.length :]  # [B, prompt or 1]
-        with decoding_step(self.model, len(new)) if new.shape[1] == 1 else torch.no_grad():
-            return self.model(new, self.cache, self._mask(self.start), last_only=True)[:, -1]
+        return self.decoder.logits(new, self.cache, self._mask(self.start))
 
     def next_logprobs(self) -> Tensor:
         return self.next_logits().float().log_softmax(dim=-1)
@@ -147,6 +147,7 @@ def generate(
     input_ids: Tensor,
     config: GenerationConfig | None = None,
     attention_mask: Tensor | None = None,
+    decoder: Decoder | None = None,
     **settings,
 ) -> Iterator[Step]:
     """Yield one `Step` per new token for every row of input_ids [B,T] (left-padded if needed).
@@ -154,7 +155,9 @@ def generate(
     With `num_return_sequences` n, each prompt becomes n consecutive rows. Sample j of a
     prompt draws from its own generator, seeded by (seed, j): a sample does not depend on
     which other prompts share the batch. Stops when every row has ended or after
-    `max_new_tokens` steps. A row that has ended repeats its end token.
+    `max_new_tokens` steps. A row that has ended repeats its end token. The cached steps
+    run on `decoder` (a `Decoder` of `model`; a new one if not given: a caller that
+    generates again and again may keep one, with what it learnt and prepared).
     """
     config = config or GenerationConfig(**settings)
     if config.num_beams > 1:
@@ -166,27 +169,25 @@ def generate(
     n = config.num_return_sequences
     ids = input_ids.repeat_interleave(n, dim=0)
     mask = None if attention_mask is None else attention_mask.repeat_interleave(n, dim=0)
-    if (
-        config.use_cache
-        and config.cuda_graph
-        and graphable(model, ids.shape[1], config.max_new_tokens)
-    ):
-        decoder = graphed_decoder(model, len(ids), ids.shape[1] + config.max_new_tokens)
-        yield from _decode(GraphedState(decoder, ids, mask), config)
-    elif config.use_cache:
-        yield from _decode_slots(model, ids, mask, config)
+    if config.use_cache:
+        decoder = decoder or Decoder(model)
+        if config.cuda_graph and decoder.graphable(ids.shape[1], config.max_new_tokens):
+            graphed = decoder.graphed(len(ids), ids.shape[1] + config.max_new_tokens)
+            yield from _decode(GraphedState(graphed, ids, mask), config)
+        else:
+            yield from _decode_slots(decoder, ids, mask, config)
     else:
         yield from _decode(DecodeState(model, ids, mask, use_cache=False), config)
 
 
-def _decode_slots(model: nn.Module, ids: Tensor, mask: Tensor | None, c: GenerationConfig):
+def _decode_slots(decoder: Decoder, ids: Tensor, mask: Tensor | None, c: GenerationConfig):
     """The rows of ids [B,T] (padding dropped) as sequences of one `Slots`, stepped together."""
     if c.max_new_tokens == 0:
         return
     B, n = ids.shape[0], c.num_return_sequences
     seed = random_seed() if c.seed is None else c.seed
-    capacity = min(model.config.context_length, ids.shape[1] + c.max_new_tokens)
-    slots = Slots(model, B, capacity)
+    capacity = min(decoder.model.config.context_length, ids.shape[1] + c.max_new_tokens)
+    slots = Slots(decoder.model, B, capacity, decoder)
     prompts = [
         row.tolist() if mask is None else row[mask[r].bool()].tolist() for r, row in enumerate(ids)
     ]

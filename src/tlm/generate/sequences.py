@@ -14,19 +14,24 @@ from torch import Tensor, nn
 from tlm.generate.beam import beam_search
 from tlm.generate.config import GenerationConfig
 from tlm.generate.decode import best_rows, generate
+from tlm.inference import Decoder
 
 
 def generate_sequences(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, **settings
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    decoder: Decoder | None = None,
+    **settings,
 ) -> Tensor:
     """input_ids [B,T] -> [B*n, T + new]; `settings` are `GenerationConfig`'s (None: the
-    default)."""
+    default); `decoder` as `decode.generate` takes it."""
     config = GenerationConfig.of(**settings)
     if config.num_beams > 1:
         return beam_search(model, input_ids, config, attention_mask).sequences
     config, n = config.candidates()
     drawn = config.num_return_sequences
-    steps = list(generate(model, input_ids, config, attention_mask))
+    steps = list(generate(model, input_ids, config, attention_mask, decoder))
     if not steps:  # max_new_tokens 0: every candidate is its prompt
         return input_ids.repeat_interleave(n, dim=0)
     prompts = input_ids.repeat_interleave(drawn, dim=0)

@@ -33,9 +33,8 @@ from torch import Tensor, nn
 from tlm.generate.config import GenerationConfig
 from tlm.generate.constrain import Matcher
 from tlm.generate.sampling import GenerationError, choose, greedy_logprob
-from tlm.inference import InferenceLM, SlotCache, decoding_step, for_decoding
-from tlm.inference.step import could_step, listening, slot_step
-from tlm.inference.threads import Threads, on_threads
+from tlm.inference import Decoder, SlotCache
+from tlm.inference.threads import on_threads
 
 
 @dataclass(eq=False)  # compared and hashed by identity
@@ -91,10 +90,18 @@ def random_seed() -> int:
 
 
 class Slots:
-    """Up to `slots` sequences decoded together, each at its own pace."""
+    """Up to `slots` sequences decoded together, each at its own pace, by `decoder` (one
+    made for `model` if not given: the loop's for as long as it lives)."""
 
-    def __init__(self, model: nn.Module, slots: int, capacity: int | None = None) -> None:
-        self.model = for_decoding(model)
+    def __init__(
+        self,
+        model: nn.Module,
+        slots: int,
+        capacity: int | None = None,
+        decoder: Decoder | None = None,
+    ) -> None:
+        self.decoder = decoder or Decoder(model)
+        self.model = self.decoder.model
         N = model.config.context_length
         self.capacity = min(capacity or N, N)
         first = next(model.parameters())
@@ -102,8 +109,6 @@ class Slots:
         self.cache = SlotCache(model.config, slots, self.capacity, first.dtype, first.device)
         self.rows: list[Sequence | None] = [None] * slots
         self.waiting: deque[Sequence] = deque()
-        self.stepped = isinstance(self.model, InferenceLM) and could_step(self.model, self.cache.k)
-        self.threads = Threads.of(model)  # how many threads a step runs on
 
     def add(
         self,
@@ -176,18 +181,19 @@ class Slots:
         tokens = [token for feed in feeds for token in feed]
         one_each = len(tokens) == len(feeds)  # every row feeds one token: a decoding step
         picks = None  # greedy's choices, where the step made them
-        count = self.threads.count_for((len(slots), len(tokens)))
+        decoder, threads = self.decoder, self.decoder.threads
+        count = threads.count_for((len(slots), len(tokens)))
         started = time.perf_counter()
         with on_threads(count):  # back to the caller's setting, always
-            if one_each and self.stepped and not listening(self.model):  # step.can_step
+            if one_each and decoder.can_step(self.cache.k):
                 greedy = all(_plain_greedy(self.rows[slot]) for slot in slots)
-                logits, picks = slot_step(self.model, self.cache, slots, tokens, greedy)
+                logits, picks = decoder.slot_step(self.cache, slots, tokens, greedy)
             else:
                 ids = torch.tensor(tokens, device=self.device)
-                with decoding_step(self.model, len(feeds)) if one_each else torch.no_grad():
+                with torch.no_grad():
                     fed = self.cache.feed(slots, [len(feed) for feed in feeds])
                     logits = self.model(ids[None], fed, last_only=True)[0]  # [rows,V]
-        self.threads.took(time.perf_counter() - started)
+        threads.took(time.perf_counter() - started)
         picks = picks or [None] * len(slots)
         rows = enumerate(zip(slots, picks, strict=True))  # a row's logits taken where needed
         return [self._choose(self.rows[slot], logits, r, pick) for r, (slot, pick) in rows]

@@ -14,8 +14,8 @@ copied, and a model that trains on afterwards is still right at the next step.
   reaches 50-60% of the read bandwidth on the CPUs we measured. numpy keeps a thread pool
   of its own, and on a machine with few cores a pool that waits for work while the other
   one runs slows both by up to 4x; so while a one-row pass runs its products through
-  numpy, torch's ops run on one thread (`torch_on_one_thread`, which
-  `InferenceLM.decoding` applies where `needs_one_thread()`).
+  numpy, torch's ops run on one thread (`threads.on_threads(1)`, which the forward pass
+  and the decoder's step apply where `needs_one_thread()`).
 
 `kernels.Float32Linear` chooses this route for one row; tests hold both routes equal to
 torch's product.
@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from tlm.inference import native
-from tlm.inference.threads import on_threads
 
 
 def product(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
@@ -63,8 +62,3 @@ def _own(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor | None:
 def needs_one_thread() -> bool:
     """Whether one row's products go through numpy (whose pool then has the cores)."""
     return not native.threaded()
-
-
-def torch_on_one_thread():
-    """torch's pool at one thread for the block (numpy's BLAS has the cores), then back."""
-    return on_threads(1)

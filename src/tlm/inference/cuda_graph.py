@@ -22,13 +22,11 @@ inside the graph.
 from __future__ import annotations
 
 import sys
-import weakref
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from tlm.config import ModelConfig
-from tlm.inference.step import listening
 from tlm.model.kv_cache import Attend
 from tlm.model.transformer import TransformerLM
 
@@ -150,34 +148,3 @@ class GraphedDecoder:
             cache.filled = filled
         self.graph = graph
         return True
-
-
-_decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def graphable(model: nn.Module, prompt_length: int, new_tokens: int) -> bool:
-    """Whether a generation can run on a `GraphedDecoder`: a plain language model on a GPU,
-    in eval mode, with no hook registered (a graph would call a hook once, at recording),
-    with the whole generation inside its context (no sliding window)."""
-    weight = next(model.parameters())
-    return (
-        isinstance(model, TransformerLM)
-        and weight.device.type == "cuda"
-        and not model.training
-        and prompt_length + new_tokens <= model.config.context_length
-        and not listening(model)
-    )
-
-
-def graphed_decoder(model: TransformerLM, batch_size: int, positions: int) -> GraphedDecoder:
-    """The model's decoder for this batch size and at least `positions` positions, recorded
-    once and kept with the model (while its weights stay where they were recorded). The
-    window is rounded up to a multiple of 256, so prompts of other lengths replay it too."""
-    capacity = min(model.config.context_length, -(-positions // 256) * 256)
-    weights = tuple(p.data_ptr() for p in model.parameters())
-    key = (batch_size, capacity, next(model.parameters()).dtype, weights)
-    kept = _decoders.setdefault(model, {})
-    if key not in kept:
-        kept.clear()  # one recorded step per model: the cache's memory is not kept twice
-        kept[key] = GraphedDecoder(model, batch_size, capacity, graph=True)
-    return kept[key]

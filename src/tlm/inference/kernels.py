@@ -116,6 +116,8 @@ class PackedLinear:
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.splits is None else y.split(self.splits, dim=-1)
 
+    step = __call__  # a decoding step's rows take the same kernel as any others
+
     def _bf16(self, x: Tensor) -> Tensor:
         return F.linear(x.to(torch.bfloat16), self.weight, self.b).to(x.dtype)
 
@@ -127,9 +129,10 @@ class PackedLinear:
 
 
 class Route:
-    """Which kernel a float32 product takes in the pass under way: `rows` is set by
-    `InferenceLM.decoding` for a pass that feeds one token to each of that many sequences,
-    and is 0 otherwise (a prompt, a score)."""
+    """Which kernel a float32 product takes in the forward pass under way: `rows` is set
+    by `InferenceLM.forward`, for the length of a pass that feeds one token to each of that
+    many sequences (their products take `Float32Linear.step`), and is 0 otherwise (a
+    prompt, a score)."""
 
     rows = 0
 
@@ -150,11 +153,19 @@ class Float32Linear:
         self.splits = [W.shape[1] for W, _ in maps]
 
     def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
-        rows = 0 if torch.is_grad_enabled() else self.route.rows
-        if rows == 1:
+        if self.route.rows and not torch.is_grad_enabled():
+            return self.step(x)
+        y = tuple(linear(x, W, b) for W, b in self.maps)
+        return y if len(y) > 1 else y[0]
+
+    def step(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        """The maps for the rows of a decoding step (one token of each sequence; no
+        autograd): one row in place (`blas.py`), several on the layout where kept."""
+        rows = x.reshape(-1, x.shape[-1])
+        if len(rows) == 1:
             y = tuple(blas.product(x, W, b) for W, b in self.maps)
-        elif rows > 1 and self.use_layout:
-            y = self._batched(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], sum(self.splits))
+        elif self.use_layout:
+            y = self._batched(rows).view(*x.shape[:-1], sum(self.splits))
             y = y.split(self.splits, dim=-1)
         else:
             y = tuple(linear(x, W, b) for W, b in self.maps)
@@ -188,6 +199,8 @@ class HeadBlocks:
 
     def __call__(self, x: Tensor) -> Tensor:
         return torch.cat([block(x) for block in self.blocks], dim=-1)
+
+    step = __call__
 
 
 class PackedRows:

@@ -10,17 +10,18 @@ along a tree without touching the original tree) and sets the kernels (`kernels.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor, nn
 
 from tlm.inference import step
-from tlm.inference.blas import needs_one_thread, torch_on_one_thread
+from tlm.inference.blas import needs_one_thread
 from tlm.inference.kernels import Route
+from tlm.inference.threads import on_threads
 from tlm.model.attention import MultiHeadAttention
-from tlm.model.kv_cache import Cache, KVCache
+from tlm.model.kv_cache import Cache
 from tlm.model.layers import Embedding, FeedForward
 from tlm.model.transformer import TransformerLM
 
@@ -77,14 +78,21 @@ class InferenceLM(TransformerLM):
         attention_mask: Tensor | None = None,
         last_only: bool = False,
     ) -> Tensor:
-        """`TransformerLM.forward`; a decoding pass (inside `decoding`, each row feeding one
-        token) takes `step.step` when it means the same (`step.can_step`)."""
-        rows = step.rows_of(cache, input_ids) if self.route.rows and last_only else None
-        plain = attention_mask is None and not torch.is_grad_enabled()  # as the C step
-        if rows is not None and plain and step.can_step(self, step.keys_of(cache)):
-            logits = step.step(self, input_ids, cache, rows)  # [R,V]
-            return logits[:, None] if isinstance(cache, KVCache) else logits[None]
-        return super().forward(input_ids, cache, attention_mask, last_only)
+        """`TransformerLM.forward`. In a pass without autograd that feeds one token to each
+        row of a cache (a decoding step), the float32 products take their decoding route
+        (`kernels.Route`) for the length of the pass; for one row whose products go through
+        numpy's BLAS, torch keeps one thread meanwhile, since numpy has the cores (`blas.py`)."""
+        rows = step.rows_of(cache, input_ids)
+        if rows is None or torch.is_grad_enabled() or self.route.rows:
+            return super().forward(input_ids, cache, attention_mask, last_only)
+        R = len(rows[0])
+        one_thread = R == 1 and self.inference_format == "float32" and needs_one_thread()
+        self.route.rows = R
+        try:
+            with on_threads(1) if one_thread else nullcontext():
+                return super().forward(input_ids, cache, attention_mask, last_only)
+        finally:
+            self.route.rows = 0
 
     def unembed(self, h: Tensor) -> Tensor:
         return self.head(h)
@@ -93,24 +101,6 @@ class InferenceLM(TransformerLM):
         if self.inference_format != "float32":
             raise RuntimeError(f"the model keeps its weights in {self.inference_format} only")
         return super().unembedding()
-
-    @contextmanager
-    def decoding(self, rows: int) -> Iterator[None]:
-        """No autograd, for a pass that feeds one token to each of `rows` sequences: the
-        forward pass may take `step.step`, and in float32 the products take their decoding
-        route (`kernels.Route`); for one row whose products go through numpy's BLAS, torch
-        keeps one thread meanwhile, since numpy has the cores (`blas.py`)."""
-        with torch.no_grad():
-            if self.route.rows:  # nested
-                yield
-                return
-            self.route.rows = rows
-            one_thread = rows == 1 and self.inference_format == "float32" and needs_one_thread()
-            try:
-                with torch_on_one_thread() if one_thread else nullcontext():
-                    yield
-            finally:
-                self.route.rows = 0
 
     def train(self, mode: bool = True) -> InferenceLM:
         if mode:
@@ -154,9 +144,3 @@ SWAP = {
     FeedForward: FastFeedForward,
     Embedding: FastEmbedding,
 }
-
-
-def decoding_step(model: nn.Module, rows: int):
-    """The context of a pass that feeds one token to each of `rows` sequences of `model`:
-    `InferenceLM.decoding`, or no autograd for any other model."""
-    return model.decoding(rows) if isinstance(model, InferenceLM) else torch.no_grad()

@@ -116,9 +116,11 @@ class Program:
 FLOAT32_ROWS = 2  # most rows an fp32 step reads the parameters in place for
 
 
-def program(model, layers, rows: int) -> Program | None:
+def program(model, layers, rows: int, made: dict[str, Program | None]) -> Program | None:
     """The description of `model` for decode_step with `rows` rows, or None where a
-    product has no C kernel for them. `layers` is step.py's `layers_of(model)`.
+    product has no C kernel for them. `layers` is step.py's `layers(model)`; `made` holds
+    the descriptions made so far, one per route (a `Decoder`'s), each remade where the
+    weights it describes moved.
 
     An fp32 model reads fp32 blocks for several rows where it may keep a copy of its
     weights (`for_inference(model, "float32")`: `kernels.Float32Linear`, made at the first
@@ -135,7 +137,6 @@ def program(model, layers, rows: int) -> Program | None:
             route = "parameters"
         else:
             return None
-    made = model.__dict__.setdefault("_programs", {})
     found = made.get(route, False)
     if found is False or (found is not None and not found.current(model.embedding)):
         try:

@@ -22,21 +22,25 @@ products included, is one call into `step.c` (`decode_step`, on the model descri
 means the same as the model's forward pass: a pre-norm model in eval mode on the CPU in
 fp32 activations, no attention mask, one token per row of a `KVCache` or a `SlotCache`
 pass, and no hook listening anywhere (a hooked model runs `TransformerLM.forward`, so
-every hook point sees its activation). Tests hold both ways of taking it equal to the
-forward pass in every format and cache. A decoding loop over a `SlotCache` (`Slots`)
-calls `slot_step` itself, without the forward pass and its per-pass checks around it
-(0.15-0.2 ms a token of int8 GPT-2: docs/benchmarks-history.md).
+every hook point sees its activation). The `Decoder` (`decoder.py`) asks that question
+and holds what these functions read (the layers, the programs, the scratch); tests hold
+both ways of taking the step equal to the forward pass in every format and cache. Over a
+`SlotCache` it runs without the forward pass and its per-pass checks around it (0.15-0.2
+ms a token of int8 GPT-2: docs/benchmarks-history.md).
 """
 
 from __future__ import annotations
 
 import ctypes
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
 
 from tlm.inference import native, program
+from tlm.inference.blas import needs_one_thread
 from tlm.inference.slot_cache import SlotCache, SlotPass
+from tlm.inference.threads import on_threads
 from tlm.model.kv_cache import KVCache
 from tlm.model.layers import LayerNorm, PreNormBlock
 from tlm.tensor_files import TensorFileError
@@ -56,15 +60,10 @@ def rows_of(cache: object, input_ids: Tensor) -> tuple[list[int], list[int]] | N
     return None
 
 
-def can_step(model, store: Tensor | None) -> bool:
-    """Whether `step` means the same as the model's forward pass here (see the module), for
-    a pass without an attention mask or autograd into the cache `store` (its keys)."""
-    return could_step(model, store) and not listening(model)
-
-
-def could_step(model, store: Tensor | None) -> bool:
-    """`can_step` but for hooks, which may come and go: what does not change while a model
-    built for inference decodes into one cache."""
+def steppable(model, store: Tensor | None) -> bool:
+    """Whether `Decoder.step` means the same as the model's forward pass (see the module)
+    for a pass into the key store `store`, hooks aside (they come and go: the `Decoder`
+    asks about them each step)."""
     if model.training or native.library() is None:
         return False  # dropout: the forward pass has it
     if store is None or store.device.type != "cpu" or store.dtype != torch.float32:
@@ -84,73 +83,26 @@ def keys_of(cache: object) -> Tensor | None:
     return cache.cache.k if isinstance(cache, SlotPass) else None
 
 
-def listening(model) -> bool:
-    """Whether any hook is registered on the model, on any of its modules, or globally.
-    The modules' hook dicts are listed once (registering adds to them, never replaces
-    them), so that the test is one pass over dicts."""
-    hooks = model.__dict__.get("_hook_dicts")
-    if hooks is None:
-        modules = list(model.modules())
-        hooks = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
-        hooks += [torch.nn.modules.module._global_forward_hooks]
-        hooks += [torch.nn.modules.module._global_forward_pre_hooks]
-        model.__dict__["_hook_dicts"] = hooks
-    return any(hooks)
-
-
-def step(
-    model, input_ids: Tensor, cache: KVCache | SlotPass, rows: tuple[list[int], list[int]]
-) -> Tensor:
-    """Logits [R,V] of a pass feeding one token to each of R rows, rows = (slots,
-    positions) from `rows_of`; their keys and values are stored and the cache moves on,
-    as in the forward pass."""
-    model.check_context(cache.end(1))
-    if isinstance(cache, KVCache):  # a SlotPass checked its rows when it was made
-        cache.check_capacity(cache.end(1))
-    K, V = (cache.k, cache.v) if isinstance(cache, KVCache) else (cache.cache.k, cache.cache.v)
-    logits, _ = run(model, input_ids.reshape(-1), K, V, *rows)
-    cache.advance(1)
-    return logits
-
-
-def slot_step(
-    model, cache: SlotCache, slots: list[int], tokens: list[int], greedy: bool = False
-) -> tuple[Tensor, list[tuple[int, float]] | None]:
-    """Logits [R,V] of `tokens`, one fed to each of the `slots` of `cache` at its length,
-    which then grows by one: `step` without the forward pass, the cache pass and their
-    checks around it, for a loop (`Slots`) that has checked `can_step` and keeps every
-    row's length within the cache's capacity. With `greedy`, also each row's (ŵ, log P(ŵ))
-    as `sampling.greedy_logprob` gives them, where the whole step is one C call (token -1
-    for a row whose logits are not all finite), else None.
-
-    Where the whole step is one C call, it reads and writes the cache's `Scratch`, and the
-    logits are a view of it: valid until the cache's next step (clone them to keep them)."""
-    positions = [cache.lengths[slot] for slot in slots]
-    model.check_context(max(positions) + 1)
-    R = len(slots)
-    whole = program.program(model, layers_of(model), R)
-    if whole is not None and whole.rows is not None:
-        logits, picks = _scratch_step(model, whole, cache, slots, positions, tokens, greedy)
-    else:
-        chosen = (torch.empty(R, dtype=torch.int64), torch.empty(R)) if greedy else None
-        ids = torch.tensor(tokens)
-        logits, picked = run(model, ids, cache.k, cache.v, slots, positions, chosen)
-        picks = list(zip(chosen[0].tolist(), chosen[1].tolist(), strict=True)) if picked else None
-    for slot in slots:
-        cache.lengths[slot] += 1
-    return logits, picks
+def hook_dicts(model) -> list[dict]:
+    """Every dict a forward hook of `model` can be registered in: each module's and
+    torch's global ones (registering adds to them, never replaces them, so a list made
+    once answers "is anyone listening?" in one pass)."""
+    modules = list(model.modules())
+    hooks = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
+    hooks += [torch.nn.modules.module._global_forward_hooks]
+    return hooks + [torch.nn.modules.module._global_forward_pre_hooks]
 
 
 class Scratch:
-    """What a whole step of a `SlotCache` reads and writes, made once and reused, so that
-    such a step runs no torch operation: its rows' token ids, positions and slots, the
-    residual stream, the logits and greedy's choices, for up to every slot at once, with
-    numpy views of what Python writes and reads, and their addresses. Python's work
-    between two steps runs after the step's weights have streamed through the caches,
+    """What a whole step of a `SlotCache` reads and writes, made once by the `Decoder` and
+    reused, so that such a step runs no torch operation: its rows' token ids, positions and
+    slots, the residual stream, the logits and greedy's choices, for up to every slot at
+    once, with numpy views of what Python writes and reads, and their addresses. Python's
+    work between two steps runs after the step's weights have streamed through the caches,
     and a torch operation then costs 30-45 µs (docs/benchmarks-history.md)."""
 
     def __init__(self, slots: int, d: int, vocab: int) -> None:
-        self.vocab = vocab
+        self.slots, self.vocab = slots, vocab
         self.places = torch.empty(3 * slots, dtype=torch.int64)  # ids, positions, slots
         self.x, self.logits = torch.empty(slots, d), torch.empty(slots, vocab)
         self.words, self.logprobs = torch.empty(slots, dtype=torch.int64), torch.empty(slots)
@@ -161,19 +113,13 @@ class Scratch:
         self.at, self.size = self.places.data_ptr(), self.places.element_size()
         self.addresses = [t.data_ptr() for t in (self.x, self.logits, self.words, self.logprobs)]
 
-    @classmethod
-    def of(cls, cache: SlotCache, d: int, vocab: int) -> Scratch:
-        made = cache.__dict__.get("_scratch")
-        if made is None or made.vocab != vocab:
-            made = cache.__dict__["_scratch"] = cls(len(cache.lengths), d, vocab)
-        return made
 
-
-def _scratch_step(
-    model, whole, cache: SlotCache, slots: list[int], positions: list[int], tokens, greedy
+def scratch_step(
+    model, whole, s: Scratch, cache: SlotCache, slots: list[int], tokens: list[int], greedy
 ) -> tuple[Tensor, list[tuple[int, float]] | None]:
-    """`slot_step`'s whole step as one C call on the cache's `Scratch`."""
-    R, s = len(slots), Scratch.of(cache, model.config.d_model, whole.head.out)
+    """A whole step of `cache`'s `slots` as one C call on the scratch `s`: logits [R,V] (a
+    view of `s`, valid until its next step) and, with `greedy`, each row's (ŵ, log P(ŵ))."""
+    R, positions = len(slots), [cache.lengths[slot] for slot in slots]
     s.places_[: 3 * R] = tokens + positions + slots
     (x, logits, words, logprobs), at, size = s.addresses, s.at, s.size
     if not greedy:
@@ -189,6 +135,8 @@ def _scratch_step(
 
 def run(
     model,
+    layers: tuple,
+    whole: program.Program | None,
     ids: Tensor,
     K: Tensor,
     V: Tensor,
@@ -197,19 +145,17 @@ def run(
     picks: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, bool]:
     """Logits [R,V] of ids [R], token r at positions[r] of row slots[r] of the key and value
-    stores K, V [L,slots,H,S,d_head], where its key and value are written. Where every
-    product has a C kernel (`program.py`), the whole step is one C call, which also writes
-    each row's greedy choice and its log-probability into picks (int64 [R], fp32 [R]) if
-    given; otherwise the products run from here, and C between them. Also whether picks
-    were written."""
+    stores K, V [L,slots,H,S,d_head], where its key and value are written; `layers` is
+    `layers(model)`. With a Program (`whole`: every product has a C kernel) the whole step
+    is one C call, which also writes each row's greedy choice and its log-probability into
+    picks (int64 [R], fp32 [R]) if given; otherwise the products run from here, and C
+    between them. Also whether picks were written."""
     places = torch.tensor(positions + slots)  # [2R]: each row's position, then its slot
-    R = len(slots)
     with torch.no_grad():
-        layers = layers_of(model)
-        whole = program.program(model, layers, R)
         if whole is not None:
             return _in_one_call(model, whole, ids, K, V, places, picks), picks is not None
-        with model.decoding(R):  # the products' route for R rows
+        one_thread = len(slots) == 1 and model.inference_format == "float32"
+        with on_threads(1) if one_thread and needs_one_thread() else nullcontext():
             return _product_by_product(model, layers, looked_up(model, ids), K, V, places), False
 
 
@@ -283,7 +229,7 @@ def _product_by_product(model, layers, x: Tensor, K, V, places: Tensor) -> Tenso
     first, blocks = layers
     add_norm(model.embedding.P, first, at)  # x = E[w] + P[pos] (Fig. 9.13); h = LN1(x)
     for layer, (attn, ln2, ffn, after, (cos, sin, qk_eps)) in enumerate(blocks):
-        q, k, v = attn.project_qkv(h)
+        q, k, v = attn.qkv_kernel.step(h)
         if not (q.stride() == k.stride() == v.stride() and q.stride(-1) == 1):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         offset = layer * layer_bytes
@@ -291,33 +237,29 @@ def _product_by_product(model, layers, x: Tensor, K, V, places: Tensor) -> Tenso
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k_ + offset, v_ + offset,
             where, at, R, H, d_head, K.shape[3], qk_eps, cos, sin, z_,
         )  # fmt: skip
-        add_norm(_dense(attn.project_out(z)), ln2)
-        u = _dense(ffn.up(h))  # a new tensor: activated in place
+        add_norm(_dense(attn.out_kernel.step(z)), ln2)
+        u = _dense(ffn.up_kernel.step(h))  # a new tensor: activated in place
         lib.activate(u.data_ptr(), u.numel(), kind)
-        add_norm(_dense(ffn.down(u)), after)
-    return model.unembed(h)
+        add_norm(_dense(ffn.down_kernel.step(u)), after)
+    return model.head.step(h)
 
 
-def layers_of(model) -> tuple[tuple, list[tuple]]:
+def layers(model) -> tuple[tuple, list[tuple]]:
     """The first block's ln1, and per block (attention, ln2, FFN, the norm after it: the
-    next block's ln1 or ln_f, (cos, sin, qk eps)), each norm as (gamma, beta, eps). Made
-    once per model: the modules and parameters of a model built for inference do not
-    change (training updates a plain model's parameters in place)."""
-    made = model.__dict__.get("_step_layers")
-    if made is not None:
-        return made
+    next block's ln1 or ln_f, (cos, sin, qk eps)), each norm as (gamma, beta, eps). A
+    `Decoder` makes it once: the modules and parameters of a model built for inference do
+    not change (training updates a plain model's parameters in place)."""
     blocks = list(model.blocks)
     norms = [(b.ln1.gamma, b.ln1.beta, b.ln1.eps) for b in blocks[1:]]
     norms.append((model.ln_f.gamma, model.ln_f.beta, model.ln_f.eps))
-    layers = []
+    described = []
     for block, after in zip(blocks, norms, strict=True):
         attn, ln2, rotary = block.attn, block.ln2, block.attn.rotary
         rope = (None, None) if rotary is None else (rotary.cos.data_ptr(), rotary.sin.data_ptr())
         rope += (RMS_EPS if attn.qk_norm else 0.0,)
-        layers.append((attn, (ln2.gamma, ln2.beta, ln2.eps), block.ffn, after, rope))
+        described.append((attn, (ln2.gamma, ln2.beta, ln2.eps), block.ffn, after, rope))
     first = blocks[0].ln1
-    made = model.__dict__["_step_layers"] = ((first.gamma, first.beta, first.eps), layers)
-    return made
+    return (first.gamma, first.beta, first.eps), described
 
 
 def _dense(t: Tensor) -> Tensor:

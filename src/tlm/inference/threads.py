@@ -14,10 +14,10 @@ then tries a few steps on the other count (one, or back to `most`): after its fi
 steps, then every `every` steps, and at once when a step takes three times the fastest recent
 one (the load changed). The count whose steps were faster by more than `margin` is kept.
 A probe that changes nothing makes the next one wait twice as long (to 16 times `every`),
-so a quiet machine spends well under 1% of its steps on one thread. A model keeps its
-`Threads` from one generation to the next (`of`). Steps are compared only with steps of
-the same kind (rows, and tokens fed), and only a few steps apart, so that a growing
-context or a batch that changes size does not pass for a change of load.
+so a quiet machine spends well under 1% of its steps on one thread. A `Decoder` keeps its
+`Threads` for as long as it decodes (the server's, for its lifetime). Steps are compared
+only with steps of the same kind (rows, and tokens fed), and only a few steps apart, so
+that a growing context or a batch that changes size does not pass for a change of load.
 """
 
 from __future__ import annotations
@@ -62,23 +62,6 @@ class Threads:
         self.kind: object = None
         self.recent: list[float] = []  # seconds of the last steps of this kind on `count`
         self.trial: list[float] | None = None  # a probe's steps on `other`, then on `count`
-
-    @classmethod
-    def of(cls, model) -> Threads:
-        """The model's own, for its thread setting now (torch's threads of this thread).
-        A model on a GPU keeps torch's setting: its steps' times are not the CPU's."""
-        most = torch.get_num_threads()
-        made = model.__dict__.get("_threads")
-        if made is None or made.most != most:
-            on_cpu = next(model.parameters()).device.type == "cpu"
-            made = model.__dict__["_threads"] = cls(most, adapt=on_cpu)
-        return made
-
-    @classmethod
-    def fix(cls, model, fixed: bool = True) -> None:
-        """Decode `model` on torch's setting, never choosing (`fixed`: benchmarks compare
-        with it), or from now on choose anew."""
-        model.__dict__["_threads"] = cls(torch.get_num_threads(), adapt=not fixed)
 
     @property
     def other(self) -> int:

@@ -149,8 +149,9 @@ class TransformerLM(nn.Module):
         that end early are padded with their end token. More settings (repetition_penalty,
         length_penalty, num_return_sequences, frequency_penalty, presence_penalty,
         logit_bias, best_of) pass through `settings`; with `best_of` m, m samples are drawn
-        per prompt and the n of highest total log-probability returned, best first. The
-        decoding policy is `tlm.generate`'s (`generate/sequences.py`).
+        per prompt and the n of highest total log-probability returned, best first; a
+        `tlm.inference.Decoder` of this model to decode with, as `decoder`. The decoding
+        policy is `tlm.generate`'s (`generate/sequences.py`).
         """
         from tlm.generate.sequences import generate_sequences
 

@@ -1,0 +1,167 @@
+"""What decoding prepares for one model, in one object that the decoding loop holds.
+
+A decoding loop (`generate`'s, the server's `Slots`, beam search's) makes a `Decoder` for
+the model it steps and keeps it while it decodes; everything the fast step needs is made
+on first use and kept here, never on the model or its cache:
+
+- the model's layers as the step reads them (`step.layers`), the descriptions of the
+  whole step for C (`program.Program`, one per route), and the scratch buffers of a slot
+  cache's step (`step.Scratch`);
+- the list of dicts a hook can be registered in, so that "is anyone listening?" is one
+  pass over them (a hooked model runs its forward pass, so every hook point sees its
+  activation);
+- the thread count each step runs on, learnt from the steps' times (`threads.Threads`);
+- on a GPU, the recorded step of a `GraphedDecoder`.
+
+Two decoders of one model share nothing, and dropping a decoder drops all of it. Whether
+the C step means the same as the forward pass is one question, `can_step`: the part that
+cannot change while a model decodes into one cache is answered once per cache, the hooks
+at every step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from tlm.inference import program, step
+from tlm.inference.cuda_graph import GraphedDecoder
+from tlm.inference.prepare import for_decoding
+from tlm.inference.slot_cache import SlotCache
+from tlm.inference.threads import Threads
+from tlm.model.kv_cache import KVCache
+from tlm.model.transformer import TransformerLM
+
+
+class Decoder:
+    """Decodes `model` (as `for_decoding` gives it); `fixed_threads`: every step on
+    torch's thread setting, never choosing (benchmarks compare with it)."""
+
+    def __init__(self, model: nn.Module, fixed_threads: bool = False) -> None:
+        self.model = for_decoding(model)
+        self.fixed_threads = fixed_threads
+        self._threads: Threads | None = None
+        self._hooks: list[dict] | None = None
+        self._layers: tuple | None = None
+        self._programs: dict[str, program.Program | None] = {}
+        self._steppable: tuple[Tensor | None, bool] | None = None  # (key store, answer)
+        self._scratch: step.Scratch | None = None
+        self._graphed: tuple[tuple, GraphedDecoder] | None = None
+
+    @property
+    def threads(self) -> Threads:
+        """The thread choice for torch's setting now (remade when the setting changes). A
+        model off the CPU keeps torch's setting: its steps' times are not the CPU's."""
+        most = torch.get_num_threads()
+        if self._threads is None or self._threads.most != most:
+            on_cpu = next(self.model.parameters()).device.type == "cpu"
+            self._threads = Threads(most, adapt=on_cpu and not self.fixed_threads)
+        return self._threads
+
+    def listening(self) -> bool:
+        """Whether any hook is registered on the model, on any of its modules, or globally."""
+        if self._hooks is None:
+            self._hooks = step.hook_dicts(self.model)
+        return any(self._hooks)
+
+    def can_step(self, store: Tensor | None) -> bool:
+        """Whether `step`/`slot_step` mean the same as the model's forward pass, for a pass
+        into the key store `store` (step.py's module says when)."""
+        if self._steppable is None or self._steppable[0] is not store:
+            self._steppable = (store, step.steppable(self.model, store))
+        return self._steppable[1] and not self.listening()
+
+    def layers(self) -> tuple:
+        if self._layers is None:
+            self._layers = step.layers(self.model)
+        return self._layers
+
+    def program(self, rows: int) -> program.Program | None:
+        """The whole step described for C with `rows` rows, or None (a product without a
+        C kernel)."""
+        return program.program(self.model, self.layers(), rows, self._programs)
+
+    def logits(self, input_ids: Tensor, cache: KVCache, attention_mask: Tensor | None) -> Tensor:
+        """Logits [B,V] of the token after the last of each row of input_ids [B,T] fed to
+        `cache`: the C step where it means the same, else the forward pass; no autograd."""
+        rows = step.rows_of(cache, input_ids) if attention_mask is None else None
+        with torch.no_grad():
+            if rows is not None and self.can_step(cache.k):
+                return self.step(input_ids, cache, rows)
+            return self.model(input_ids, cache, attention_mask, last_only=True)[:, -1]
+
+    def step(self, input_ids: Tensor, cache: KVCache, rows: tuple[list[int], list[int]]) -> Tensor:
+        """Logits [R,V] of a pass feeding one token to each of R rows of a `KVCache`, rows
+        = (slots, positions) from `step.rows_of`; their keys and values are stored and the
+        cache moves on, as in the forward pass."""
+        self.model.check_context(cache.end(1))
+        cache.check_capacity(cache.end(1))
+        ids = input_ids.reshape(-1)
+        whole = self.program(len(ids))
+        logits, _ = step.run(self.model, self.layers(), whole, ids, cache.k, cache.v, *rows)
+        cache.advance(1)
+        return logits
+
+    def slot_step(
+        self, cache: SlotCache, slots: list[int], tokens: list[int], greedy: bool = False
+    ) -> tuple[Tensor, list[tuple[int, float]] | None]:
+        """Logits [R,V] of `tokens`, one fed to each of the `slots` of `cache` at its length,
+        which then grows by one, for a loop (`Slots`) that asked `can_step` and keeps every
+        row's length within the cache's capacity. With `greedy`, also each row's (ŵ, log
+        P(ŵ)) as `sampling.greedy_logprob` gives them where the whole step is one C call
+        (token -1 for a row whose logits are not all finite), else None. Where the whole
+        step is one C call, the logits are a view of the decoder's scratch: valid until its
+        next step (clone them to keep them)."""
+        positions = [cache.lengths[slot] for slot in slots]
+        self.model.check_context(max(positions) + 1)
+        R, whole = len(slots), self.program(len(slots))
+        if whole is not None and whole.rows is not None:
+            scratch = self._scratch_for(cache, whole.head.out)
+            logits, picks = step.scratch_step(
+                self.model, whole, scratch, cache, slots, tokens, greedy
+            )
+        else:
+            chosen = (torch.empty(R, dtype=torch.int64), torch.empty(R)) if greedy else None
+            ids = torch.tensor(tokens)
+            logits, picked = step.run(
+                self.model, self.layers(), whole, ids, cache.k, cache.v, slots, positions, chosen
+            )
+            picks = None
+            if picked:
+                picks = list(zip(chosen[0].tolist(), chosen[1].tolist(), strict=True))
+        for slot in slots:
+            cache.lengths[slot] += 1
+        return logits, picks
+
+    def _scratch_for(self, cache: SlotCache, vocab: int) -> step.Scratch:
+        s = self._scratch
+        if s is None or s.vocab != vocab or s.slots < len(cache.lengths):
+            s = self._scratch = step.Scratch(len(cache.lengths), self.model.config.d_model, vocab)
+        return s
+
+    def graphable(self, prompt_length: int, new_tokens: int) -> bool:
+        """Whether a generation can run on a `GraphedDecoder`: a plain language model on a
+        GPU, in eval mode, with no hook registered (a graph would call a hook once, at
+        recording), with the whole generation inside its context (no sliding window)."""
+        model = self.model
+        return (
+            isinstance(model, TransformerLM)
+            and next(model.parameters()).device.type == "cuda"
+            and not model.training
+            and prompt_length + new_tokens <= model.config.context_length
+            and not self.listening()
+        )
+
+    def graphed(self, batch_size: int, positions: int) -> GraphedDecoder:
+        """The recorded step for this batch size and at least `positions` positions, kept
+        while the weights stay where they were recorded. The window is rounded up to a
+        multiple of 256, so prompts of other lengths replay it too; one is kept at a time
+        (the cache's memory is not held twice)."""
+        model = self.model
+        capacity = min(model.config.context_length, -(-positions // 256) * 256)
+        weights = tuple(p.data_ptr() for p in model.parameters())
+        key = (batch_size, capacity, next(model.parameters()).dtype, weights)
+        if self._graphed is None or self._graphed[0] != key:
+            self._graphed = None  # freed before the next is made
+            self._graphed = (key, GraphedDecoder(model, batch_size, capacity, graph=True))
+        return self._graphed[1]
