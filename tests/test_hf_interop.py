@@ -11,7 +11,7 @@ from conftest import V, assert_same_logits, hf_model, save_run, tiny_config
 from tlm import TransformerLM, load_model, load_tokenizer
 from tlm.cli import main
 from tlm.interop import HFFormatError
-from tlm.interop.export import export_hf
+from tlm.kinds import export_hf
 
 
 def export_run(run, out):

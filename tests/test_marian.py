@@ -5,9 +5,9 @@ import torch
 from transformers import MarianMTModel
 
 from tlm.config import ModelConfig
-from tlm.interop.export import export_hf
 from tlm.interop.gpt2 import HFFormatError
 from tlm.interop.marian import interleaved_to_halves
+from tlm.kinds import export_hf
 from tlm.model.encoder_decoder import EncoderDecoder
 from tlm.model.positions import sinusoidal_table
 from tlm.tokenizer import CharTokenizer

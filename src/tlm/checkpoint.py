@@ -39,12 +39,11 @@ from tlm._version import __version__
 from tlm.config import ModelConfig
 from tlm.errors import UserError
 from tlm.io import atomic_path, write_text_atomic
-from tlm.model import EncoderDecoder, TransformerLM, build_model
 from tlm.tensor_files import LazyMatrix, TensorFiles
 
 STATE_DIR = "train_state"
 BEST = "best.safetensors"  # written by a run trained with --keep-best
-WEIGHTS = {"latest": "model.safetensors", "best": BEST}  # what `load_run(weights=...)` reads
+WEIGHTS = {"latest": "model.safetensors", "best": BEST}  # what `load_model(weights=...)` reads
 LOCK = ".lock"  # held by the one process writing the run (`lock_run`)
 # everything a run directory holds (and the demo's marker): `io.check_replaceable` reads it
 FILES = (
@@ -150,16 +149,6 @@ def read_config(run: str | Path) -> dict[str, Any]:
 
 def run_model_config(run: str | Path) -> ModelConfig:
     return ModelConfig.from_dict(read_config(run)["model"])
-
-
-def load_run(run: str | Path, weights: str = "latest") -> TransformerLM | EncoderDecoder:
-    """A run directory -> the model its config.json names, in eval mode, with its latest
-    weights (model.safetensors) or, `weights="best"`, those of its lowest validation loss
-    (best.safetensors, kept by a run trained with --keep-best)."""
-    config, path = run_model_config(run), weights_file(run, weights)
-    model = build_model(config, init=False)  # every weight is read below
-    load_weights(path, model)
-    return model.eval()
 
 
 def weights_file(run: str | Path, weights: str = "latest") -> Path:

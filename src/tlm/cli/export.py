@@ -7,10 +7,9 @@ import argparse
 from pathlib import Path
 
 from tlm.cli.args import add_command, add_weights_flag
-from tlm.interop.export import export_hf
-from tlm.interop.gguf import TYPES, export_gguf
+from tlm.interop.gguf import TYPES
+from tlm.kinds import writer_of
 from tlm.load import load_model, load_tokenizer
-from tlm.model import EncoderDecoder
 
 EXAMPLE = """example:
   tlm export-hf runs/shakespeare_char out/shakespeare_hf
@@ -58,23 +57,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     card = Path(args.run) / "MODEL_CARD.md"
     model = load_model(args.run, weights=args.weights)
-    out = export_hf(model, load_tokenizer(args.run), args.out, card)
-    kind = (
-        "MarianMTModel"
-        if isinstance(model, EncoderDecoder)
-        else "GPTNeoXForCausalLM"
-        if model.config.position == "rope"
-        else "GPT2LMHeadModel"
-    )
-    print(f"wrote {out}: load it with {kind}.from_pretrained({str(out)!r})")
+    writer = writer_of(model.config, "export-hf").writer  # GPT-2, GPT-NeoX or Marian
+    out = writer.write(model, load_tokenizer(args.run), args.out, card=card)
+    print(f"wrote {out}: load it with {writer.opens_with}.from_pretrained({str(out)!r})")
     return 0
 
 
 def run_gguf(args: argparse.Namespace) -> int:
     model = load_model(args.run, weights=args.weights)
-    out = export_gguf(model, load_tokenizer(args.run), args.out, args.type)
+    writer = writer_of(model.config, "export-gguf").writer
+    out = writer.write(model, load_tokenizer(args.run), args.out, args.type)
     size = out.stat().st_size / 2**20
     print(
-        f"wrote {out} ({args.type}, {size:.1f} MiB): run it with llama.cpp, or tlm generate {out}"
+        f"wrote {out} ({args.type}, {size:.1f} MiB): run it with {writer.opens_with}, "
+        f"or tlm generate {out}"
     )
     return 0

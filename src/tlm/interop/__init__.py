@@ -1,6 +1,6 @@
-"""Exchanging models with other tools: Hugging Face's GPT-2, GPT-NeoX and Marian layouts."""
+"""Exchanging models with other tools: Hugging Face's GPT-2, GPT-NeoX and Marian layouts,
+and llama.cpp's GGUF. Which one a path holds is decided by `tlm.kinds`."""
 
-from tlm.interop.gpt2 import HFFormatError, is_hf_model_dir, load_gpt2
-from tlm.interop.hf import load_hf
+from tlm.interop.gpt2 import HFFormatError
 
-__all__ = ["HFFormatError", "is_hf_model_dir", "load_gpt2", "load_hf"]
+__all__ = ["HFFormatError"]

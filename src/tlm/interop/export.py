@@ -1,6 +1,6 @@
-"""`export_hf`: a tlm model -> a directory that Hugging Face `transformers` opens as GPT-2
-(absolute positions), as GPT-NeoX (rotary, `interop/gptneox.py`), or for an encoder-decoder
-as `MarianMTModel` (`interop/marian.py`).
+"""`write_hf`: a tlm model -> a directory that Hugging Face `transformers` opens, in the
+layout it is given: GPT-2's (`interop/gpt2.py`), GPT-NeoX's (`interop/gptneox.py`) or
+Marian's (`interop/marian.py`). Which layout a model takes is a row of `tlm.kinds`.
 
     OUT/config.json              GPT2Config fields (model_type gpt2), or GPT-NeoX's
     OUT/generation_config.json   <|endoftext|> as bos/eos (and <|end|> as eos for chat)
@@ -19,30 +19,39 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import save_file
 from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as HFTokenizer
+from torch import Tensor
 
 from tlm._version import __version__
 from tlm.chat import END, JINJA, SPECIALS, speaks
-from tlm.interop.gpt2 import HFFormatError, gpt2_config, state_to_gpt2
-from tlm.interop.gptneox import gptneox_config, state_to_gptneox
-from tlm.interop.marian import marian_config, state_to_marian
+from tlm.config import ModelConfig
+from tlm.interop.gpt2 import HFFormatError
 from tlm.io import atomic_path
 from tlm.model import EncoderDecoder, TransformerLM
 from tlm.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer
 
+# a layout's two conversions: (ModelConfig, eot id) -> config.json, and state dict -> tensors
+Layout = tuple[
+    Callable[[ModelConfig, int], dict[str, Any]],
+    Callable[[dict[str, Tensor], ModelConfig], dict[str, Tensor]],
+]
 
-def export_hf(
+
+def write_hf(
     model: TransformerLM | EncoderDecoder,
     tokenizer: Tokenizer,
     out: str | Path,
+    layout: Layout,
     card: Path | None = None,
 ) -> Path:
-    """Write `model` and `tokenizer` as a Hugging Face directory at `out` (GPT-2, or for an
-    encoder-decoder `MarianMTModel`), with the model card `card` (a file) as its README.md."""
+    """Write `model` and `tokenizer` as a Hugging Face directory at `out` in `layout` (e.g.
+    `(gpt2_config, state_to_gpt2)`), with the model card `card` (a file) as its README.md."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HFFormatError(f"{out} already exists and is not empty; choose a new folder")
@@ -50,15 +59,9 @@ def export_hf(
         raise HFFormatError(
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.config.vocab_size}"
         )
-    if isinstance(model, EncoderDecoder):  # the paper's model: Marian's layout
-        config = marian_config(model.config, tokenizer.eot_id)
-        weights = state_to_marian(model.state_dict(), model.config)
-    elif model.config.position == "rope":  # rotary: GPT-NeoX's layout
-        config = gptneox_config(model.config, tokenizer.eot_id)
-        weights = state_to_gptneox(model.state_dict(), model.config)
-    else:
-        config = gpt2_config(model.config, tokenizer.eot_id)
-        weights = state_to_gpt2(model.state_dict(), model.config)
+    to_config, to_weights = layout  # each refuses, naming the field, what it cannot express
+    config = to_config(model.config, tokenizer.eot_id)
+    weights = to_weights(model.state_dict(), model.config)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():
         out.rmdir()  # empty (checked above): the rename below needs the name free

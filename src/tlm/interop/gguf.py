@@ -35,7 +35,13 @@ import torch
 
 from tlm.chat import JINJA_PLAIN
 from tlm.config import ConfigError, ModelConfig
-from tlm.interop.gguf_tokens import GGUFError, _gguf, open_gguf, tokenizer_of, vocab_fields
+from tlm.interop.gguf_tokens import (
+    GGUFError,
+    _gguf,
+    open_gguf,
+    read_gguf_tokenizer,
+    vocab_fields,
+)
 from tlm.interop.gpt2 import refuse_unless_plain
 from tlm.io import atomic_path
 from tlm.model import TransformerLM
@@ -189,14 +195,28 @@ def read_gguf(path: str | Path) -> tuple[TransformerLM, Tokenizer]:
     """A GGUF file of llama.cpp's gpt2 or gptneox architecture -> (TransformerLM in eval
     mode, float32, quantized matrices expanded; its tokenizer). A file written by tlm comes
     back as the model that wrote it; another computes GELU as llama.cpp does (tanh)."""
-    gguf, reader, fields = open_gguf(path)
-    tensors = {t.name: _expand(gguf, t) for t in reader.tensors}
-    head, embedding = tensors.get("output.weight"), tensors.get("token_embd.weight")
-    tied = head is None or (embedding is not None and torch.equal(head, embedding))
-    config = _config(fields, tied, path)
+    config = gguf_config(path)
     model = TransformerLM(config, init=False)
-    model.load_state_dict(_state(tensors, config, path), assign=True)
-    return model.eval(), tokenizer_of(fields, path)
+    model.load_state_dict(gguf_weights(path, config), assign=True)
+    return model.eval(), read_gguf_tokenizer(path)
+
+
+def gguf_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a GGUF file; of its tensors only the head and E are read (a head
+    equal to E is a tied one, which gptneox writes out)."""
+    gguf, reader, fields = open_gguf(path)
+    ends = {t.name: t for t in reader.tensors if t.name in ("output.weight", "token_embd.weight")}
+    head, embedding = (ends.get(name) for name in ("output.weight", "token_embd.weight"))
+    tied = head is None or (
+        embedding is not None and torch.equal(_expand(gguf, head), _expand(gguf, embedding))
+    )
+    return _config(fields, tied, path)
+
+
+def gguf_weights(path: str | Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A GGUF file's tensors as the state dict of `config`'s model (float32, expanded)."""
+    gguf, reader, _ = open_gguf(path)
+    return _state({t.name: _expand(gguf, t) for t in reader.tensors}, config, path)
 
 
 def _config(fields: dict[str, Any], tied: bool, path: str | Path) -> ModelConfig:

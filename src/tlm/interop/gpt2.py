@@ -31,7 +31,6 @@ from torch import Tensor
 
 from tlm.config import ConfigError, ModelConfig
 from tlm.errors import UserError
-from tlm.model import TransformerLM
 from tlm.model.positions import sinusoidal_table
 from tlm.tensor_files import LazyMatrix, TensorFiles
 
@@ -50,17 +49,6 @@ BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 class HFFormatError(UserError):
     """A Hugging Face directory tlm cannot read, or a tlm model GPT-2 cannot express."""
-
-
-def is_hf_model_dir(path: str | Path) -> bool:
-    """A directory whose config.json is a Hugging Face one (it names a `model_type`)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        return "model_type" in json.loads(config.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return False
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -177,14 +165,6 @@ def refuse_unless_plain(config: ModelConfig, target: str, position_ok: bool, pos
             raise HFFormatError(f"cannot export to {target}: {message}")
 
 
-def load_gpt2(path: str | Path) -> TransformerLM:
-    """A Hugging Face GPT-2 directory -> TransformerLM (float32, eval mode)."""
-    config = config_from_gpt2(read_hf_config(path))
-    model = TransformerLM(config, init=False)
-    model.load_state_dict(state_from_gpt2(read_hf_weights(path), config), assign=True)
-    return model.eval()
-
-
 def read_hf_weights(path: str | Path) -> Mapping[str, Tensor]:
     """The tensors of a Hugging Face directory: safetensors (one file or shards), each read
     when it is looked up, or a `pytorch_model.bin` read whole with `weights_only=True`
@@ -202,11 +182,6 @@ def read_hf_weights(path: str | Path) -> Mapping[str, Tensor]:
     except Exception as exc:  # safetensors, json or the weights-only unpickler refusing
         raise HFFormatError(f"cannot read the weights in {folder}: {exc}") from None
     raise HFFormatError(f"{folder} has no model.safetensors or pytorch_model.bin")
-
-
-def state_from_gpt2(tensors: Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
-    """GPT-2 tensors -> a tlm state dict (float32); every weight must be used exactly once."""
-    return dict(gpt2_weights(tensors, config))
 
 
 def gpt2_weights(

@@ -23,7 +23,6 @@ head 1, ...), where ours are three matrices side by side.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,11 +33,8 @@ from tlm.interop.gpt2 import (
     ACTIVATIONS_OUT,
     HFFormatError,
     activation_in,
-    read_hf_config,
-    read_hf_weights,
     refuse_unless_plain,
 )
-from tlm.model import TransformerLM
 from tlm.tensor_files import LazyMatrix, TensorFiles
 
 
@@ -128,14 +124,6 @@ def gptneox_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
         "use_cache": True,
         "dtype": "float32",
     }
-
-
-def load_gptneox(path: str | Path) -> TransformerLM:
-    """A Hugging Face GPT-NeoX directory of a shape tlm computes -> TransformerLM (eval)."""
-    config = config_from_gptneox(read_hf_config(path))
-    model = TransformerLM(config, init=False)
-    model.load_state_dict(dict(gptneox_weights(read_hf_weights(path), config)), assign=True)
-    return model.eval()
 
 
 def gptneox_weights(
