@@ -9,6 +9,7 @@ from conftest import save_run, tiny_config
 from tlm import TransformerLM, load_model, load_tokenizer
 from tlm.cli import main
 from tlm.errors import UserError
+from tlm.inference import for_inference
 from tlm.kinds import KINDS, kind_of, writer_of
 from tlm.load import model_config
 from tlm.model import EncoderDecoder
@@ -102,6 +103,12 @@ def test_what_the_table_writes_comes_back_through_it(paths, name):
         assert torch.allclose(back(ids), expected, atol=1e-5, rtol=0)
         streamed = load_model(paths[name], dtype="float32")  # the reader's weights part by part
         assert torch.allclose(streamed(ids), expected, atol=1e-4, rtol=0)
+        packed = load_model(paths[name], dtype="int8")  # packed as each part is read
+        if name == "GGUF":  # E is packed (not read in fp32 from a safetensors file)
+            same = for_inference(load_model(paths[name]), "int8")
+        else:  # the same weights, the same packing as the run's
+            same = load_model(run, dtype="int8")
+        assert torch.allclose(packed(ids), same(ids), atol=1e-5, rtol=0)
     assert load_tokenizer(paths[name]).encode(TEXT) == load_tokenizer(run).encode(TEXT)
 
 

@@ -69,7 +69,7 @@ def load_model(
     if dtype is not None and config.model_type == "decoder" and device.type == "cpu":
         return _load_packed(path, kind, config, weights, dtype)
     model = build_model(config, init=False)  # every weight is read below
-    model.load_state_dict(dict(kind.reader.weights(path, model, weights, False)))
+    model.load_state_dict(dict(kind.reader.weights(path, model, weights, False)), assign=True)
     model = model.eval().to(device)
     if dtype is None:
         return model
