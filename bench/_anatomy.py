@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import tlm.inference.attention  # noqa: F401  (registers torch.ops.tlm.causal_attention)
+import tlm.train.attention_kernel  # noqa: F401  (registers torch.ops.tlm.causal_attention)
 
 aten = torch.ops.aten
 PRODUCTS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}

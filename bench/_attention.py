@@ -1,6 +1,6 @@
 """One layer's training attention, forward and backward, four ways side by side (issue 33).
 
-tlm's kernels through `causal_attention`: in bf16 (`inference/attention.c`, under bf16
+tlm's kernels through `causal_attention`: in bf16 (`inference/native/attention.c`, under bf16
 autocast, as a bf16 training step runs it; hosts with AVX512_BF16 only) and in fp32
 (`attention32.c`, as an fp32 step runs it); PyTorch's CPU kernel in fp32 on the same
 bf16-rounded q, k, v (what `attention_fused` runs in an fp32 step and under CPU autocast,
@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tlm.inference.attention import causal_attention, kernel_here
+from tlm.train.attention_kernel import causal_attention, kernel_here
 
 SHAPES = {  # name: (B, H, T, d_head)
     "nanoGPT's 6-layer shape": (16, 6, 256, 64),

@@ -11,7 +11,8 @@ import torch
 
 from tlm import ModelConfig, TransformerLM
 from tlm.generate import GenerationConfig, generate
-from tlm.inference import Decoder, blas
+from tlm.inference import Decoder
+from tlm.inference.formats import blas
 from tlm.interop.gpt2 import gpt2_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +89,7 @@ def read_bandwidth(threads: int, nbytes: int, repeats: int = 8) -> dict[str, flo
     again, every byte once a pass, nothing written back, on the run's threads. Two readers
     of an fp32 matrix of that size, best of `repeats` each: torch.sum, and one row times
     the matrix through the fp32 decoding route (tlm's own loops, or numpy's BLAS:
-    `inference/blas.py`): {reader: bytes/s}. A working set this size is partly served from
+    `inference/formats/blas.py`): {reader: bytes/s}. A working set this size is partly served from
     the CPU's caches from one pass to the next, as the weights of a step are."""
     big, previous = torch.randn(nbytes // 4096, 1024), torch.get_num_threads()
     row, rates = torch.randn(1, 1024), {}

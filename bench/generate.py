@@ -43,8 +43,9 @@ from _peers import host
 
 from tlm import ModelConfig, TransformerLM, load_model
 from tlm.generate import generate
-from tlm.inference import Decoder, blas, for_inference, native
-from tlm.inference.threads import on_threads
+from tlm.inference import Decoder, for_inference, native
+from tlm.inference.devices.threads import on_threads
+from tlm.inference.formats import blas
 from tlm.model.kv_cache import KVCache
 
 
@@ -262,7 +263,7 @@ def part_ggml(rounds: int, work: Path, source: Path | None) -> None:
 def products_only(decoder: Decoder) -> float:
     """Seconds for one row through every product of a decoding step and nothing else (no
     attention, LayerNorm or loop), in the step's order, run as the step runs them (in one
-    C call where the whole step is one, `inference/program.py`): the most the kernels
+    C call where the whole step is one, `inference/decoding/program.py`): the most the kernels
     allow (median of 5)."""
     model = decoder.model
     whole = decoder.program(1) if native.library() else None

@@ -96,8 +96,8 @@ def test_the_math_has_no_switch_for_the_machinery():
 
 # where a write by a name or into a __dict__ is not a side door: (module, function) -> why
 WRITES_ALLOWED = {
-    ("tlm.inference.modules", "derived"): "fills the new object it has just made",
-    ("tlm.inference.modules", "swapped"): "fills the new object it has just made",
+    ("tlm.inference.formats.modules", "derived"): "fills the new object it has just made",
+    ("tlm.inference.formats.modules", "swapped"): "fills the new object it has just made",
     ("tlm.cli.args", "__call__"): "argparse's Action API: the parsed value on its Namespace",
 }
 
@@ -135,7 +135,7 @@ def side_doors(path: Path, module: str) -> list[str]:
 
 
 def test_no_state_is_left_on_another_object():
-    """What a decode prepares lives in its `Decoder` (inference/decoder.py), not stashed on
+    """What a decode prepares lives in its `Decoder` (inference/decoding/decoder.py), not stashed on
     the model or its cache: no module writes into an object's __dict__ or sets attributes
     by name, but where WRITES_ALLOWED says why."""
     paths = sorted(PACKAGE.rglob("*.py"))

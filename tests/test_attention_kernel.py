@@ -1,4 +1,4 @@
-"""tlm's C attention for training on a CPU (`inference/attention.c` for bf16,
+"""tlm's C attention for training on a CPU (`inference/native/attention.c` for bf16,
 `attention32.c` for fp32): the same equations as `attention_reference`, forward and
 backward, wherever it applies; everything else goes to `attention_fused`; `open_run` puts
 it in a CPU run's model."""
@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from tlm.inference import attention as kernel
 from tlm.inference import native
-from tlm.inference.attention import causal_attention, kernel_here
 from tlm.model.attention import attention_fused, attention_reference, causal_mask
+from tlm.train import attention_kernel as kernel
 from tlm.train import new_run_configs, open_run
+from tlm.train.attention_kernel import causal_attention, kernel_here
 
 HERE = kernel_here()
 needs_kernel = pytest.mark.skipif(not HERE, reason="no AVX512_BF16 on this host")

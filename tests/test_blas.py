@@ -1,4 +1,4 @@
-"""The CPU decoding route (`tlm.inference.blas`): one row's fp32 products, through tlm's own
+"""The CPU decoding route (`tlm.inference.formats.blas`): one row's fp32 products, through tlm's own
 loops (products.c) or numpy's BLAS, equal torch's."""
 
 import pytest
@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from tlm import ModelConfig, TransformerLM
-from tlm.inference import InferenceLM, blas, for_decoding, for_inference, native
-from tlm.inference.program import FLOAT32_ROWS
+from tlm.inference import InferenceLM, for_decoding, for_inference, native
+from tlm.inference.decoding.program import FLOAT32_ROWS
+from tlm.inference.formats import blas
 from tlm.model.kv_cache import KVCache
 
 pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs

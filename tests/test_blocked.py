@@ -1,11 +1,12 @@
-"""tlm's own int8 and float16 products (inference/blocked.py, products.c) against exact
+"""tlm's own int8 and float16 products (inference/formats/blocked.py, products.c) against exact
 references: the same quantized or rounded weights multiplied in torch."""
 
 import pytest
 import torch
 
-from tlm.inference import blocked, native
-from tlm.inference.kernels import PackedLinear, _int8
+from tlm.inference import native
+from tlm.inference.formats import blocked
+from tlm.inference.formats.kernels import PackedLinear, _int8
 
 pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
 

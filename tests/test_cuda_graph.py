@@ -1,4 +1,4 @@
-"""Decoding over a static cache (inference/cuda_graph.py): the same tokens as the reference.
+"""Decoding over a static cache (inference/devices/cuda_graph.py): the same tokens as the reference.
 
 The cache runs eagerly on a CPU, so its arithmetic is held equal to the uncached model here;
 the tests marked `cuda` record and replay the step as a CUDA graph, and skip without a GPU.
@@ -11,7 +11,7 @@ from conftest import POSITIONS
 from tlm.generate import GenerationConfig, generate
 from tlm.generate.decode import GraphedState, _decode
 from tlm.inference import Decoder
-from tlm.inference.cuda_graph import GraphedDecoder, StaticCache
+from tlm.inference.devices.cuda_graph import GraphedDecoder, StaticCache
 from tlm.model.attention import padding_mask
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,5 +1,5 @@
 """`keep_freed_memory`: glibc's malloc keeps a training step's freed blocks for the next step
-instead of handing their pages back to the kernel (`inference/heap.py`)."""
+instead of handing their pages back to the kernel (`inference/devices/heap.py`)."""
 
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tlm.inference import heap
+from tlm.inference.devices import heap
 
 pytestmark = pytest.mark.skipif(heap.LIBC is None, reason="the C library is not glibc")
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(heap.LIBC is None, reason="the C library is not 
 # keeps (mallinfo2's fordblks: freed, not returned to the kernel).
 CHILD = """
 import ctypes, sys, torch
-from tlm.inference.heap import keep_freed_memory
+from tlm.inference.devices.heap import keep_freed_memory
 kept = sys.argv[1] == "keep" and keep_freed_memory()
 x = torch.ones(6 * 2**20)  # 24 MB, every page touched
 del x

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import NORMS, POSITIONS, written_out
-from tlm.inference import blocked, for_inference
+from tlm.inference import for_inference
+from tlm.inference.formats import blocked
 from tlm.model.kv_cache import KVCache
 
 pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
@@ -224,7 +225,7 @@ def test_unknown_inference_dtype(make_model):
 def test_int8_keeps_one_scale_per_output():
     """Outputs of very different sizes each keep ~1% precision: a scale per output row of
     W (per column of the book's [in, out] W), not one for the whole matrix."""
-    from tlm.inference.kernels import PackedLinear
+    from tlm.inference.formats.kernels import PackedLinear
 
     torch.manual_seed(0)
     sizes = torch.logspace(-3, 0, 32)  # output j is about sizes[j] in size

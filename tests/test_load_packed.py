@@ -12,7 +12,8 @@ from test_kv_cache import FORMAT_ERROR
 from conftest import hf_model, tiny_config
 from tlm import TransformerLM, load_model
 from tlm.checkpoint import CheckpointError, save_weights, write_config
-from tlm.inference import blocked, for_inference, kernels, prepare
+from tlm.inference import for_inference
+from tlm.inference.formats import blocked, kernels, prepare
 from tlm.tensor_files import FileRows, LazyMatrix, TensorFileError, TensorFiles
 
 pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs

@@ -1,4 +1,4 @@
-"""Building tlm's C kernels (inference/native.py): for this CPU or the build TLM_NATIVE_ARCH
+"""Building tlm's C kernels (inference/native/): for this CPU or the build TLM_NATIVE_ARCH
 names, once, from every file it is made of, with or without OpenMP or a compiler or a cache
 folder, leaving the process's arithmetic alone. How the library is made, not what its
 kernels compute (the kernel tests, which run once per build, hold those)."""
@@ -44,7 +44,7 @@ def test_without_a_compiler_decoding_says_so_once_and_goes_on(tmp_path):
 def test_every_file_the_library_is_compiled_from_ships_with_the_package():
     """An installed (not editable) tlm compiles from its package's own copies."""
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    shipped = project["tool"]["setuptools"]["package-data"]["tlm.inference"]
+    shipped = project["tool"]["setuptools"]["package-data"]["tlm.inference.native"]
     for path in (*native.SOURCES, *native.HEADERS):
         assert any(fnmatch.fnmatch(path.name, pattern) for pattern in shipped), path.name
 

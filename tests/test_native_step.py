@@ -1,4 +1,4 @@
-"""The C step between a decoding step's products (inference/step.py, step.c) means what the
+"""The C step between a decoding step's products (inference/decoding/step.py, step.c) means what the
 model's forward pass means: the same logits, the same keys and values in the cache."""
 
 import pytest
@@ -7,9 +7,10 @@ from test_kv_cache import FORMAT_ERROR
 
 from conftest import POSITIONS
 from tlm.generate.sampling import greedy_logprob
-from tlm.inference import Decoder, SlotCache, blocked, for_decoding, for_inference, native
-from tlm.inference import program as whole_program
-from tlm.inference import step as native_step
+from tlm.inference import Decoder, SlotCache, for_decoding, for_inference, native
+from tlm.inference.decoding import program as whole_program
+from tlm.inference.decoding import step as native_step
+from tlm.inference.formats import blocked
 from tlm.model.kv_cache import KVCache
 
 pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs

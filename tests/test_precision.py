@@ -12,10 +12,10 @@ import torch
 
 from tlm.cli import main
 from tlm.config import ConfigError
-from tlm.inference.attention import causal_attention
 from tlm.model.attention import attention_fused, attention_reference, causal_mask
 from tlm.train import new_run_configs, open_run
 from tlm.train import precision as precisions
+from tlm.train.attention_kernel import causal_attention
 from tlm.train.precision import bf16_units, pick_precision
 
 TINY = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--context-length", "32"]

@@ -9,8 +9,8 @@ from test_native_step import needs_native
 
 from tlm import load_model
 from tlm.inference import Decoder, SlotCache, for_decoding, for_inference, native
-from tlm.inference import program as whole_program
-from tlm.inference import step as native_step
+from tlm.inference.decoding import program as whole_program
+from tlm.inference.decoding import step as native_step
 from tlm.tensor_files import TensorFileError
 
 pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs

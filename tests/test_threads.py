@@ -1,4 +1,4 @@
-"""A decoding step's thread count, learnt from the steps' times (inference/threads.py): on
+"""A decoding step's thread count, learnt from the steps' times (inference/devices/threads.py): on
 two threads while they are faster, on one while other processes hold the cores."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from tlm.generate import GenerationConfig
 from tlm.generate.slots import Slots
 from tlm.inference import Decoder
-from tlm.inference.threads import Threads, on_threads
+from tlm.inference.devices.threads import Threads, on_threads
 
 
 def run(threads: Threads, seconds: dict[int, float], steps: int, kind=(1, 1)) -> list[int]:

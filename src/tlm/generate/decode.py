@@ -4,7 +4,7 @@
 have ended) as soon as it is chosen; greedy decoding and sampling in the CLI and in
 `TransformerLM.generate` consume this iterator. The cached path runs on `Slots` (each row
 at its own length, as the server's rows); on a GPU, where the generation allows it, on a
-`GraphedDecoder` (each step one replay of a CUDA graph, `inference/cuda_graph.py`). With
+`GraphedDecoder` (each step one replay of a CUDA graph, `inference/devices/cuda_graph.py`). With
 `use_cache=False` every step runs the whole window again (`DecodeState`): the slow reference
 that the tests hold the cached path equal to. All choose the next token with
 `sampling.choose` and slide the window by `window_start`.
@@ -23,7 +23,7 @@ from tlm.generate.constrain import allowed_rows
 from tlm.generate.sampling import GenerationError, choose
 from tlm.generate.slots import Slots, random_seed, row_generator, window_start
 from tlm.inference import Decoder
-from tlm.inference.cuda_graph import GraphedDecoder
+from tlm.inference.devices.cuda_graph import GraphedDecoder
 from tlm.model.kv_cache import KVCache
 
 

@@ -20,12 +20,16 @@ of these.
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from tlm.errors import UserError
 from tlm.inference import native
+
+if TYPE_CHECKING:
+    from tlm.generate.constrain import Matcher
 
 
 class GenerationError(UserError):
@@ -196,3 +200,71 @@ def choose(
         return greedy(logits)
     logits = process_logits(logits, config.temperature, config.top_k, config.top_p)
     return torch.stack([sample(row, g) for row, g in zip(logits, generators, strict=True)])
+
+
+class RowChoice:
+    """What choosing one sequence's tokens keeps from step to step: its settings, its
+    random generator, the tokens seen so far (the repetition penalty, over the prompt and
+    the output), the output's count of each token (the frequency and presence penalties)
+    and where the output stands in its grammar; `top_logprobs` likeliest tokens are
+    reported with each choice. The decoding loops that choose a row at a time (`Slots`)
+    hold one per sequence; `choose` is the step."""
+
+    def __init__(
+        self,
+        prompt: list[int],
+        config,
+        generator: torch.Generator | None,
+        vocab_size: int,
+        device: torch.device,
+        top_logprobs: int = 0,
+    ) -> None:
+        if config.logit_bias and max(t for t, _ in config.logit_bias) >= vocab_size:
+            token = max(t for t, _ in config.logit_bias)
+            raise GenerationError(
+                f"logit_bias names token {token}; the vocabulary has {vocab_size}"
+            )
+        self.config, self.generator, self.top_logprobs = config, generator, top_logprobs
+        self.seen = self.counts = None
+        if config.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.seen[torch.tensor(prompt, device=device)] = True
+        if config.counts_output:
+            self.counts = torch.zeros(vocab_size, device=device)
+        self.matcher: Matcher | None = None if config.grammar is None else config.grammar.start()
+        # the likeliest token as is, with no top list to report: a step that made greedy's
+        # choice itself (the whole step in C) hands it over as `pick`
+        self.plain_greedy = config.greedy and not config.adjusts_logits and not top_logprobs
+
+    def choose(
+        self, logits: Tensor, pick: tuple[int, float] | None = None
+    ) -> tuple[int, float, list[tuple[int, float]]]:
+        """The token after logits [V]: (token, log P(token) under the model before any
+        processing, the `top_logprobs` likeliest (id, log P)); `pick` is the step's own
+        greedy choice (ŵ, log P(ŵ)) where it made one (token -1: logits not all finite)."""
+        top = []
+        if self.plain_greedy:
+            if pick is None or pick[0] < 0:
+                pick = greedy_logprob(logits.float())  # no [V] log-softmax to write
+            token, logprob = pick
+        else:
+            logits = logits.float()
+            logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before any filter
+            seen = None if self.seen is None else self.seen[None]
+            counts = None if self.counts is None else self.counts[None]
+            allowed = None
+            if self.matcher is not None:
+                allowed = self.matcher.allowed(len(logits)).to(logits.device)[None]
+            chosen = choose(logits[None], self.config, [self.generator], seen, counts, allowed)
+            token = int(chosen[0])
+            if self.matcher is not None:
+                self.matcher.accept(token)
+            if self.top_logprobs:
+                values, ids = logprobs.topk(min(self.top_logprobs, len(logprobs)))
+                top = list(zip(ids.tolist(), values.tolist(), strict=True))
+            logprob = float(logprobs[token])
+        if self.seen is not None:
+            self.seen[token] = True
+        if self.counts is not None:
+            self.counts[token] += 1
+        return token, logprob, top

@@ -1,7 +1,8 @@
 """Continuous batching: a decoding state per row, advanced one token at a time.
 
 `Slots` holds up to `slots` sequences at once, each in its own row of a `SlotCache`, with
-its own length and positions, sampling settings, random generator and stop rules.
+its own length and positions, stop rules and choosing (`sampling.RowChoice`: its settings,
+random generator and penalties); the loop itself only batches.
 `step()` advances every row by one token:
 
 1. sequences waiting for a row take the free ones (lowest first);
@@ -22,7 +23,6 @@ another row: the same seed gives the same tokens alone or in a busy batch. `gene
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -31,23 +31,17 @@ import torch
 from torch import Tensor, nn
 
 from tlm.generate.config import GenerationConfig
-from tlm.generate.constrain import Matcher
-from tlm.generate.sampling import GenerationError, choose, greedy_logprob
+from tlm.generate.sampling import GenerationError, RowChoice
 from tlm.inference import Decoder, SlotCache
-from tlm.inference.threads import on_threads
 
 
 @dataclass(eq=False)  # compared and hashed by identity
 class Sequence:
-    """One row's prompt, settings and output so far."""
+    """One row's prompt, settings, how its tokens are chosen, and its output so far."""
 
     prompt: list[int]
     config: GenerationConfig
-    generator: torch.Generator | None
-    seen: Tensor | None  # [V] bool, for the repetition penalty
-    counts: Tensor | None = None  # [V] the output's count of each token, for OpenAI's penalties
-    matcher: Matcher | None = None  # where the output stands in its grammar, if it has one
-    top_logprobs: int = 0
+    choice: RowChoice
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # "eos", "length" or "cancelled"
@@ -130,17 +124,8 @@ class Slots:
         if not config.greedy:
             generator = row_generator(random_seed() if seed is None else seed, sample, self.device)
         V = self.model.config.vocab_size
-        if config.logit_bias and max(t for t, _ in config.logit_bias) >= V:
-            token = max(t for t, _ in config.logit_bias)
-            raise GenerationError(f"logit_bias names token {token}; the vocabulary has {V}")
-        seen = counts = None
-        if config.repetition_penalty != 1.0:
-            seen = torch.zeros(V, dtype=torch.bool, device=self.device)
-            seen[torch.tensor(prompt, device=self.device)] = True
-        if config.counts_output:
-            counts = torch.zeros(V, device=self.device)
-        matcher = None if config.grammar is None else config.grammar.start()
-        sequence = Sequence(list(prompt), config, generator, seen, counts, matcher, top_logprobs)
+        choice = RowChoice(prompt, config, generator, V, self.device, top_logprobs)
+        sequence = Sequence(list(prompt), config, choice)
         self.waiting.append(sequence)
         return sequence
 
@@ -181,19 +166,16 @@ class Slots:
         tokens = [token for feed in feeds for token in feed]
         one_each = len(tokens) == len(feeds)  # every row feeds one token: a decoding step
         picks = None  # greedy's choices, where the step made them
-        decoder, threads = self.decoder, self.decoder.threads
-        count = threads.count_for((len(slots), len(tokens)))
-        started = time.perf_counter()
-        with on_threads(count):  # back to the caller's setting, always
+        decoder = self.decoder
+        with decoder.chosen_threads((len(slots), len(tokens))):
             if one_each and decoder.can_step(self.cache.k):
-                greedy = all(_plain_greedy(self.rows[slot]) for slot in slots)
+                greedy = all(self.rows[slot].choice.plain_greedy for slot in slots)
                 logits, picks = decoder.slot_step(self.cache, slots, tokens, greedy)
             else:
                 ids = torch.tensor(tokens, device=self.device)
                 with torch.no_grad():
                     fed = self.cache.feed(slots, [len(feed) for feed in feeds])
                     logits = self.model(ids[None], fed, last_only=True)[0]  # [rows,V]
-        threads.took(time.perf_counter() - started)
         picks = picks or [None] * len(slots)
         rows = enumerate(zip(slots, picks, strict=True))  # a row's logits taken where needed
         return [self._choose(self.rows[slot], logits, r, pick) for r, (slot, pick) in rows]
@@ -211,37 +193,12 @@ class Slots:
     def _choose(self, sequence: Sequence, step: Tensor, r: int, pick: tuple | None) -> Emitted:
         """The token of a sequence from its logits, row r of the step's [R,V], or from
         `pick` (ŵ, log P(ŵ)), the step's own greedy choice, where it made one."""
-        c = sequence.config
-        top = []
-        if _plain_greedy(sequence):
-            if pick is None or pick[0] < 0:  # no choice made, or logits not all finite
-                pick = greedy_logprob(step[r].float())  # no [V] log-softmax to write
-            token, logprob = pick
-        else:
-            logits = step[r].float()
-            logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before any filter
-            seen = None if sequence.seen is None else sequence.seen[None]
-            counts = None if sequence.counts is None else sequence.counts[None]
-            allowed = None
-            if sequence.matcher is not None:
-                allowed = sequence.matcher.allowed(len(logits)).to(logits.device)[None]
-            generators = [sequence.generator]
-            token = int(choose(logits[None], c, generators, seen, counts, allowed)[0])
-            if sequence.matcher is not None:
-                sequence.matcher.accept(token)
-            if sequence.top_logprobs:
-                values, ids = logprobs.topk(min(sequence.top_logprobs, len(logprobs)))
-                top = list(zip(ids.tolist(), values.tolist(), strict=True))
-            logprob = float(logprobs[token])
+        token, logprob, top = sequence.choice.choose(step[r], pick)
         sequence.tokens.append(token)
         sequence.logprobs.append(logprob)
-        if sequence.seen is not None:
-            sequence.seen[token] = True
-        if sequence.counts is not None:
-            sequence.counts[token] += 1
-        if token in c.eos_ids:
+        if token in sequence.config.eos_ids:
             sequence.finish_reason = "eos"
-        elif len(sequence.tokens) >= c.max_new_tokens:
+        elif len(sequence.tokens) >= sequence.config.max_new_tokens:
             sequence.finish_reason = "length"
         if sequence.done:
             self._release(sequence)
@@ -252,9 +209,3 @@ class Slots:
             self.rows[sequence.slot] = None
             self.cache.clear(sequence.slot)
         sequence.slot = None
-
-
-def _plain_greedy(sequence: Sequence) -> bool:
-    """Whether a sequence takes the likeliest token, as is, with no top-k list to report."""
-    c = sequence.config
-    return c.greedy and not c.adjusts_logits and not sequence.top_logprobs

@@ -6,10 +6,10 @@ The math (`tlm.model`) knows none of this: `for_inference` and `load_prepared` b
 slot cache keeps the model's `Cache` interface.
 """
 
-from tlm.inference.decoder import Decoder
-from tlm.inference.kernels import FORMATS, check_format
-from tlm.inference.modules import InferenceLM
-from tlm.inference.prepare import for_decoding, for_inference, in_parts, load_prepared
+from tlm.inference.decoding.decoder import Decoder
+from tlm.inference.formats.kernels import FORMATS, check_format
+from tlm.inference.formats.modules import InferenceLM
+from tlm.inference.formats.prepare import for_decoding, for_inference, in_parts, load_prepared
 from tlm.inference.slot_cache import SlotCache, SlotPass
 
 __all__ = [

@@ -239,7 +239,7 @@ class MultiHeadAttention(nn.Module):
 def use_attention_kernel(model: nn.Module, kernel: Callable[..., Tensor]) -> None:
     """Every attention layer of `model` runs its fused path through `kernel`, which takes
     `attention_fused`'s arguments and means the same (`train/opening.py` sets tlm's C kernel,
-    `inference/attention.py`, for training on a CPU). The written-out path is unchanged."""
+    `train/attention_kernel.py`, for training on a CPU). The written-out path is unchanged."""
     for module in model.modules():
         if isinstance(module, MultiHeadAttention):
             module.fused = kernel

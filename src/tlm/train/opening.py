@@ -5,7 +5,7 @@
 model for DDP or FSDP, builds the optimizer (and loads a resumed one), opens the batch
 source for the data's kind and the metrics file, then hands them to the `Trainer`, whose
 construction does none of this. On a CPU it also sets tlm's attention kernel and
-glibc's malloc to keep freed memory for the next step (`inference/heap.py`).
+glibc's malloc to keep freed memory for the next step (`inference/devices/heap.py`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 from tlm.checkpoint import latest_checkpoint, load_checkpoint, write_config
 from tlm.config import ModelConfig, TrainConfig
 from tlm.data import ChatData, PairData, TokenData
-from tlm.inference.attention import causal_attention
-from tlm.inference.heap import keep_freed_memory
+from tlm.inference.devices.heap import keep_freed_memory
 from tlm.io import write_text_atomic
 from tlm.load import load_model
 from tlm.model import build_model
 from tlm.model.attention import use_attention_kernel
+from tlm.train.attention_kernel import causal_attention
 from tlm.train.chat import ChatWindows
 from tlm.train.distributed import Runtime
 from tlm.train.loop import Progress, Trainer

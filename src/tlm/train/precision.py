@@ -5,7 +5,7 @@ own bf16 units (AVX512_BF16 or AMX, as PyTorch finds them at run time), in fp32 
 Autocast keeps the weights, the optimizer and the loss in fp32 and runs the products in
 bf16: on a CPU with AVX512_BF16 a 4096×768 by 768×3072 product runs 2.1-2.5× (this
 project's AVX-512 EPYC hosts) to 4.2× (a Zen 5) faster than in fp32; attention runs in
-tlm's own kernel there (`inference/attention.py`: bf16 products adding in fp32, 2.4×
+tlm's own kernel there (`train/attention_kernel.py`: bf16 products adding in fp32, 2.4×
 PyTorch's fp32 kernel), which `open_run` sets. On a CPU without such units a bf16 product
 is emulated (1 GFLOP/s against 91 in fp32 on an AVX2 host), so there `--precision bfloat16` is
 refused in one line instead of training 20× slower without a word. Muon's Newton–Schulz

@@ -26,9 +26,9 @@ from itertools import groupby
 import torch
 from torch import Tensor, nn
 
-from tlm.inference import blocked
-from tlm.inference.heap import free_to_system
-from tlm.inference.kernels import (
+from tlm.inference.devices.heap import free_to_system
+from tlm.inference.formats import blocked
+from tlm.inference.formats.kernels import (
     HeadBlocks,
     PackedLinear,
     PackedRows,
@@ -36,7 +36,7 @@ from tlm.inference.kernels import (
     can_prepack_float32,
     check_format,
 )
-from tlm.inference.modules import SWAP, InferenceLM, Kernel, swapped
+from tlm.inference.formats.modules import SWAP, InferenceLM, Kernel, swapped
 from tlm.model.transformer import TransformerLM
 from tlm.tensor_files import FileRows, LazyMatrix
 

@@ -23,8 +23,9 @@ import ctypes
 import torch
 from torch import Tensor
 
-from tlm.inference import blocked, native
-from tlm.inference.kernels import Float32Linear, PackedLinear, PackedRows
+from tlm.inference import native
+from tlm.inference.formats import blocked
+from tlm.inference.formats.kernels import Float32Linear, PackedLinear, PackedRows
 from tlm.tensor_files import FileRows
 
 i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p

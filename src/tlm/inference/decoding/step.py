@@ -37,10 +37,11 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from tlm.inference import native, program
-from tlm.inference.blas import needs_one_thread
+from tlm.inference import native
+from tlm.inference.decoding import program
+from tlm.inference.devices.threads import on_threads
+from tlm.inference.formats.blas import needs_one_thread
 from tlm.inference.slot_cache import SlotCache, SlotPass
-from tlm.inference.threads import on_threads
 from tlm.model.kv_cache import KVCache
 from tlm.model.layers import LayerNorm, PreNormBlock
 from tlm.tensor_files import TensorFileError

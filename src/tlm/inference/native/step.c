@@ -187,7 +187,7 @@ int64_t greedy_pick(const float *logits, int64_t n, float *logprob) {
     return best;
 }
 
-/* Where a step's token embeddings E[w] come from (inference/prepare.py keeps them three
+/* Where a step's token embeddings E[w] come from (inference/formats/prepare.py keeps them three
  * ways): rows in memory (`table`), fp32, fp16, bf16, or int8 with one scale per row
  * (kernels.PackedRows); or rows left in the model's file (`table` NULL: read from `fd`,
  * the rows starting at byte `start`, as tensor_files.FileRows reads them). Each row is

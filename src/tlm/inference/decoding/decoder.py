@@ -10,7 +10,8 @@ on first use and kept here, never on the model or its cache:
 - the list of dicts a hook can be registered in, so that "is anyone listening?" is one
   pass over them (a hooked model runs its forward pass, so every hook point sees its
   activation);
-- the thread count each step runs on, learnt from the steps' times (`threads.Threads`);
+- the thread count each step runs on, learnt from the steps' times (`threads.Threads`,
+  through `chosen_threads`);
 - on a GPU, the recorded step of a `GraphedDecoder`.
 
 Two decoders of one model share nothing, and dropping a decoder drops all of it. Whether
@@ -21,14 +22,18 @@ at every step.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor, nn
 
-from tlm.inference import program, step
-from tlm.inference.cuda_graph import GraphedDecoder
-from tlm.inference.prepare import for_decoding
+from tlm.inference.decoding import program, step
+from tlm.inference.devices.cuda_graph import GraphedDecoder
+from tlm.inference.devices.threads import Threads, on_threads
+from tlm.inference.formats.prepare import for_decoding
 from tlm.inference.slot_cache import SlotCache
-from tlm.inference.threads import Threads
 from tlm.model.kv_cache import KVCache
 from tlm.model.transformer import TransformerLM
 
@@ -57,6 +62,18 @@ class Decoder:
             on_cpu = next(self.model.parameters()).device.type == "cpu"
             self._threads = Threads(most, adapt=on_cpu and not self.fixed_threads)
         return self._threads
+
+    @contextmanager
+    def chosen_threads(self, kind: object) -> Iterator[None]:
+        """The block, one decoding step of `kind` (steps of one kind take the same time),
+        on the thread count chosen for it, and timed for the next choice; torch's setting
+        back after it, whatever happens in it."""
+        threads = self.threads  # before the block: inside it, torch's setting is the count
+        count = threads.count_for(kind)
+        started = time.perf_counter()
+        with on_threads(count):
+            yield
+        threads.took(time.perf_counter() - started)
 
     def listening(self) -> bool:
         """Whether any hook is registered on the model, on any of its modules, or globally."""

@@ -16,10 +16,10 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 
-from tlm.inference import step
-from tlm.inference.blas import needs_one_thread
-from tlm.inference.kernels import Route
-from tlm.inference.threads import on_threads
+from tlm.inference.decoding import step
+from tlm.inference.devices.threads import on_threads
+from tlm.inference.formats.blas import needs_one_thread
+from tlm.inference.formats.kernels import Route
 from tlm.model.attention import MultiHeadAttention
 from tlm.model.kv_cache import Cache
 from tlm.model.layers import Embedding, FeedForward

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tlm.inference import blas, blocked
+from tlm.inference.formats import blas, blocked
 from tlm.model.functional import linear
 from tlm.tensor_files import LazyMatrix
 
