@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tlm import ModelConfig, TransformerLM
+from tlm import ModelConfig, TransformerLM, load_model
 from tlm.generate import GenerationConfig, generate
 from tlm.inference import Decoder
 from tlm.inference.formats import blas
@@ -82,6 +82,12 @@ def saved_gpt2(work: Path) -> Path:
     if not (folder / "model.safetensors").is_file():
         hf_gpt2().save_pretrained(folder)
     return folder
+
+
+def user_models(folder: Path, formats=("float16", "int8")) -> dict[str, TransformerLM]:
+    """What a user gets: `load_model(path)` (fp32, no for_inference call) and
+    `load_model(path, dtype=...)` of a Hugging Face directory in each of `formats`."""
+    return {"float32": load_model(folder)} | {f: load_model(folder, dtype=f) for f in formats}
 
 
 def read_bandwidth(threads: int, nbytes: int, repeats: int = 8) -> dict[str, float]:

@@ -37,11 +37,14 @@ from _decoding import (
     saved_gpt2,
     tlm_gpt2,
     tlm_rate,
+    user_models,
     weight_bytes,
 )
 from _peers import host
+from _speculative import part_speculative
+from _verify import part_verify
 
-from tlm import ModelConfig, TransformerLM, load_model
+from tlm import ModelConfig, load_model
 from tlm.generate import generate
 from tlm.inference import Decoder, for_inference, native
 from tlm.inference.devices.threads import on_threads
@@ -154,13 +157,6 @@ def part_imported(rounds: int, work: Path) -> None:
     print(f"greedy, 2 prompts x 64 new tokens: {'identical' if same else 'DIFFERENT'} tokens")
     for batch in (1, 8):
         print(f"  batch {batch}, 128 new: {alternate(ours, theirs, batch, 128, rounds)}")
-
-
-def user_models(folder: Path) -> dict[str, TransformerLM]:
-    """What a user gets: `load_model(path)` (fp32, no for_inference call) and
-    `load_model(path, dtype=...)` of a Hugging Face directory."""
-    models = {"float32": load_model(folder)}
-    return models | {fmt: load_model(folder, dtype=fmt) for fmt in ("float16", "int8")}
 
 
 def part_limit(rounds: int, work: Path) -> None:
@@ -353,7 +349,8 @@ def part_memory(work: Path) -> None:
         print(f"{name:43s} {peak:7.0f} {goal:9.0f}")
 
 
-PARTS = ["peer", "cache", "dtypes", "imported", "limit", "memory", "ggml"]
+PARTS = ["peer", "cache", "dtypes", "imported", "limit", "memory", "verify", "ggml"]
+PARTS += ["speculative"]
 
 
 def main() -> None:
@@ -364,7 +361,8 @@ def main() -> None:
     parser.add_argument("--ggml", type=Path, help="a checkout of ggml-org/ggml (--part ggml)")
     args = parser.parse_args()
     print(f"{host()}, {torch.get_num_threads()} threads")
-    chosen = [p for p in PARTS if p != "ggml" or args.ggml] if args.part == "all" else [args.part]
+    every = [p for p in PARTS if (p != "ggml" or args.ggml) and p != "speculative"]
+    chosen = every if args.part == "all" else [args.part]
     for part in chosen:
         if part == "peer":
             part_peer(args.rounds)
@@ -378,6 +376,10 @@ def main() -> None:
             part_memory(Path(args.work))
         elif part == "ggml":
             part_ggml(args.rounds, Path(args.work), args.ggml)
+        elif part == "verify":
+            part_verify(args.rounds, Path(args.work))
+        elif part == "speculative":
+            part_speculative(args.rounds, ROOT / "runs" / "demo", ROOT / "data" / "demo")
         else:
             part_dtypes(args.rounds, Path(args.work))
 

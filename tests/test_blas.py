@@ -156,9 +156,10 @@ def test_the_head_of_a_tied_model_reads_E(route):
 
 @pytest.mark.parametrize("batch", [1, 2, 4])
 def test_generation_takes_the_route_for_few_rows(monkeypatch, route, batch):
-    """After the prompt, one row decodes on the parameters through numpy (13 products a
-    step), or up to FLOAT32_ROWS rows as the whole step in one C call (`program.py`); more
-    rows stay on torch. The tokens are those of the plain model either way."""
+    """After the prompt, a plain model's rows decode on its parameters: one row through
+    numpy (13 products a step) without tlm's threaded loops, and any number of rows as the
+    whole step in one C call with them (`program.py`). The tokens are those of the plain
+    model either way."""
     model, ids = make_model(), torch.randint(0, 97, (batch, 5))
     expected = model.generate(ids, max_new_tokens=6, use_cache=False)
     routed, whole = count_products(monkeypatch), []
@@ -168,7 +169,7 @@ def test_generation_takes_the_route_for_few_rows(monkeypatch, route, batch):
     assert torch.equal(model.generate(ids, max_new_tokens=6), expected)
     steps = 5  # the prompt runs 5 positions on torch, then 1 a step
     if route == "own":
-        assert len(whole) == (steps if batch <= FLOAT32_ROWS else 0) and routed == []
+        assert len(whole) == steps and routed == []
     else:
         assert len(routed) == (steps * 13 if batch == 1 else 0) and whole == []
 

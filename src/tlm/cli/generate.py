@@ -26,7 +26,7 @@ SAMPLING = ("temperature", "top_k", "top_p")
 SETTINGS = (  # the flags that are GenerationConfig's fields, by the same names
     "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
     "num_beams", "length_penalty", "num_return_sequences", "seed", "frequency_penalty",
-    "presence_penalty", "best_of",
+    "presence_penalty", "best_of", "prompt_lookup", "draft_tokens",
 )  # fmt: skip
 
 
@@ -64,6 +64,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     shape.add_argument("--json-schema", metavar="FILE", help="write JSON valid against FILE")
     shape.add_argument("--regex", metavar="R", help="write text that matches R whole")
     shape.add_argument("--grammar", metavar="FILE", help="write text of FILE's Lark grammar")
+    parser.add_argument(
+        "--prompt-lookup",
+        type=int,
+        metavar="N",
+        help="speculative decoding: draft from the text's own n-grams, n <= N (same tokens)",
+    )
+    parser.add_argument(
+        "--draft-tokens", type=int, help=f"most tokens a draft proposes ({defaults.draft_tokens})"
+    )
     parser.add_argument("--num-beams", type=int, help="beam search with this many (1: none)")
     parser.add_argument("--length-penalty", type=float, help="for beam search (1.0)")
     parser.add_argument("-n", "--num-return-sequences", type=int, help="per prompt (1)")

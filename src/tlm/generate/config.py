@@ -34,6 +34,8 @@ class GenerationConfig:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is accepted
     best_of: int | None = None
     grammar: Grammar | None = None  # structured outputs: a JSON schema, regex or Lark grammar
+    prompt_lookup: int | None = None  # speculative: drafts from the text's n-grams, n <= this
+    draft_tokens: int = 5  # speculative: the most tokens a draft proposes for one check
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):  # frozen: the one normal form, sorted pairs
@@ -53,6 +55,8 @@ class GenerationConfig:
                 all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
                 "token ids >= 0 with biases in [-100, 100]",
             ),
+            "prompt_lookup": (self.prompt_lookup is None or self.prompt_lookup >= 1, ">= 1"),
+            "draft_tokens": (self.draft_tokens >= 1, ">= 1"),
             "best_of": (
                 self.best_of is None or self.best_of >= self.num_return_sequences,
                 ">= num_return_sequences (the best of that many candidates are returned)",
@@ -76,6 +80,8 @@ class GenerationConfig:
             raise GenerationError("best_of chooses among samples: use num_beams=1")
         if self.num_beams > 1 and self.num_return_sequences > 1:
             raise GenerationError("beam search returns one sequence per prompt")
+        if self.num_beams > 1 and self.prompt_lookup:
+            raise GenerationError("prompt_lookup drafts for greedy decoding and sampling")
 
     @classmethod
     def of(cls, **settings) -> GenerationConfig:

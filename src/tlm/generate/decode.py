@@ -195,11 +195,15 @@ def _decode_slots(decoder: Decoder, ids: Tensor, mask: Tensor | None, c: Generat
     tokens, finished = [0] * B, [False] * B  # an ended row keeps its last token
     device = ids.device  # a Step's tensors are made from these lists, when read
     while not slots.idle():
-        logprobs = [0.0] * B  # 0 for a row that has ended
+        logprobs, stepped = [0.0] * B, set()  # 0 for a row that has ended
         for emitted in slots.step():
             r = rows[emitted.sequence]
+            if r in stepped:  # a row's second token of one step (a draft kept): a new Step
+                yield Step(list(tokens), logprobs, list(finished), device)
+                logprobs, stepped = [0.0] * B, set()
             tokens[r], logprobs[r] = emitted.token, emitted.logprob
             finished[r] = emitted.sequence.finish_reason == "eos"
+            stepped.add(r)
         yield Step(list(tokens), logprobs, list(finished), device)
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from tlm.generate.config import GenerationConfig
+from tlm.generate.drafts import prompt_lookup
 from tlm.generate.sampling import GenerationError, RowChoice
 from tlm.inference import Decoder, SlotCache
 
@@ -47,6 +48,9 @@ class Sequence:
     finish_reason: str | None = None  # "eos", "length" or "cancelled"
     slot: int | None = None
     fresh: bool = True  # its prompt is not in the cache yet
+    drafted: int = 0  # speculative decoding: tokens drafted, and how many were kept
+    accepted: int = 0
+    checks: int = 0  # the target's steps that checked a draft
 
     @property
     def done(self) -> bool:
@@ -163,6 +167,10 @@ class Slots:
             feeds.append(feed)
         if not slots:
             return []
+        if len(slots) == 1 and len(feeds[0]) == 1:  # batch 1: a draft is almost free
+            draft = self._draft(self.rows[slots[0]])
+            if draft:
+                return self._speculate(self.rows[slots[0]], feeds[0] + draft)
         tokens = [token for feed in feeds for token in feed]
         one_each = len(tokens) == len(feeds)  # every row feeds one token: a decoding step
         picks = None  # greedy's choices, where the step made them
@@ -189,6 +197,40 @@ class Slots:
                 sequence.slot, sequence.fresh = slot, True
                 self.rows[slot] = sequence
                 self.cache.clear(slot)
+
+    def _draft(self, sequence: Sequence) -> list[int]:
+        """The tokens proposed for the row's next step ([]: a plain step), as many as its
+        settings ask, that the cache and `max_new_tokens` have room for. Rows speculate
+        only alone (batch 1), where a step's weights are read for one token anyway."""
+        c = sequence.config
+        if not c.prompt_lookup:
+            return []
+        room = min(
+            c.draft_tokens,
+            c.max_new_tokens - len(sequence.tokens) - 1,  # the step's own token comes too
+            self.capacity - self.cache.lengths[sequence.slot] - 1,
+        )
+        if room < 1:
+            return []
+        return prompt_lookup(sequence.prompt + sequence.tokens, c.prompt_lookup, room)
+
+    def _speculate(self, sequence: Sequence, fed: list[int]) -> list[Emitted]:
+        """One step of the target on the row's last token and a draft (`drafts.py`): the
+        tokens chosen in order while each is the one drafted, the cache rolled back to them."""
+        slot, start = sequence.slot, self.cache.lengths[sequence.slot]
+        with self.decoder.chosen_threads((1, len(fed))):
+            logits = self.decoder.check(self.cache, slot, fed)  # [k+1, V]
+        emitted = []
+        for i in range(len(fed)):
+            emitted.append(self._choose(sequence, logits, i, None))
+            if sequence.done or i + 1 == len(fed) or emitted[-1].token != fed[i + 1]:
+                break
+        sequence.drafted += len(fed) - 1
+        sequence.accepted += len(emitted) - 1
+        sequence.checks += 1
+        if not sequence.done:  # a finished row's slot is cleared already
+            self.cache.truncate(slot, start + len(emitted))  # its last token is fed next
+        return emitted
 
     def _choose(self, sequence: Sequence, step: Tensor, r: int, pick: tuple | None) -> Emitted:
         """The token of a sequence from its logits, row r of the step's [R,V], or from

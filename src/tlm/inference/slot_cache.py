@@ -58,6 +58,13 @@ class SlotCache:
     def clear(self, slot: int) -> None:
         self.lengths[slot] = 0
 
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll `slot` back to its first `length` positions (a draft's rejected tokens): the
+        keys and values past it are never read again, and the next tokens overwrite them."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"slot {slot} holds {self.lengths[slot]} positions, not {length}")
+        self.lengths[slot] = length
+
 
 class Band:
     """Slots lo..hi-1, all at one `length`, each feeding `count` tokens (tokens `offset`...

@@ -129,6 +129,13 @@ class KVCache:
         for layer, (k, v) in self.cross_kv.items():
             self.cross_kv[layer] = (k.index_select(0, rows), v.index_select(0, rows))
 
+    def truncate(self, length: int) -> None:
+        """Roll back to the first `length` positions (a draft's rejected tokens): the keys and
+        values past it are never read again, and the next tokens overwrite them."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"KV cache holds {self.length} positions, not {length}")
+        self.length = length
+
     def reset(self) -> None:
         """Empty, for a new sequence (and a new source)."""
         self.length = 0

@@ -130,30 +130,52 @@ class Decoder:
         step is one C call, the logits are a view of the decoder's scratch: valid until its
         next step (clone them to keep them)."""
         positions = [cache.lengths[slot] for slot in slots]
-        self.model.check_context(max(positions) + 1)
-        R, whole = len(slots), self.program(len(slots))
-        if whole is not None and whole.rows is not None:
-            scratch = self._scratch_for(cache, whole.head.out)
-            logits, picks = step.scratch_step(
-                self.model, whole, scratch, cache, slots, tokens, greedy
-            )
-        else:
-            chosen = (torch.empty(R, dtype=torch.int64), torch.empty(R)) if greedy else None
-            ids = torch.tensor(tokens)
-            logits, picked = step.run(
-                self.model, self.layers(), whole, ids, cache.k, cache.v, slots, positions, chosen
-            )
-            picks = None
-            if picked:
-                picks = list(zip(chosen[0].tolist(), chosen[1].tolist(), strict=True))
+        logits, picks = self._rows(cache, slots, positions, tokens, greedy)
         for slot in slots:
             cache.lengths[slot] += 1
         return logits, picks
 
-    def _scratch_for(self, cache: SlotCache, vocab: int) -> step.Scratch:
-        s = self._scratch
-        if s is None or s.vocab != vocab or s.slots < len(cache.lengths):
-            s = self._scratch = step.Scratch(len(cache.lengths), self.model.config.d_model, vocab)
+    def check(self, cache: SlotCache, slot: int, tokens: list[int]) -> Tensor:
+        """Logits [k,V] after each of the k `tokens` fed to `slot` of `cache` at its length,
+        in one step (a draft's tokens checked at once: token i sees those before it, as in
+        the forward pass); the slot is then k longer (`cache.truncate` rolls it back). The C
+        step where it means the same (its k rows are the slot's next k positions), else the
+        forward pass; a fresh tensor either way."""
+        start, k = cache.lengths[slot], len(tokens)
+        if start + k > cache.capacity:
+            raise ValueError(f"the slot cache holds {cache.capacity} positions; {start + k} asked")
+        if not self.can_step(cache.k):
+            ids = torch.tensor(tokens, device=cache.k.device)
+            with torch.no_grad():
+                return self.model(ids[None], cache.feed([slot], [k]))[0]
+        logits, _ = self._rows(cache, [slot] * k, list(range(start, start + k)), tokens, False)
+        cache.lengths[slot] += k
+        return logits.clone()
+
+    def _rows(
+        self, cache: SlotCache, slots: list[int], positions: list[int], tokens: list[int], greedy
+    ) -> tuple[Tensor, list[tuple[int, float]] | None]:
+        """The C step of token r at positions[r] of slot slots[r] (lengths left alone)."""
+        self.model.check_context(max(positions) + 1)
+        R, whole = len(slots), self.program(len(slots))
+        if whole is not None and whole.rows is not None:
+            scratch = self._scratch_for(cache, whole.head.out, R)
+            return step.scratch_step(
+                self.model, whole, scratch, cache, slots, positions, tokens, greedy
+            )
+        chosen = (torch.empty(R, dtype=torch.int64), torch.empty(R)) if greedy else None
+        ids = torch.tensor(tokens)
+        logits, picked = step.run(
+            self.model, self.layers(), whole, ids, cache.k, cache.v, slots, positions, chosen
+        )
+        if not picked:
+            return logits, None
+        return logits, list(zip(chosen[0].tolist(), chosen[1].tolist(), strict=True))
+
+    def _scratch_for(self, cache: SlotCache, vocab: int, rows: int) -> step.Scratch:
+        s, most = self._scratch, max(len(cache.lengths), rows)
+        if s is None or s.vocab != vocab or s.slots < most:
+            s = self._scratch = step.Scratch(most, self.model.config.d_model, vocab)
         return s
 
     def graphable(self, prompt_length: int, new_tokens: int) -> bool:

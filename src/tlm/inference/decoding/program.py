@@ -1,13 +1,13 @@
 """The whole decoding step as one C call: the model described once as C structures.
 
 Where every product of a model has a kernel in `products.c` (int8 and float16 blocks where
-`blocked.here`; fp32 on the parameters themselves where the library has OpenMP, or, for
-more than FLOAT32_ROWS rows, on fp32 blocks), `step.c`'s decode_step runs the whole step,
-products included, in one call: no Python between the products at all. `program(model,
-layers, rows)` describes the model for it (a `Block` per layer: its products, norms, rope
-and qk-norm; the head; the first norm), or says None where some product has no such
-kernel (bfloat16, fbgemm's kernels, fp32 without OpenMP), and `step.py` then runs its own
-loop.
+`blocked.here`; fp32 on the parameters themselves where the library has OpenMP, or, for a
+prepared model's steps of more than FLOAT32_ROWS rows, on fp32 blocks), `step.c`'s
+decode_step runs the whole step, products included, in one call: no Python between the
+products at all. `program(model, layers, rows)` describes the model for it (a `Block` per
+layer: its products, norms, rope and qk-norm; the head; the first norm), or says None where
+some product has no such kernel (bfloat16, fbgemm's kernels, fp32 without OpenMP), and
+`step.py` then runs its own loop.
 
 A description holds addresses. It is made once per model (and fp32 row kind): for a model
 whose weights were
@@ -114,7 +114,7 @@ class Program:
         return all(t.data_ptr() == a for t, a in zip(self.keep, self.addresses, strict=True))
 
 
-FLOAT32_ROWS = 2  # most rows an fp32 step reads the parameters in place for
+FLOAT32_ROWS = 2  # most rows a prepared fp32 step reads the parameters in place for
 
 
 def program(model, layers, rows: int, made: dict[str, Program | None]) -> Program | None:
@@ -125,16 +125,19 @@ def program(model, layers, rows: int, made: dict[str, Program | None]) -> Progra
 
     An fp32 model reads fp32 blocks for several rows where it may keep a copy of its
     weights (`for_inference(model, "float32")`: `kernels.Float32Linear`, made at the first
-    such step), and its parameters in place otherwise, for up to FLOAT32_ROWS rows: those
-    loops read each line of weights once for all rows but keep every row's partial sums in
-    the cache, and an 8-row GPT-2 step took 38-40 ms that way against 25.5 through
-    oneDNN's product and 23-24 through the blocks (docs/benchmarks-history.md)."""
+    such step), and its parameters in place otherwise: a model that may keep a copy, for up
+    to FLOAT32_ROWS rows (those loops read each line of weights once for all rows but keep
+    every row's partial sums in the cache, and an 8-row GPT-2 step took 38-40 ms that way
+    against 25.5 through oneDNN's product and 23-24 through the blocks:
+    docs/benchmarks-history.md); a plain model (no copy), for any rows, since torch's
+    product of a few rows is slower still (GPT-2 124M shape, 8 rows: 182 tok/s against 97,
+    and a step checking 3-8 tokens 1.3-2.0 times one token's against 3.5-4.4)."""
     route = "packed"
     if model.inference_format == "float32":
         copies = getattr(model.blocks[0].attn.qkv_kernel, "use_layout", False)
         if rows > 1 and copies and blocked.here("float32"):
             route = "blocks"
-        elif rows <= FLOAT32_ROWS:
+        elif rows <= FLOAT32_ROWS or not copies:
             route = "parameters"
         else:
             return None

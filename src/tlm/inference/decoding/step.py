@@ -116,11 +116,19 @@ class Scratch:
 
 
 def scratch_step(
-    model, whole, s: Scratch, cache: SlotCache, slots: list[int], tokens: list[int], greedy
+    model,
+    whole,
+    s: Scratch,
+    cache: SlotCache,
+    slots: list[int],
+    positions: list[int],
+    tokens: list[int],
+    greedy: bool,
 ) -> tuple[Tensor, list[tuple[int, float]] | None]:
-    """A whole step of `cache`'s `slots` as one C call on the scratch `s`: logits [R,V] (a
-    view of `s`, valid until its next step) and, with `greedy`, each row's (ŵ, log P(ŵ))."""
-    R, positions = len(slots), [cache.lengths[slot] for slot in slots]
+    """A whole step as one C call on the scratch `s`, token r at positions[r] of `cache`'s
+    slot slots[r]: logits [R,V] (a view of `s`, valid until its next step) and, with
+    `greedy`, each row's (ŵ, log P(ŵ))."""
+    R = len(slots)
     s.places_[: 3 * R] = tokens + positions + slots
     (x, logits, words, logprobs), at, size = s.addresses, s.at, s.size
     if not greedy:

@@ -60,24 +60,26 @@ static void rotate(float *v, int64_t n, const float *cos_, const float *sin_) {
     }
 }
 
-/* One head of one row: write its new key and value at position p of the head's cache
- * Kh, Vh [capacity, d_head], then out = softmax(q Kh[0..p]^T / sqrt(d_head)) Vh[0..p]. */
-static void attend_head(const float *q, const float *k, const float *v, float *Kh, float *Vh,
-                        int64_t p, int64_t d_head, float qk_eps, const float *cos_,
-                        const float *sin_, float *scores, float *out) {
-    float query[d_head];
+/* One head of one row's key and value, written at position p of the head's cache Kh, Vh
+ * [capacity, d_head]: the key scaled to unit RMS (qk_eps > 0) and rotated (cos/sin). */
+static void store_head(const float *k, const float *v, float *Kh, float *Vh, int64_t p,
+                       int64_t d_head, float qk_eps, const float *cos_, const float *sin_) {
     float *key = Kh + p * d_head;
-    memcpy(query, q, d_head * sizeof(float));
     memcpy(key, k, d_head * sizeof(float));
     memcpy(Vh + p * d_head, v, d_head * sizeof(float));
-    if (qk_eps > 0.0f) {
-        rms_norm(query, d_head, qk_eps);
-        rms_norm(key, d_head, qk_eps);
-    }
-    if (cos_) {
-        rotate(query, d_head, cos_ + p * (d_head / 2), sin_ + p * (d_head / 2));
-        rotate(key, d_head, cos_ + p * (d_head / 2), sin_ + p * (d_head / 2));
-    }
+    if (qk_eps > 0.0f) rms_norm(key, d_head, qk_eps);
+    if (cos_) rotate(key, d_head, cos_ + p * (d_head / 2), sin_ + p * (d_head / 2));
+}
+
+/* One head of one row's query at position p: out = softmax(q Kh[0..p]^T / sqrt(d_head))
+ * Vh[0..p], the query scaled and rotated as its key was. */
+static void attend_head(const float *q, const float *Kh, const float *Vh, int64_t p,
+                        int64_t d_head, float qk_eps, const float *cos_, const float *sin_,
+                        float *scores, float *out) {
+    float query[d_head];
+    memcpy(query, q, d_head * sizeof(float));
+    if (qk_eps > 0.0f) rms_norm(query, d_head, qk_eps);
+    if (cos_) rotate(query, d_head, cos_ + p * (d_head / 2), sin_ + p * (d_head / 2));
     const float scale = 1.0f / sqrtf((float)d_head);
     float most = -INFINITY;
     for (int64_t j = 0; j <= p; j++) {
@@ -107,21 +109,33 @@ static void attend_head(const float *q, const float *k, const float *v, float *K
  * concatenation). Row r writes its key and value at position pos[r] of its slot slots[r]
  * in the cache, K and V [slots, H, capacity, d_head] of this layer, and its query attends
  * to positions 0..pos[r] of its slot: z[r] = concat_h softmax(q_h K_h^T / sqrt(d_head)) V_h.
- * q, k, v: rows of width H*d_head, `stride` floats apart. With qk_eps > 0, q and k are first
- * scaled to unit RMS per head; with cos/sin ([positions, d_head/2]), then rotated. The
- * rows' heads are shared out among OpenMP's threads: a head's keys and values were last
- * read a whole step ago and come from memory, which two cores read faster than one. */
+ * Every row's key and value are written before any query attends, so rows may be
+ * consecutive positions of one slot (k tokens of one sequence checked in one step: each
+ * sees those before it, as in the forward pass's causal mask). q, k, v: rows of width
+ * H*d_head, `stride` floats apart. With qk_eps > 0, q and k are first scaled to unit RMS
+ * per head; with cos/sin ([positions, d_head/2]), then rotated. The rows' heads are shared
+ * out among OpenMP's threads: a head's keys and values were last read a whole step ago
+ * and come from memory, which two cores read faster than one. */
 void attend_one(const float *q, const float *k, const float *v, int64_t stride, float *K,
                 float *V, const int64_t *slots, const int64_t *pos, int64_t rows, int64_t H,
                 int64_t d_head, int64_t capacity, float qk_eps, const float *cos_,
                 const float *sin_, float *z) {
-#pragma omp parallel for schedule(static) if (rows * H > 1)
-    for (int64_t unit = 0; unit < rows * H; unit++) {
-        const int64_t r = unit / H, h = unit % H, at = r * stride + h * d_head;
-        const int64_t head = (slots[r] * H + h) * capacity * d_head;
-        float scores[pos[r] + 1];
-        attend_head(q + at, k + at, v + at, K + head, V + head, pos[r], d_head, qk_eps, cos_,
-                    sin_, scores, z + (r * H + h) * d_head);
+#pragma omp parallel if (rows * H > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t unit = 0; unit < rows * H; unit++) {
+            const int64_t r = unit / H, h = unit % H, at = r * stride + h * d_head;
+            const int64_t head = (slots[r] * H + h) * capacity * d_head;
+            store_head(k + at, v + at, K + head, V + head, pos[r], d_head, qk_eps, cos_, sin_);
+        }  /* the for's barrier: every key and value is in before a query reads them */
+#pragma omp for schedule(static)
+        for (int64_t unit = 0; unit < rows * H; unit++) {
+            const int64_t r = unit / H, h = unit % H, at = r * stride + h * d_head;
+            const int64_t head = (slots[r] * H + h) * capacity * d_head;
+            float scores[pos[r] + 1];
+            attend_head(q + at, K + head, V + head, pos[r], d_head, qk_eps, cos_, sin_, scores,
+                        z + (r * H + h) * d_head);
+        }
     }
 }
 

@@ -1,0 +1,84 @@
+"""Speculative decoding with prompt lookup (generate/drafts.py, `Slots._speculate`): the
+tokens plain decoding gives, greedy or sampled from the same seed, with drafts kept."""
+
+import pytest
+import torch
+
+from tlm.generate import GenerationConfig
+from tlm.generate.drafts import prompt_lookup
+from tlm.generate.slots import Slots
+from tlm.inference import for_decoding, for_inference
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    text = [1, 2, 3, 9, 1, 2, 4, 7, 5, 1, 2]
+    assert prompt_lookup(text, 2, 3) == [4, 7, 5]  # [1, 2] last seen at 4: 4 7 5 followed
+    assert prompt_lookup(text, 2, 1) == [4]
+    assert prompt_lookup([5, 6, 7, 6], 3, 2) == [7, 6]  # no [7, 6] or [5, 6, 7, 6] before: [6]
+    assert prompt_lookup([1, 2, 3], 2, 4) == []  # nothing recurs
+    assert prompt_lookup([4], 2, 4) == [] and prompt_lookup([4, 4], 1, 3) == [4]
+
+
+def looping(make_model, fmt: str, **overrides):
+    """A model whose greedy text soon repeats itself (weights of std 0.3), prepared in fmt."""
+    model = make_model(**overrides)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return for_decoding(model) if fmt == "plain" else for_inference(model, fmt)
+
+
+def decode(model, prompt: list[int], config: GenerationConfig, seed: int = 0):
+    """The tokens of one sequence decoded alone on `Slots`, and the sequence."""
+    slots = Slots(model, 1)
+    sequence = slots.add(prompt, config, seed=seed)
+    while not sequence.done:
+        slots.step()
+    return sequence.tokens, sequence
+
+
+SETTINGS = [
+    {},
+    {"repetition_penalty": 1.3},
+    {"do_sample": True, "temperature": 0.3},
+    {"do_sample": True, "temperature": 0.5, "top_k": 5, "presence_penalty": 0.5},
+    {"logit_bias": {3: 2.0}, "frequency_penalty": 0.05},
+]
+
+
+@pytest.mark.parametrize("fmt", ["plain", "int8"])
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_prompt_lookup_gives_the_tokens_of_plain_decoding(make_model, fmt, settings):
+    model = looping(make_model, fmt, position="rope")
+    prompt = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompt = prompt + prompt[:8]  # a text that quotes itself
+    kept = 0
+    for seed in range(3):
+        plain = GenerationConfig(max_new_tokens=40, **settings)
+        expected, _ = decode(model, prompt, plain, seed)
+        for n, draft in [(1, 3), (3, 6)]:
+            fast = GenerationConfig(
+                max_new_tokens=40, prompt_lookup=n, draft_tokens=draft, **settings
+            )
+            got, sequence = decode(model, prompt, fast, seed)
+            assert got == expected, (seed, n, draft)
+            assert sequence.checks > 0 and sequence.accepted <= sequence.drafted
+            kept += sequence.accepted
+    assert kept > 0  # drafts were kept: tokens came more than one a step
+
+
+def test_stops_and_lengths_fall_on_the_same_token(make_model):
+    """max_new_tokens and an end token inside a kept draft end the text where plain decoding
+    ends it; `model.generate` and `tlm.generate` take prompt_lookup as a setting."""
+    model = looping(make_model, "plain")
+    ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(5))
+    ids = torch.cat([ids, ids], dim=1)
+    expected = model.generate(ids, max_new_tokens=30)
+    eos = int(expected[0, 20 + 12])  # a token the text reaches, possibly inside a draft
+    for new in (1, 2, 7, 30):
+        got = model.generate(ids, max_new_tokens=new, prompt_lookup=2, draft_tokens=8)
+        assert torch.equal(got, expected[:, : 20 + new])
+    plain = model.generate(ids, max_new_tokens=30, eos_token_id=eos)
+    fast = model.generate(ids, max_new_tokens=30, eos_token_id=eos, prompt_lookup=2)
+    assert torch.equal(fast, plain)
+    with pytest.raises(ValueError, match="prompt_lookup must be >= 1"):
+        model.generate(ids, prompt_lookup=0)
