@@ -6,6 +6,7 @@ import pytest
 import torch
 from test_native_step import Spy, needs_native
 
+from tlm.generate.sampling import greedy_logprob
 from tlm.inference import Decoder, SlotCache, for_decoding, for_inference
 from tlm.inference.devices.threads import on_threads
 from tlm.model.kv_cache import KVCache
@@ -44,9 +45,11 @@ def test_k_tokens_in_one_step_are_the_forward_pass(make_model, monkeypatch, fmt,
         with torch.no_grad():
             model(ids[None, :5], cache.feed([1], [5]))
         with on_threads(max(2, torch.get_num_threads())):  # rows shared out among threads
-            got = decoder.check(cache, 1, ids[5 : 5 + k].tolist())
+            got, picks = decoder.check(cache, 1, ids[5 : 5 + k].tolist(), greedy=True)
         assert got.shape == (k, 97) and cache.lengths == [0, 5 + k]
         assert torch.allclose(got, expected[5 : 5 + k], atol=1e-4)
+        if picks is not None:  # the whole step in C: its own greedy choice per position
+            assert picks == [greedy_logprob(row) for row in got]
         one_by_one = SlotCache(model.config, 2, capacity=16)
         with torch.no_grad():
             model(ids[None, : 5 + k], one_by_one.feed([1], [5 + k]))
@@ -70,7 +73,7 @@ def test_a_rolled_back_slot_decodes_as_if_the_draft_never_was(make_model, fmt):
     decoder.check(cache, 0, text[4:6].tolist() + draft[:4].tolist())  # 2 right, 4 wrong
     cache.truncate(0, 6)
     with on_threads(max(2, torch.get_num_threads())):
-        got = decoder.check(cache, 0, text[6:10].tolist())
+        got, _ = decoder.check(cache, 0, text[6:10].tolist())
     assert torch.allclose(got, forward_logits(model, text[:10])[6:10], atol=1e-4)
     with pytest.raises(ValueError, match="holds 10 positions, not 11"):
         cache.truncate(0, 11)
@@ -87,8 +90,9 @@ def test_without_the_c_step_the_forward_pass_checks(make_model, monkeypatch):
     decoder, cache = Decoder(model), SlotCache(model.config, 1, capacity=16)
     with torch.no_grad():
         model(ids[None, :4], cache.feed([0], [4]))
-    got = decoder.check(cache, 0, ids[4:9].tolist())
+    got, picks = decoder.check(cache, 0, ids[4:9].tolist(), greedy=True)
     assert spy.calls == 0 and len(seen) == 2 and cache.lengths == [9]  # prompt, check
+    assert picks is None  # the forward pass makes no choice
     assert torch.allclose(got, forward_logits(model, ids)[4:9], atol=1e-5)
     with pytest.raises(ValueError, match="holds 16 positions; 17 asked"):
         decoder.check(cache, 0, list(range(8)))

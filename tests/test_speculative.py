@@ -82,3 +82,18 @@ def test_stops_and_lengths_fall_on_the_same_token(make_model):
     assert torch.equal(fast, plain)
     with pytest.raises(ValueError, match="prompt_lookup must be >= 1"):
         model.generate(ids, prompt_lookup=0)
+
+
+def test_a_draft_that_misses_gets_shorter(make_model, monkeypatch):
+    """Drafts the target never keeps shrink by one a check, down to one token, and leave
+    the tokens as plain decoding gives them; none is drafted past max_new_tokens."""
+    from tlm.generate import slots
+
+    model = looping(make_model, "plain")
+    monkeypatch.setattr(slots, "prompt_lookup", lambda text, n, count: [5] * count)
+    never = {"max_new_tokens": 12, "logit_bias": {5: -100}}  # token 5 is never chosen
+    expected, _ = decode(model, [1, 2, 3], GenerationConfig(**never))
+    config = GenerationConfig(prompt_lookup=1, draft_tokens=6, **never)
+    tokens, sequence = decode(model, [1, 2, 3], config)
+    assert tokens == expected and sequence.accepted == 0 and sequence.checks == 10
+    assert sequence.drafted == 6 + 5 + 4 + 3 + 2 + 1 + 1 + 1 + 1 + 1

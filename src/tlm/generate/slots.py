@@ -51,6 +51,7 @@ class Sequence:
     drafted: int = 0  # speculative decoding: tokens drafted, and how many were kept
     accepted: int = 0
     checks: int = 0  # the target's steps that checked a draft
+    draft_length: int | None = None  # the next draft's most tokens (`Slots._speculate`)
 
     @property
     def done(self) -> bool:
@@ -206,7 +207,7 @@ class Slots:
         if not c.prompt_lookup:
             return []
         room = min(
-            c.draft_tokens,
+            sequence.draft_length or c.draft_tokens,
             c.max_new_tokens - len(sequence.tokens) - 1,  # the step's own token comes too
             self.capacity - self.cache.lengths[sequence.slot] - 1,
         )
@@ -216,18 +217,25 @@ class Slots:
 
     def _speculate(self, sequence: Sequence, fed: list[int]) -> list[Emitted]:
         """One step of the target on the row's last token and a draft (`drafts.py`): the
-        tokens chosen in order while each is the one drafted, the cache rolled back to them."""
+        tokens chosen in order while each is the one drafted, the cache rolled back to them.
+        The draft length adapts: a draft kept whole lets the next one be 2 tokens longer (to
+        `draft_tokens`), one cut short makes it 1 shorter (to 1), so that a row whose drafts
+        miss pays for short checks only."""
         slot, start = sequence.slot, self.cache.lengths[sequence.slot]
         with self.decoder.chosen_threads((1, len(fed))):
-            logits = self.decoder.check(self.cache, slot, fed)  # [k+1, V]
+            greedy = sequence.choice.plain_greedy
+            logits, picks = self.decoder.check(self.cache, slot, fed, greedy)  # [k+1, V]
         emitted = []
         for i in range(len(fed)):
-            emitted.append(self._choose(sequence, logits, i, None))
+            emitted.append(self._choose(sequence, logits, i, picks[i] if picks else None))
             if sequence.done or i + 1 == len(fed) or emitted[-1].token != fed[i + 1]:
                 break
         sequence.drafted += len(fed) - 1
         sequence.accepted += len(emitted) - 1
         sequence.checks += 1
+        whole, most = len(emitted) == len(fed), sequence.config.draft_tokens
+        length = sequence.draft_length or most
+        sequence.draft_length = min(most, length + 2) if whole else max(1, length - 1)
         if not sequence.done:  # a finished row's slot is cleared already
             self.cache.truncate(slot, start + len(emitted))  # its last token is fed next
         return emitted

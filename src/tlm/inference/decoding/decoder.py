@@ -135,22 +135,27 @@ class Decoder:
             cache.lengths[slot] += 1
         return logits, picks
 
-    def check(self, cache: SlotCache, slot: int, tokens: list[int]) -> Tensor:
+    def check(
+        self, cache: SlotCache, slot: int, tokens: list[int], greedy: bool = False
+    ) -> tuple[Tensor, list[tuple[int, float]] | None]:
         """Logits [k,V] after each of the k `tokens` fed to `slot` of `cache` at its length,
         in one step (a draft's tokens checked at once: token i sees those before it, as in
         the forward pass); the slot is then k longer (`cache.truncate` rolls it back). The C
         step where it means the same (its k rows are the slot's next k positions), else the
-        forward pass; a fresh tensor either way."""
+        forward pass. With `greedy`, also each position's (ŵ, log P(ŵ)) where the C step made
+        them, as `slot_step` gives them; the logits may be a view of the decoder's scratch,
+        valid until its next step."""
         start, k = cache.lengths[slot], len(tokens)
         if start + k > cache.capacity:
             raise ValueError(f"the slot cache holds {cache.capacity} positions; {start + k} asked")
         if not self.can_step(cache.k):
             ids = torch.tensor(tokens, device=cache.k.device)
             with torch.no_grad():
-                return self.model(ids[None], cache.feed([slot], [k]))[0]
-        logits, _ = self._rows(cache, [slot] * k, list(range(start, start + k)), tokens, False)
+                return self.model(ids[None], cache.feed([slot], [k]))[0], None
+        positions = list(range(start, start + k))
+        logits, picks = self._rows(cache, [slot] * k, positions, tokens, greedy)
         cache.lengths[slot] += k
-        return logits.clone()
+        return logits, picks
 
     def _rows(
         self, cache: SlotCache, slots: list[int], positions: list[int], tokens: list[int], greedy
