@@ -40,11 +40,14 @@ def prompts(data: Path, count: int, passage: int) -> dict[str, list[list[int]]]:
     }
 
 
-def tlm_side(model, decoder, prompt, new: int, lookup: bool) -> tuple[list[int], float, tuple]:
+def tlm_side(
+    model, decoder, prompt, new: int, lookup: bool, draft=None
+) -> tuple[list[int], float, tuple]:
     """(tokens, seconds, (drafted, kept, target steps)) of one greedy decode on `Slots`."""
     config = GenerationConfig(
-        max_new_tokens=new, prompt_lookup=NGRAM if lookup else None, draft_tokens=DRAFT
-    )
+        max_new_tokens=new, prompt_lookup=NGRAM if lookup else None, draft_tokens=DRAFT,
+        draft=draft,
+    )  # fmt: skip
     slots = Slots(model, 1, decoder=decoder)
     started = time.perf_counter()
     sequence, steps = slots.add(prompt, config), 0
@@ -55,9 +58,10 @@ def tlm_side(model, decoder, prompt, new: int, lookup: bool) -> tuple[list[int],
     return sequence.tokens, seconds, (sequence.drafted, sequence.accepted, steps)
 
 
-def hf_side(model, prompt, new: int, lookup: bool) -> tuple[list[int], float]:
+def hf_side(model, prompt, new: int, **extra) -> tuple[list[int], float]:
+    """(tokens, seconds) of Hugging Face's greedy `generate`, `extra` its speculative
+    settings (prompt_lookup_num_tokens=, assistant_model=)."""
     ids = torch.tensor([prompt])
-    extra = {"prompt_lookup_num_tokens": DRAFT, "max_matching_ngram_size": NGRAM} if lookup else {}
     started = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
@@ -66,44 +70,98 @@ def hf_side(model, prompt, new: int, lookup: bool) -> tuple[list[int], float]:
     return out[0, len(prompt) :].tolist(), time.perf_counter() - started
 
 
-def part_speculative(rounds: int, run: Path, data: Path) -> None:
+def draft_run(data: Path, work: Path) -> Path:
+    """The draft model: 1 layer of d 64, rotary, 400 steps on the demo's data with its
+    tokenizer (made once, kept in --work)."""
+    from tlm.train import new_run_configs, open_run
+
+    out = work / "runs" / "demo-draft"
+    if not (out / "model.safetensors").is_file():
+        shape = {"n_layers": 1, "d_model": 64, "n_heads": 2, "context_length": 128}
+        values = {"data": str(data), "out": str(out), "max_steps": 400, "batch_size": 16}
+        model_config, train_config, tokens = new_run_configs({**shape, "position": "rope"}, values)
+        tokenizer = (data / "tokenizer.json").read_text()
+        open_run(model_config, train_config, tokens, tokenizer, progress_bar=False).fit()
+    return out
+
+
+WAYS = ("plain", "lookup", "draft")  # tlm's and Hugging Face's, in the same order
+
+
+def part_speculative(rounds: int, run: Path, data: Path, work: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     if not (run / "model.safetensors").is_file():
         raise SystemExit(f"--part speculative reads the demo's model: run `tlm demo` ({run})")
-    model = load_model(run)
+    model, small = load_model(run), load_model(draft_run(data, work))
     new = min(64, model.config.context_length // 2)
-    with tempfile.TemporaryDirectory() as folder:
-        export_hf(model, load_tokenizer(run), folder)
-        theirs = AutoModelForCausalLM.from_pretrained(folder).eval()
+    hf = {}
+    for name, source in (("target", model), ("draft", small)):
+        with tempfile.TemporaryDirectory() as folder:
+            export_hf(source, load_tokenizer(run), folder)
+            hf[name] = AutoModelForCausalLM.from_pretrained(folder).eval()
     decoder, tasks = Decoder(model), prompts(data, 8, model.config.context_length // 2 - 10)
+    hf_ways = {
+        "plain": {},
+        "lookup": {"prompt_lookup_num_tokens": DRAFT, "max_matching_ngram_size": NGRAM},
+        "draft": {"assistant_model": hf["draft"]},
+    }
     print(
-        f"speculative decoding, {run} ({model.num_parameters():,} parameters), batch 1, "
-        f"greedy, {new} new tokens, n-gram {NGRAM}, {DRAFT} drafted"
-    )
-    print(
-        "task       tlm plain  tlm lookup  speedup  kept/drafted  tok/step   HF plain  "
-        "HF lookup  speedup   (tok/s, medians)"
+        f"speculative decoding, {run} ({model.num_parameters():,} parameters; the draft model "
+        f"{small.num_parameters():,}), batch 1, greedy, {new} new tokens, n-gram {NGRAM}, "
+        f"drafts of up to {DRAFT}; tok/s, medians; speedups over each side's plain decoding"
     )
     for task, batch in tasks.items():
-        rates = {name: [] for name in ("tlm", "tlm lookup", "hf", "hf lookup")}
-        drafted = kept = steps = tokens = 0
+        rates = {(side, way): [] for side in ("tlm", "HF") for way in WAYS}
+        counts = {way: [0, 0, 0] for way in WAYS[1:]}  # drafted, kept, target steps
         for _ in range(rounds):
             for prompt in batch:
-                plain, seconds, _ = tlm_side(model, decoder, prompt, new, False)
-                rates["tlm"].append(new / seconds)
-                fast, seconds, (d, k, s) = tlm_side(model, decoder, prompt, new, True)
-                assert fast == plain, "prompt lookup changed tlm's greedy tokens"
-                rates["tlm lookup"].append(new / seconds)
-                drafted, kept, steps, tokens = drafted + d, kept + k, steps + s, tokens + new
-                hf_plain, seconds = hf_side(theirs, prompt, new, False)
-                rates["hf"].append(new / seconds)
-                hf_fast, seconds = hf_side(theirs, prompt, new, True)
-                rates["hf lookup"].append(new / seconds)
-        m = {name: statistics.median(values) for name, values in rates.items()}
-        print(
-            f"{task:9s} {m['tlm']:10.1f} {m['tlm lookup']:11.1f} "
-            f"{m['tlm lookup'] / m['tlm']:7.2f}x {kept / max(drafted, 1):12.2f} "
-            f"{tokens / steps:9.2f} {m['hf']:10.1f} {m['hf lookup']:10.1f} "
-            f"{m['hf lookup'] / m['hf']:7.2f}x"
+                expected = None
+                for way in WAYS:
+                    draft = small if way == "draft" else None
+                    tokens, seconds, stats = tlm_side(
+                        model, decoder, prompt, new, way == "lookup", draft
+                    )
+                    expected = expected or tokens
+                    assert tokens == expected, f"tlm's {way} changed its greedy tokens"
+                    rates["tlm", way].append(new / seconds)
+                    if way != "plain":
+                        counts[way] = [a + b for a, b in zip(counts[way], stats, strict=True)]
+                    _, seconds = hf_side(hf["target"], prompt, new, **hf_ways[way])
+                    rates["HF", way].append(new / seconds)
+        m = {key: statistics.median(values) for key, values in rates.items()}
+        for side in ("tlm", "HF"):
+            cells = [f"plain {m[side, 'plain']:7.1f}"]
+            for way in WAYS[1:]:
+                cells.append(f"{way} {m[side, way]:7.1f} ({m[side, way] / m[side, 'plain']:.2f}x)")
+            print(f"{task:9s} {side:3s}  " + "   ".join(cells))
+        total = rounds * len(batch) * new
+        kept = ", ".join(
+            f"{way}: {k / max(d, 1):.2f} of drafted tokens kept, {total / s:.2f} a step"
+            for way, (d, k, s) in counts.items()
         )
+        print(f"{'':9s} tlm  {kept}")
+
+
+def part_self_draft(rounds: int, folder: Path) -> None:
+    """The int8 self-draft (`draft=` the same checkpoint read in int8) for the fp32 and fp16
+    targets, GPT-2 124M shape (random weights), batch 1, greedy, random 32-token prompts,
+    64 new tokens; the two ways alternating, medians."""
+    draft = load_model(folder, dtype="int8")
+    print(f"int8 self-draft, GPT-2 124M shape, batch 1, greedy, 64 new, drafts of up to {DRAFT}")
+    print("target     plain tok/s  with draft  speedup  kept/drafted  tok/step")
+    for fmt in ("float32", "float16"):
+        model = load_model(folder) if fmt == "float32" else load_model(folder, dtype=fmt)
+        decoder, plain, fast = Decoder(model), [], []
+        drafted = kept = steps = 0
+        for round_ in range(rounds + 1):  # the first warms both up
+            prompt = torch.randint(0, model.config.vocab_size, (32,)).tolist()
+            tokens, seconds, _ = tlm_side(model, decoder, prompt, 64, False)
+            same, fast_seconds, (d, k, s) = tlm_side(model, decoder, prompt, 64, False, draft)
+            assert same == tokens, "the int8 self-draft changed the target's greedy tokens"
+            if round_:
+                plain.append(64 / seconds), fast.append(64 / fast_seconds)
+                drafted, kept, steps = drafted + d, kept + k, steps + s
+        a, b = statistics.median(plain), statistics.median(fast)
+        print(f"{fmt:9s} {a:12.1f} {b:11.1f} {b / a:7.2f}x {kept / max(drafted, 1):12.2f} "
+              f"{rounds * 64 / steps:9.2f}")  # fmt: skip

@@ -41,7 +41,7 @@ from _decoding import (
     weight_bytes,
 )
 from _peers import host
-from _speculative import part_speculative
+from _speculative import part_self_draft, part_speculative
 from _verify import part_verify
 
 from tlm import ModelConfig, load_model
@@ -379,7 +379,9 @@ def main() -> None:
         elif part == "verify":
             part_verify(args.rounds, Path(args.work))
         elif part == "speculative":
-            part_speculative(args.rounds, ROOT / "runs" / "demo", ROOT / "data" / "demo")
+            demo, data = ROOT / "runs" / "demo", ROOT / "data" / "demo"
+            part_speculative(args.rounds, demo, data, Path(args.work))
+            part_self_draft(args.rounds, saved_gpt2(Path(args.work)))
         else:
             part_dtypes(args.rounds, Path(args.work))
 

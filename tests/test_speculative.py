@@ -4,10 +4,13 @@ tokens plain decoding gives, greedy or sampled from the same seed, with drafts k
 import pytest
 import torch
 
+from conftest import save_run
+from tlm.cli import main
 from tlm.generate import GenerationConfig
 from tlm.generate.drafts import prompt_lookup
 from tlm.generate.slots import Slots
 from tlm.inference import for_decoding, for_inference
+from tlm.tokenizer import CharTokenizer
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
@@ -97,3 +100,63 @@ def test_a_draft_that_misses_gets_shorter(make_model, monkeypatch):
     tokens, sequence = decode(model, [1, 2, 3], config)
     assert tokens == expected and sequence.accepted == 0 and sequence.checks == 10
     assert sequence.drafted == 6 + 5 + 4 + 3 + 2 + 1 + 1 + 1 + 1 + 1
+
+
+@pytest.mark.parametrize("settings", [{}, {"do_sample": True, "temperature": 0.7, "top_k": 8}])
+def test_a_draft_model_gives_the_tokens_of_plain_decoding(make_model, settings):
+    """The target's own weights in int8, or another model of its vocabulary, propose; the
+    tokens are plain decoding's (the target chooses each, with its own draws), and the
+    int8 self-draft's proposals are mostly kept; the target is left as it was."""
+    model = looping(make_model, "plain", position="rope")
+    small = looping(make_model, "plain", n_layers=1, seed=1)  # another model, same vocabulary
+    prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.no_grad():
+        before = model(torch.tensor([prompt]))
+    for draft in ("int8", small):
+        for seed in range(2):
+            plain = GenerationConfig(max_new_tokens=30, **settings)
+            expected, _ = decode(model, prompt, plain, seed)
+            config = GenerationConfig(max_new_tokens=30, draft=draft, draft_tokens=4, **settings)
+            got, sequence = decode(model, prompt, config, seed)
+            assert got == expected and sequence.checks > 0
+            if draft == "int8" and not settings:
+                assert sequence.accepted >= 0.6 * sequence.drafted  # int8 agrees mostly
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor([prompt])), before)
+
+
+def test_a_draft_that_cannot_serve_is_refused_in_one_line(make_model):
+    model = looping(make_model, "plain")
+    other = make_model(vocab_size=50)
+    with pytest.raises(ValueError, match="draft must share the target's tokenizer"):
+        decode(model, [1, 2, 3], GenerationConfig(max_new_tokens=5, draft=other))
+    packed = for_inference(make_model(), "float16")
+    with pytest.raises(ValueError, match="keeps its weights in float16 only"):
+        decode(packed, [1, 2, 3], GenerationConfig(max_new_tokens=5, draft="int8"))
+    with pytest.raises(ValueError, match="one draft at a time"):
+        GenerationConfig(prompt_lookup=2, draft="int8")
+
+
+def test_the_command_line_drafts_and_refuses_another_tokenizer(make_model, tmp_path, capsys):
+    chars = CharTokenizer("abcdefghijklmnopqrstuvwxyz .")
+    save_run(tmp_path / "run", looping(make_model, "plain", vocab_size=chars.vocab_size), chars)
+    other = CharTokenizer("abcdefghijklmnopqrstuvwxyz ,")
+    save_run(tmp_path / "other", make_model(vocab_size=other.vocab_size), other)
+    outputs = []
+    for flags in (
+        [],
+        ["--draft", "int8"],
+        ["--prompt-lookup", "2"],
+        ["--draft", "int8", "--dtype", "int8"],
+    ):
+        command = ["generate", str(tmp_path / "run"), "--prompt", "the cat sat. the cat"]
+        assert main([*command, "--max-new-tokens", "24", "--no-eos", *flags]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) > 24
+    assert (
+        main(
+            ["generate", str(tmp_path / "run"), "--prompt", "a", "--draft", str(tmp_path / "other")]
+        )
+        == 2
+    )
+    assert "has another tokenizer" in capsys.readouterr().err

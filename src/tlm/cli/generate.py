@@ -71,6 +71,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="speculative decoding: draft from the text's own n-grams, n <= N (same tokens)",
     )
     parser.add_argument(
+        "--draft",
+        metavar="RUN|int8",
+        help="speculative decoding: a smaller model with the same tokenizer proposes, or int8 "
+        "(this model's own weights in int8); the same tokens",
+    )
+    parser.add_argument(
         "--draft-tokens", type=int, help=f"most tokens a draft proposes ({defaults.draft_tokens})"
     )
     parser.add_argument("--num-beams", type=int, help="beam search with this many (1: none)")
@@ -115,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     grammar = _grammar(args, tokenizer)
     if grammar is not None:
         config = replace(config, grammar=grammar)
+    if args.draft is not None:
+        config = replace(config, draft=_draft(args, tokenizer))
     stop = tuple(_unescape(s) for s in args.stop)
     if args.stream:
         sys.stdout.write(prompts[0])
@@ -132,6 +140,18 @@ def run(args: argparse.Namespace) -> int:
                 print(f"--- {i + 1}/{len(completions)} ({c.finish_reason})")
             print(c.prompt + c.text)
     return 0
+
+
+def _draft(args: argparse.Namespace, tokenizer):
+    """--draft: "int8" (packed from this model's parameters, or read from its run in int8
+    when --dtype has packed them already), or a run or directory with the same tokenizer."""
+    if args.draft == "int8":
+        if args.dtype == "float32":
+            return "int8"
+        return load_language_model(args.run, weights=args.weights, dtype="int8")
+    if load_tokenizer(args.draft).pieces() != tokenizer.pieces():
+        fail(f"--draft {args.draft} has another tokenizer: a draft must share this model's")
+    return load_language_model(args.draft, dtype="int8" if args.dtype == "int8" else None)
 
 
 def _grammar(args: argparse.Namespace, tokenizer) -> Grammar | None:

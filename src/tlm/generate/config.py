@@ -36,6 +36,7 @@ class GenerationConfig:
     grammar: Grammar | None = None  # structured outputs: a JSON schema, regex or Lark grammar
     prompt_lookup: int | None = None  # speculative: drafts from the text's n-grams, n <= this
     draft_tokens: int = 5  # speculative: the most tokens a draft proposes for one check
+    draft: object = None  # speculative: a draft model, or "int8" (the target's own weights)
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):  # frozen: the one normal form, sorted pairs
@@ -80,8 +81,12 @@ class GenerationConfig:
             raise GenerationError("best_of chooses among samples: use num_beams=1")
         if self.num_beams > 1 and self.num_return_sequences > 1:
             raise GenerationError("beam search returns one sequence per prompt")
-        if self.num_beams > 1 and self.prompt_lookup:
-            raise GenerationError("prompt_lookup drafts for greedy decoding and sampling")
+        if self.num_beams > 1 and (self.prompt_lookup or self.draft is not None):
+            raise GenerationError("drafts speed up greedy decoding and sampling: num_beams=1")
+        if self.prompt_lookup and self.draft is not None:
+            raise GenerationError("one draft at a time: prompt_lookup or draft")
+        if isinstance(self.draft, str) and self.draft != "int8":
+            raise GenerationError(f"draft must be a model or 'int8', got {self.draft!r}")
 
     @classmethod
     def of(cls, **settings) -> GenerationConfig:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from tlm.generate.config import GenerationConfig
+from tlm.generate.draft_model import DraftModel, self_draft
 from tlm.generate.drafts import prompt_lookup
 from tlm.generate.sampling import GenerationError, RowChoice
 from tlm.inference import Decoder, SlotCache
@@ -108,6 +109,7 @@ class Slots:
         self.cache = SlotCache(model.config, slots, self.capacity, first.dtype, first.device)
         self.rows: list[Sequence | None] = [None] * slots
         self.waiting: deque[Sequence] = deque()
+        self.drafter: tuple[object, DraftModel] | None = None  # (config.draft, its model)
 
     def add(
         self,
@@ -204,7 +206,7 @@ class Slots:
         settings ask, that the cache and `max_new_tokens` have room for. Rows speculate
         only alone (batch 1), where a step's weights are read for one token anyway."""
         c = sequence.config
-        if not c.prompt_lookup:
+        if not c.prompt_lookup and c.draft is None:
             return []
         room = min(
             sequence.draft_length or c.draft_tokens,
@@ -213,7 +215,19 @@ class Slots:
         )
         if room < 1:
             return []
-        return prompt_lookup(sequence.prompt + sequence.tokens, c.prompt_lookup, room)
+        text = sequence.prompt + sequence.tokens
+        if c.prompt_lookup:
+            return prompt_lookup(text, c.prompt_lookup, room)
+        return self._draft_model(c.draft).propose(text, room)
+
+    def _draft_model(self, draft) -> DraftModel:
+        """The draft model of `draft` (a model, or "int8": the target's own weights packed
+        once for this loop), with its own cache."""
+        if self.drafter is None or self.drafter[0] is not draft:
+            model = self_draft(self.model) if isinstance(draft, str) else draft
+            V = self.model.config.vocab_size
+            self.drafter = (draft, DraftModel(model, V, self.capacity))
+        return self.drafter[1]
 
     def _speculate(self, sequence: Sequence, fed: list[int]) -> list[Emitted]:
         """One step of the target on the row's last token and a draft (`drafts.py`): the

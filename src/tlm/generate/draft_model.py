@@ -1,0 +1,84 @@
+"""A draft model for speculative decoding: a second, cheaper model that proposes tokens.
+
+The draft keeps a cache of its own over the text (`SlotCache`, one slot) and the tokens it
+holds the keys of. To propose, it rolls its cache back to the longest prefix it shares with
+the text now (what the target kept of its last proposal), feeds the rest, then its own
+greedy tokens one step at a time. The target checks them as it checks any draft
+(`drafts.py`): the tokens emitted are the target's own choices, so the draft changes how
+fast, never what.
+
+`int8` is the target's own weights packed in int8 (`self_draft`): a full-precision model's
+exact output at close to int8's speed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from tlm.generate.sampling import GenerationError, greedy_logprob
+from tlm.inference import Decoder, SlotCache, in_parts, load_prepared
+from tlm.model.transformer import TransformerLM
+
+
+def self_draft(target: nn.Module) -> TransformerLM:
+    """The target's weights packed in int8, each part as it is read from the target's own
+    parameters (no fp32 copy); the target is left as it was. A target whose weights are
+    packed already (float16, bfloat16, int8) has no fp32 weights left to read: refused."""
+    if getattr(target, "inference_format", "float32") != "float32":
+        raise GenerationError(
+            f"the target keeps its weights in {target.inference_format} only: load the draft "
+            "with tlm.load_model(path, dtype='int8') and pass it as draft="
+        )
+    state = {name: tensor.detach() for name, tensor in target.state_dict().items()}
+    draft = TransformerLM(target.config, init=False)
+    pairs = ((name, state[name]) for name in in_parts(draft.state_dict()))
+    return load_prepared(draft, pairs, "int8")
+
+
+class DraftModel:
+    """Proposes tokens for one sequence at a time from `model`, a language model with the
+    target's vocabulary, keeping its own cache of `capacity` positions."""
+
+    def __init__(self, model: nn.Module, vocab_size: int, capacity: int) -> None:
+        if model.config.vocab_size != vocab_size:
+            raise GenerationError(
+                f"the draft's vocabulary has {model.config.vocab_size} tokens, the target's "
+                f"{vocab_size}: a draft must share the target's tokenizer"
+            )
+        self.decoder = Decoder(model)
+        self.capacity = min(capacity, model.config.context_length)
+        self.cache = SlotCache(model.config, 1, self.capacity)
+        self.held: list[int] = []  # the tokens whose keys and values the cache holds
+
+    def propose(self, text: list[int], count: int) -> list[int]:
+        """Up to `count` greedy tokens of the draft after `text` ([] where the text and the
+        draft do not fit its cache)."""
+        if len(text) + count > self.capacity:
+            return []
+        shared = 0
+        for held, token in zip(self.held, text[:-1], strict=False):
+            if held != token:
+                break
+            shared += 1
+        self.cache.truncate(0, shared)
+        self.held = self.held[:shared]
+        proposed = [self._greedy(self._feed(text[shared:]))]
+        while len(proposed) < count:
+            proposed.append(self._greedy(self._feed(proposed[-1:])))
+        return proposed
+
+    def _feed(self, tokens: list[int]) -> Tensor:
+        """The logits [V] after feeding `tokens` at the cache's end: the C step for one
+        token where it means the same, else the forward pass."""
+        self.held += tokens
+        if len(tokens) == 1 and self.decoder.can_step(self.cache.k):
+            return self.decoder.slot_step(self.cache, [0], tokens)[0][0]
+        ids = torch.tensor(tokens, device=self.cache.k.device)
+        fed = self.cache.feed([0], [len(tokens)])
+        with torch.no_grad():
+            return self.decoder.model(ids[None], fed, last_only=True)[0, -1]
+
+    @staticmethod
+    def _greedy(logits: Tensor) -> int:
+        return greedy_logprob(logits.float())[0]
