@@ -98,8 +98,9 @@ def test_a_draft_that_misses_gets_shorter(make_model, monkeypatch):
     expected, _ = decode(model, [1, 2, 3], GenerationConfig(**never))
     config = GenerationConfig(prompt_lookup=1, draft_tokens=6, **never)
     tokens, sequence = decode(model, [1, 2, 3], config)
-    assert tokens == expected and sequence.accepted == 0 and sequence.checks == 10
-    assert sequence.drafted == 6 + 5 + 4 + 3 + 2 + 1 + 1 + 1 + 1 + 1
+    assert tokens == expected and sequence.accepted == 0
+    assert sequence.drafted == 6 + 5 + 4 + 3 + 2 + 1  # then 4 plain steps; no room after
+    assert sequence.checks == 6 and sequence.pause == 0 and sequence.next_pause == 8
 
 
 @pytest.mark.parametrize("settings", [{}, {"do_sample": True, "temperature": 0.7, "top_k": 8}])

@@ -53,6 +53,8 @@ class Sequence:
     accepted: int = 0
     checks: int = 0  # the target's steps that checked a draft
     draft_length: int | None = None  # the next draft's most tokens (`Slots._speculate`)
+    pause: int = 0  # plain steps left before the next draft, and the next pause's length
+    next_pause: int = 4
 
     @property
     def done(self) -> bool:
@@ -208,6 +210,9 @@ class Slots:
         c = sequence.config
         if not c.prompt_lookup and c.draft is None:
             return []
+        if sequence.pause:  # its drafts missed: plain steps for a while
+            sequence.pause -= 1
+            return []
         room = min(
             sequence.draft_length or c.draft_tokens,
             c.max_new_tokens - len(sequence.tokens) - 1,  # the step's own token comes too
@@ -233,8 +238,9 @@ class Slots:
         """One step of the target on the row's last token and a draft (`drafts.py`): the
         tokens chosen in order while each is the one drafted, the cache rolled back to them.
         The draft length adapts: a draft kept whole lets the next one be 2 tokens longer (to
-        `draft_tokens`), one cut short makes it 1 shorter (to 1), so that a row whose drafts
-        miss pays for short checks only."""
+        `draft_tokens`), one cut short makes it 1 shorter (to 1); a draft of one token that
+        misses pauses drafting for 4 plain steps, then 8, … up to 64 (a kept draft resets the
+        pause to 4), so that a row whose drafts miss decodes at close to plain speed."""
         slot, start = sequence.slot, self.cache.lengths[sequence.slot]
         with self.decoder.chosen_threads((1, len(fed))):
             greedy = sequence.choice.plain_greedy
@@ -250,6 +256,11 @@ class Slots:
         whole, most = len(emitted) == len(fed), sequence.config.draft_tokens
         length = sequence.draft_length or most
         sequence.draft_length = min(most, length + 2) if whole else max(1, length - 1)
+        if len(emitted) > 1:
+            sequence.next_pause = 4
+        elif length == 1:  # the shortest draft, missed
+            sequence.pause = sequence.next_pause
+            sequence.next_pause = min(64, 2 * sequence.next_pause)
         if not sequence.done:  # a finished row's slot is cleared already
             self.cache.truncate(slot, start + len(emitted))  # its last token is fed next
         return emitted
