@@ -1,6 +1,8 @@
 """Speculative decoding with prompt lookup (generate/drafts.py, `Slots._speculate`): the
 tokens plain decoding gives, greedy or sampled from the same seed, with drafts kept."""
 
+import re
+
 import pytest
 import torch
 
@@ -161,3 +163,36 @@ def test_the_command_line_drafts_and_refuses_another_tokenizer(make_model, tmp_p
         == 2
     )
     assert "has another tokenizer" in capsys.readouterr().err
+
+
+def test_the_server_engine_drafts_for_a_request_decoding_alone(make_model):
+    """`tlm serve --prompt-lookup` (Engine(speculate=...)): a request's tokens are those
+    of the engine without drafts, and /metrics counts the drafted and kept tokens."""
+    import queue
+
+    from tlm.serve import Engine, Metrics
+    from tlm.serve.engine import Job
+
+    chars = CharTokenizer("abcdefghijklmnopqrstuvwxyz .")
+    model = looping(make_model, "plain", vocab_size=chars.vocab_size)
+    prompt = chars.encode("a cat. a cat")  # and 16 new: within the 32 positions
+    got = []
+    for speculate in (None, {"prompt_lookup": 2, "draft_tokens": 4}):
+        engine, metrics = Engine(model, chars, 2, speculate=speculate), Metrics()
+        metrics.watch(engine)
+        events: queue.Queue = queue.Queue()
+        try:
+            engine.submit(Job(prompt, GenerationConfig(max_new_tokens=16), events.put))
+            tokens = []
+            while (event := events.get(timeout=60)) is not None:
+                tokens.append(event.token)
+        finally:
+            engine.close()
+        got.append(tokens)
+        page = metrics.render().decode()
+    assert got[0] == got[1] and len(got[0]) == 16
+    drafted, kept = (
+        float(re.search(rf"^{name} (\S+)$", page, re.M).group(1))
+        for name in ("tlm_draft_tokens", "tlm_draft_kept_tokens")
+    )
+    assert drafted > 0 and 0 < kept <= drafted

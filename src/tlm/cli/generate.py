@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     if grammar is not None:
         config = replace(config, grammar=grammar)
     if args.draft is not None:
-        config = replace(config, draft=_draft(args, tokenizer))
+        draft = load_draft(args.draft, args.run, args.dtype, args.weights, tokenizer)
+        config = replace(config, draft=draft)
     stop = tuple(_unescape(s) for s in args.stop)
     if args.stream:
         sys.stdout.write(prompts[0])
@@ -142,16 +143,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _draft(args: argparse.Namespace, tokenizer):
-    """--draft: "int8" (packed from this model's parameters, or read from its run in int8
-    when --dtype has packed them already), or a run or directory with the same tokenizer."""
-    if args.draft == "int8":
-        if args.dtype == "float32":
-            return "int8"
-        return load_language_model(args.run, weights=args.weights, dtype="int8")
-    if load_tokenizer(args.draft).pieces() != tokenizer.pieces():
-        fail(f"--draft {args.draft} has another tokenizer: a draft must share this model's")
-    return load_language_model(args.draft, dtype="int8" if args.dtype == "int8" else None)
+def load_draft(draft: str, run: str, dtype: str, weights: str, tokenizer):
+    """--draft: "int8" (packed from the model's own parameters, or read from its run in int8
+    where --dtype has packed them already), or a run or directory with the same tokenizer
+    (read in int8 when the model is)."""
+    if draft == "int8" and dtype == "float32":
+        return "int8"
+    if draft == "int8":
+        return load_language_model(run, weights=weights, dtype="int8")
+    if load_tokenizer(draft).pieces() != tokenizer.pieces():
+        fail(f"--draft {draft} has another tokenizer: a draft must share this model's")
+    return load_language_model(draft, dtype="int8" if dtype == "int8" else None)
 
 
 def _grammar(args: argparse.Namespace, tokenizer) -> Grammar | None:

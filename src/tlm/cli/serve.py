@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 
 from tlm.cli.args import add_command, add_weights_flag, fail
+from tlm.cli.generate import load_draft
+from tlm.generate import GenerationConfig
 from tlm.inference import FORMATS
 from tlm.load import load_language_model, load_tokenizer
 
@@ -30,6 +32,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-queue", type=int, default=64, help="waiting sequences (64)")
     parser.add_argument("--dtype", default="float32", choices=FORMATS, help="weights (float32)")
     parser.add_argument("--name", help="the model's name in the API (the directory's name)")
+    parser.add_argument(
+        "--prompt-lookup",
+        type=int,
+        metavar="N",
+        help="a request decoding alone drafts from its text's n-grams, n <= N (the same tokens)",
+    )
+    parser.add_argument(
+        "--draft",
+        metavar="RUN|int8",
+        help="a request decoding alone drafts with RUN (same tokenizer) or int8 (own weights)",
+    )
+    parser.add_argument("--draft-tokens", type=int, help="most tokens a draft proposes (5)")
     add_weights_flag(parser)
     parser.set_defaults(handler=run)
 
@@ -48,7 +62,13 @@ def run(args: argparse.Namespace) -> int:
     def load():  # in the engine thread: the one thread that runs torch's parallel work
         return load_language_model(args.run, weights=args.weights, dtype=args.dtype)
 
-    engine = Engine(load, None, args.slots, args.max_queue, metrics.on_token)
+    speculate = {"prompt_lookup": args.prompt_lookup, "draft_tokens": args.draft_tokens}
+    if args.draft is not None:
+        tokenizer = load_tokenizer(args.run)
+        speculate["draft"] = load_draft(args.draft, args.run, args.dtype, args.weights, tokenizer)
+    speculate = {name: value for name, value in speculate.items() if value is not None}
+    GenerationConfig(**speculate)  # a bad setting: one line, before the model loads
+    engine = Engine(load, None, args.slots, args.max_queue, metrics.on_token, speculate)
     engine.tokenizer = load_tokenizer(args.run)  # after the model, whose errors say more
     metrics.watch(engine)
     name = args.name or Path(args.run).resolve().name

@@ -112,6 +112,7 @@ class Slots:
         self.rows: list[Sequence | None] = [None] * slots
         self.waiting: deque[Sequence] = deque()
         self.drafter: tuple[object, DraftModel] | None = None  # (config.draft, its model)
+        self.drafted = self.accepted = self.checks = 0  # every row's, since the loop began
 
     def add(
         self,
@@ -253,6 +254,8 @@ class Slots:
         sequence.drafted += len(fed) - 1
         sequence.accepted += len(emitted) - 1
         sequence.checks += 1
+        self.drafted, self.accepted = self.drafted + len(fed) - 1, self.accepted + len(emitted) - 1
+        self.checks += 1
         whole, most = len(emitted) == len(fed), sequence.config.draft_tokens
         length = sequence.draft_length or most
         sequence.draft_length = min(most, length + 2) if whole else max(1, length - 1)

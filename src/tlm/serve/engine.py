@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -79,8 +79,10 @@ class Engine:
         slots: int = 4,
         max_queue: int = 64,
         on_token: Callable[[float | None, float | None], None] | None = None,
+        speculate: dict | None = None,
     ) -> None:
         self.tokenizer, self.max_queue = tokenizer, max_queue
+        self.speculate = speculate or {}  # GenerationConfig's draft settings, for every job
         self.on_token = on_token  # (time to first token, inter-token latency), for metrics
         self.lock = threading.Condition()
         self.incoming: list[Job] = []
@@ -188,8 +190,9 @@ class Engine:
 
     def _start(self, job: Job) -> None:
         n = job.config.num_return_sequences
+        config = replace(job.config, **self.speculate)  # a row drafts when it decodes alone
         for j in range(n):
-            sequence = self.slots.add(job.prompt, job.config, j, job.seed, job.top_logprobs)
+            sequence = self.slots.add(job.prompt, config, j, job.seed, job.top_logprobs)
             choice = _Choice(job, j, sequence, StopText(self.tokenizer, job.stop))
             job.choices.append(choice)
             self.choices[sequence] = choice
@@ -201,7 +204,8 @@ class Engine:
             gap = None if choice.last is None else now - choice.last
             self.on_token(first, gap)
         choice.last = now
-        end = emitted.sequence.finish_reason
+        # this token's own end: a step that kept a draft emits several tokens of one row
+        end = emitted.sequence.finish_reason if emitted.finished else None
         piece = "" if end == "eos" else choice.text.push(emitted.token)
         if choice.text.stopped:
             end = "stop"

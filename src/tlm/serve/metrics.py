@@ -38,10 +38,16 @@ class Metrics:
             buckets=LATENCY,
             registry=r,
         )
+        self.drafted = Gauge("tlm_draft_tokens", "tokens drafted (speculative)", registry=r)
+        self.kept = Gauge("tlm_draft_kept_tokens", "drafted tokens the model kept", registry=r)
+        self.checks = Gauge("tlm_draft_checks", "steps that checked a draft", registry=r)
 
     def watch(self, engine) -> None:
         self.queue_depth.set_function(lambda: engine.queued)
         self.busy_slots.set_function(lambda: engine.busy)
+        self.drafted.set_function(lambda: engine.slots.drafted)
+        self.kept.set_function(lambda: engine.slots.accepted)
+        self.checks.set_function(lambda: engine.slots.checks)
 
     def on_token(self, first: float | None, gap: float | None) -> None:
         if first is not None:
