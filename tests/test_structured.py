@@ -284,3 +284,25 @@ def test_the_openai_client_gets_structured_outputs_and_the_model(server):
             },
         )
     assert refused.value.param == "response_format"
+
+
+@pytest.mark.parametrize("draft", [{"prompt_lookup": 2}, {"draft": "int8"}])
+def test_a_grammar_with_a_draft_writes_what_it_writes_without(bpe_tokenizer, draft, monkeypatch):
+    """Speculative decoding under a grammar: every token the row keeps is its chooser's,
+    masked by the matcher as in plain decoding, so the text is the same, greedy or sampled;
+    a drafted token the grammar forbids is never kept."""
+    from tlm.generate.slots import Slots
+
+    model = random_model(bpe_tokenizer.vocab_size)
+    grammar = Grammar.regex("((cat|dog|bird)s? ){2,12}(fish)", bpe_tokenizer)
+    checks, speculate = [], Slots._speculate
+    monkeypatch.setattr(Slots, "_speculate", lambda *a: checks.append(1) or speculate(*a))
+    for more in ({}, {"do_sample": True, "temperature": 0.8, "seed": 5}):
+        plain = settings(bpe_tokenizer, grammar=grammar, **more)
+        fast = GenerationConfig.of(**{**vars(plain), **draft})
+        for prompt in ["cats dogs cats dogs", "birds"]:  # alone: a row drafts at batch 1
+            (expected,) = complete(model, bpe_tokenizer, [prompt], plain)
+            (got,) = complete(model, bpe_tokenizer, [prompt], fast)
+            assert got.text == expected.text
+            assert re.fullmatch("((cat|dog|bird)s? ){2,12}(fish)", got.text)
+    assert checks  # drafts were checked
