@@ -63,13 +63,14 @@ def run(args: argparse.Namespace) -> int:
         return load_language_model(args.run, weights=args.weights, dtype=args.dtype)
 
     speculate = {"prompt_lookup": args.prompt_lookup, "draft_tokens": args.draft_tokens}
+    tokenizer = None  # read after the model, whose errors say more, unless a draft needs it
     if args.draft is not None:
         tokenizer = load_tokenizer(args.run)
         speculate["draft"] = load_draft(args.draft, args.run, args.dtype, args.weights, tokenizer)
     speculate = {name: value for name, value in speculate.items() if value is not None}
     GenerationConfig(**speculate)  # a bad setting: one line, before the model loads
     engine = Engine(load, None, args.slots, args.max_queue, metrics.on_token, speculate)
-    engine.tokenizer = load_tokenizer(args.run)  # after the model, whose errors say more
+    engine.tokenizer = tokenizer or load_tokenizer(args.run)
     metrics.watch(engine)
     name = args.name or Path(args.run).resolve().name
     app = create_app(engine, name, args.api_key, metrics)
