@@ -1,6 +1,7 @@
 """Speculative decoding with prompt lookup (generate/drafts.py, `Slots._speculate`): the
 tokens plain decoding gives, greedy or sampled from the same seed, with drafts kept."""
 
+import json
 import re
 
 import pytest
@@ -105,27 +106,39 @@ def test_a_draft_that_misses_gets_shorter(make_model, monkeypatch):
     assert sequence.checks == 6 and sequence.pause == 0 and sequence.next_pause == 8
 
 
-@pytest.mark.parametrize("settings", [{}, {"do_sample": True, "temperature": 0.7, "top_k": 8}])
-def test_a_draft_model_gives_the_tokens_of_plain_decoding(make_model, settings):
-    """The target's own weights in int8, or another model of its vocabulary, propose; the
-    tokens are plain decoding's (the target chooses each, with its own draws), and the
-    int8 self-draft's proposals are mostly kept; the target is left as it was."""
+@pytest.mark.parametrize("settings", [{}, {"repetition_penalty": 1.3, "logit_bias": {3: 1.0}}])
+def test_a_draft_model_gives_the_tokens_of_greedy_decoding(make_model, settings):
+    """The target's own weights in int8, or another model of its vocabulary, propose their
+    likeliest tokens; the tokens are plain greedy decoding's (the target chooses each), and
+    the int8 self-draft's proposals are mostly kept; the target is left as it was."""
     model = looping(make_model, "plain", position="rope")
     small = looping(make_model, "plain", n_layers=1, seed=1)  # another model, same vocabulary
     prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(6)).tolist()
     with torch.no_grad():
         before = model(torch.tensor([prompt]))
+    expected, _ = decode(model, prompt, GenerationConfig(max_new_tokens=30, **settings))
     for draft in ("int8", small):
-        for seed in range(2):
-            plain = GenerationConfig(max_new_tokens=30, **settings)
-            expected, _ = decode(model, prompt, plain, seed)
-            config = GenerationConfig(max_new_tokens=30, draft=draft, draft_tokens=4, **settings)
-            got, sequence = decode(model, prompt, config, seed)
-            assert got == expected and sequence.checks > 0
-            if draft == "int8" and not settings:
-                assert sequence.accepted >= 0.6 * sequence.drafted  # int8 agrees mostly
+        config = GenerationConfig(max_new_tokens=30, draft=draft, draft_tokens=4, **settings)
+        got, sequence = decode(model, prompt, config)
+        assert got == expected and sequence.checks > 0
+        if draft == "int8":
+            assert sequence.accepted >= 0.6 * sequence.drafted  # int8 agrees mostly
     with torch.no_grad():
         assert torch.equal(model(torch.tensor([prompt])), before)
+
+
+def test_a_sampled_row_draws_its_draft(make_model):
+    """A sampled row's draft is drawn from the draft's distribution (the acceptance rule,
+    `test_speculative_sampling.py`): the int8 self-draft's q is close to p, so at
+    temperature 1 most of its tokens are kept, where the likeliest token alone would be
+    kept less often; a seed gives the same tokens twice."""
+    model = looping(make_model, "plain", position="rope")
+    prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    config = GenerationConfig(max_new_tokens=40, do_sample=True, draft="int8", draft_tokens=4)
+    first, sequence = decode(model, prompt, config, seed=3)
+    again, _ = decode(model, prompt, config, seed=3)
+    assert first == again and len(first) == 40
+    assert sequence.accepted >= 0.8 * sequence.drafted and sequence.checks < 20
 
 
 def test_a_draft_that_cannot_serve_is_refused_in_one_line(make_model):
@@ -156,6 +169,16 @@ def test_the_command_line_drafts_and_refuses_another_tokenizer(make_model, tmp_p
         assert main([*command, "--max-new-tokens", "24", "--no-eos", *flags]) == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) > 24
+    command = ["generate", str(tmp_path / "run"), "--prompt", "the cat sat. the cat", "--json"]
+    assert main([*command, "--max-new-tokens", "24", "--no-eos", "--prompt-lookup", "2"]) == 0
+    (completion,) = json.loads(capsys.readouterr().out)["completions"]
+    drafts = completion["speculation"]  # tokens drafted and kept, and the target's steps
+    assert 0 < drafts["accepted"] <= drafts["drafted"] and len(completion["tokens"]) == 24
+    assert drafts["target_steps"] + drafts["accepted"] == 24
+    assert drafts["acceptance"] == round(drafts["accepted"] / drafts["drafted"], 4)
+    assert drafts["tokens_per_step"] == round(24 / drafts["target_steps"], 4)
+    assert main([*command, "--max-new-tokens", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["completions"][0]["speculation"] is None
     assert (
         main(
             ["generate", str(tmp_path / "run"), "--prompt", "a", "--draft", str(tmp_path / "other")]
@@ -167,7 +190,8 @@ def test_the_command_line_drafts_and_refuses_another_tokenizer(make_model, tmp_p
 
 def test_the_server_engine_drafts_for_a_request_decoding_alone(make_model):
     """`tlm serve --prompt-lookup` (Engine(speculate=...)): a request's tokens are those
-    of the engine without drafts, and /metrics counts the drafted and kept tokens."""
+        of the engine without drafts, and /metrics counts the drafted and kept tokens, the
+    share kept and the tokens per step that checked a draft."""
     import queue
 
     from tlm.serve import Engine, Metrics
@@ -191,8 +215,9 @@ def test_the_server_engine_drafts_for_a_request_decoding_alone(make_model):
         got.append(tokens)
         page = metrics.render().decode()
     assert got[0] == got[1] and len(got[0]) == 16
-    drafted, kept = (
-        float(re.search(rf"^{name} (\S+)$", page, re.M).group(1))
-        for name in ("tlm_draft_tokens", "tlm_draft_kept_tokens")
+    names = ("tokens", "kept_tokens", "checks", "acceptance", "tokens_per_step")
+    drafted, kept, checks, acceptance, per_step = (
+        float(re.search(rf"^tlm_draft_{name} (\S+)$", page, re.M).group(1)) for name in names
     )
-    assert drafted > 0 and 0 < kept <= drafted
+    assert drafted > 0 and 0 < kept <= drafted and acceptance == pytest.approx(kept / drafted)
+    assert per_step == pytest.approx((kept + checks) / checks) and per_step > 1

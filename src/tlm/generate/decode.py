@@ -37,8 +37,12 @@ class Step:
     makes its tensors then, with torch's code in the caches, instead of between two steps,
     where one small tensor costs 30-45 µs on the CPU (docs/benchmarks-history.md)."""
 
-    def __init__(self, tokens, logprobs, finished, device: torch.device | None = None) -> None:
+    def __init__(
+        self, tokens, logprobs, finished, device: torch.device | None = None, drafts=None
+    ) -> None:
         self._values, self._device = [tokens, logprobs, finished], device
+        # speculative decoding: each row's (tokens drafted, kept, target steps) so far
+        self.drafts: list[tuple[int, int, int]] | None = drafts
 
     def _field(self, i: int, dtype: type) -> Tensor:
         value = self._values[i]
@@ -193,18 +197,26 @@ def _decode_slots(decoder: Decoder, ids: Tensor, mask: Tensor | None, c: Generat
     ]
     rows = {slots.add(prompt, c, r % n, seed): r for r, prompt in enumerate(prompts)}
     tokens, finished = [0] * B, [False] * B  # an ended row keeps its last token
+    drafts = [(0, 0, 0)] * B if c.prompt_lookup or c.draft is not None else None
     device = ids.device  # a Step's tensors are made from these lists, when read
     while not slots.idle():
         logprobs, stepped = [0.0] * B, set()  # 0 for a row that has ended
         for emitted in slots.step():
             r = rows[emitted.sequence]
             if r in stepped:  # a row's second token of one step (a draft kept): a new Step
-                yield Step(list(tokens), logprobs, list(finished), device)
+                yield Step(list(tokens), logprobs, list(finished), device, _copy(drafts))
                 logprobs, stepped = [0.0] * B, set()
             tokens[r], logprobs[r] = emitted.token, emitted.logprob
             finished[r] = emitted.sequence.finish_reason == "eos"
             stepped.add(r)
-        yield Step(list(tokens), logprobs, list(finished), device)
+            if drafts is not None:
+                done = emitted.sequence
+                drafts[r] = (done.drafted, done.accepted, len(done.tokens) - done.accepted)
+        yield Step(list(tokens), logprobs, list(finished), device, _copy(drafts))
+
+
+def _copy(values: list | None) -> list | None:
+    return None if values is None else list(values)
 
 
 def _decode(state: DecodeState | GraphedState, c: GenerationConfig) -> Iterator[Step]:

@@ -3,9 +3,11 @@
 The draft keeps a cache of its own over the text (`SlotCache`, one slot) and the tokens it
 holds the keys of. To propose, it rolls its cache back to the longest prefix it shares with
 the text now (what the target kept of its last proposal), feeds the rest, then its own
-greedy tokens one step at a time. The target checks them as it checks any draft
-(`drafts.py`): the tokens emitted are the target's own choices, so the draft changes how
-fast, never what.
+tokens one step at a time: its greedy ones for a greedy row, for a sampled row each drawn
+from its own distribution q after the row's processing (temperature, top-k, top-p,
+penalties, bias). The target checks them (`Slots._speculate`): a greedy row's tokens are
+the target's own choices, a sampled row's follow the target's distribution exactly
+(the acceptance rule), so the draft changes how fast, never what.
 
 `int8` is the target's own weights packed in int8 (`self_draft`): a full-precision model's
 exact output at close to int8's speed.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from tlm.generate.sampling import GenerationError, greedy_logprob
+from tlm.generate.sampling import GenerationError, RowChoice, draw, greedy_logprob
 from tlm.inference import Decoder, SlotCache, in_parts, load_prepared
 from tlm.model.transformer import TransformerLM
 
@@ -51,11 +53,15 @@ class DraftModel:
         self.cache = SlotCache(model.config, 1, self.capacity)
         self.held: list[int] = []  # the tokens whose keys and values the cache holds
 
-    def propose(self, text: list[int], count: int) -> list[int]:
-        """Up to `count` greedy tokens of the draft after `text` ([] where the text and the
-        draft do not fit its cache)."""
+    def propose(
+        self, text: list[int], count: int, choice: RowChoice | None = None
+    ) -> tuple[list[int], list[Tensor] | None]:
+        """Up to `count` tokens of the draft after `text` ([] where the text and the draft do
+        not fit its cache): its greedy ones, or with `choice` (a sampled row's `fork`) each
+        drawn from the draft's distribution as the row processes it, returned with those
+        distributions q [V] for the acceptance rule (`Slots._speculate`)."""
         if len(text) + count > self.capacity:
-            return []
+            return [], None
         shared = 0
         for held, token in zip(self.held, text[:-1], strict=False):
             if held != token:
@@ -63,10 +69,18 @@ class DraftModel:
             shared += 1
         self.cache.truncate(0, shared)
         self.held = self.held[:shared]
-        proposed = [self._greedy(self._feed(text[shared:]))]
-        while len(proposed) < count:
-            proposed.append(self._greedy(self._feed(proposed[-1:])))
-        return proposed
+        proposed, drawn_from = [], []
+        logits = self._feed(text[shared:])
+        while True:
+            if choice is None:
+                proposed.append(greedy_logprob(logits.float())[0])
+            else:
+                drawn_from.append(choice.probabilities(logits))
+                proposed.append(draw(drawn_from[-1], choice.generator))
+                choice.record(proposed[-1])
+            if len(proposed) == count:
+                return proposed, drawn_from if choice is not None else None
+            logits = self._feed(proposed[-1:])
 
     def _feed(self, tokens: list[int]) -> Tensor:
         """The logits [V] after feeding `tokens` at the cache's end: the C step for one
@@ -78,7 +92,3 @@ class DraftModel:
         fed = self.cache.feed([0], [len(tokens)])
         with torch.no_grad():
             return self.decoder.model(ids[None], fed, last_only=True)[0, -1]
-
-    @staticmethod
-    def _greedy(logits: Tensor) -> int:
-        return greedy_logprob(logits.float())[0]

@@ -19,6 +19,7 @@ of these.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 from typing import TYPE_CHECKING
 
@@ -178,6 +179,24 @@ def greedy_logprob(logits: Tensor) -> tuple[int, float]:
     return token, float(logits.log_softmax(dim=-1)[token])
 
 
+def distribution(
+    logits: Tensor,
+    config,
+    seen: Tensor | None = None,
+    counts: Tensor | None = None,
+    allowed: Tensor | None = None,
+) -> Tensor:
+    """What a sampled token of each row is drawn from: softmax of logits [B,V] after steps
+    0-6 of the order above, as `config` says -> probabilities [B,V]."""
+    logits = _adjusted(logits, config, seen, counts, allowed)
+    return process_logits(logits, config.temperature, config.top_k, config.top_p).softmax(-1)
+
+
+def draw(probs: Tensor, generator: torch.Generator | None) -> int:
+    """One token drawn from probabilities [V] with `generator`."""
+    return int(torch.multinomial(probs[None], 1, generator=generator)[0, 0])
+
+
 def choose(
     logits: Tensor,
     config,
@@ -191,15 +210,19 @@ def choose(
     row's tokens so far for the repetition penalty, `counts` [B,V] counts its output
     for the frequency and presence penalties and `allowed` [B,V] marks what its grammar
     allows."""
+    if config.greedy:
+        return greedy(_adjusted(logits, config, seen, counts, allowed))
+    probs = distribution(logits, config, seen, counts, allowed)
+    return torch.tensor([draw(row, g) for row, g in zip(probs, generators, strict=True)])
+
+
+def _adjusted(logits: Tensor, config, seen, counts, allowed) -> Tensor:
+    """Steps 0-3 on fp32 logits, with what float range cannot hold made safe."""
     logits = adjust_logits(logits.float(), config, seen, counts, allowed)
     # an extreme setting (repetition_penalty 1e-38) can push a logit past float range:
     # +inf becomes the largest float (still first), NaN can never be chosen, -inf stays
     top = torch.finfo(logits.dtype).max
-    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=top, neginf=float("-inf"))
-    if config.greedy:
-        return greedy(logits)
-    logits = process_logits(logits, config.temperature, config.top_k, config.top_p)
-    return torch.stack([sample(row, g) for row, g in zip(logits, generators, strict=True)])
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=top, neginf=float("-inf"))
 
 
 class RowChoice:
@@ -242,29 +265,55 @@ class RowChoice:
         """The token after logits [V]: (token, log P(token) under the model before any
         processing, the `top_logprobs` likeliest (id, log P)); `pick` is the step's own
         greedy choice (ŵ, log P(ŵ)) where it made one (token -1: logits not all finite)."""
-        top = []
-        if self.plain_greedy:
-            if pick is None or pick[0] < 0:
-                pick = greedy_logprob(logits.float())  # no [V] log-softmax to write
-            token, logprob = pick
-        else:
-            logits = logits.float()
-            logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before any filter
+        if not self.plain_greedy:
+            allowed = self._allowed(logits)
             seen = None if self.seen is None else self.seen[None]
             counts = None if self.counts is None else self.counts[None]
-            allowed = None
-            if self.matcher is not None:
-                allowed = self.matcher.allowed(len(logits)).to(logits.device)[None]
             chosen = choose(logits[None], self.config, [self.generator], seen, counts, allowed)
-            token = int(chosen[0])
-            if self.matcher is not None:
-                self.matcher.accept(token)
-            if self.top_logprobs:
-                values, ids = logprobs.topk(min(self.top_logprobs, len(logprobs)))
-                top = list(zip(ids.tolist(), values.tolist(), strict=True))
-            logprob = float(logprobs[token])
+            return self.take(logits, int(chosen[0]))
+        if pick is None or pick[0] < 0:
+            pick = greedy_logprob(logits.float())  # no [V] log-softmax to write
+        self.record(pick[0])
+        return pick[0], pick[1], []
+
+    def probabilities(self, logits: Tensor) -> Tensor:
+        """What the next token is drawn from, after logits [V], as the row stands -> [V]."""
+        seen = None if self.seen is None else self.seen[None]
+        counts = None if self.counts is None else self.counts[None]
+        allowed = self._allowed(logits)
+        return distribution(logits[None], self.config, seen, counts, allowed)[0]
+
+    def take(self, logits: Tensor, token: int) -> tuple[int, float, list[tuple[int, float]]]:
+        """`token`, chosen after logits [V] by any rule: recorded, and reported as `choose`
+        reports its own."""
+        logprobs = logits.float().log_softmax(dim=-1)  # the model's, before any filter
+        top = []
+        if self.top_logprobs:
+            values, ids = logprobs.topk(min(self.top_logprobs, len(logprobs)))
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        self.record(token)
+        return token, float(logprobs[token]), top
+
+    def record(self, token: int) -> None:
+        """The row's text goes on with `token`: its grammar, penalties and counts move."""
+        if self.matcher is not None:
+            self.matcher.accept(token)
         if self.seen is not None:
             self.seen[token] = True
         if self.counts is not None:
             self.counts[token] += 1
-        return token, logprob, top
+
+    def fork(self) -> RowChoice:
+        """A copy whose penalties move on their own (a draft's proposals), drawing from the
+        same generator; without the grammar, whose matcher cannot be copied."""
+        other = copy.copy(self)
+        other.seen = None if self.seen is None else self.seen.clone()
+        other.counts = None if self.counts is None else self.counts.clone()
+        other.matcher = None
+        return other
+
+    def _allowed(self, logits: Tensor) -> Tensor | None:
+        """What the grammar allows next, [1,V] on the logits' device (None: no grammar)."""
+        if self.matcher is None:
+            return None
+        return self.matcher.allowed(len(logits)).to(logits.device)[None]

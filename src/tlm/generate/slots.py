@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from tlm.generate.config import GenerationConfig
 from tlm.generate.draft_model import DraftModel, self_draft
 from tlm.generate.drafts import prompt_lookup
-from tlm.generate.sampling import GenerationError, RowChoice
+from tlm.generate.sampling import GenerationError, RowChoice, draw
 from tlm.inference import Decoder, SlotCache
 
 
@@ -174,9 +174,9 @@ class Slots:
         if not slots:
             return []
         if len(slots) == 1 and len(feeds[0]) == 1:  # batch 1: a draft is almost free
-            draft = self._draft(self.rows[slots[0]])
+            draft, drawn_from = self._draft(self.rows[slots[0]])
             if draft:
-                return self._speculate(self.rows[slots[0]], feeds[0] + draft)
+                return self._speculate(self.rows[slots[0]], feeds[0] + draft, drawn_from)
         tokens = [token for feed in feeds for token in feed]
         one_each = len(tokens) == len(feeds)  # every row feeds one token: a decoding step
         picks = None  # greedy's choices, where the step made them
@@ -204,27 +204,32 @@ class Slots:
                 self.rows[slot] = sequence
                 self.cache.clear(slot)
 
-    def _draft(self, sequence: Sequence) -> list[int]:
+    def _draft(self, sequence: Sequence) -> tuple[list[int], list[Tensor] | None]:
         """The tokens proposed for the row's next step ([]: a plain step), as many as its
-        settings ask, that the cache and `max_new_tokens` have room for. Rows speculate
-        only alone (batch 1), where a step's weights are read for one token anyway."""
+        settings ask, that the cache and `max_new_tokens` have room for, and the
+        distributions they were drawn from (None: chosen, not drawn). Rows speculate only
+        alone (batch 1), where a step's weights are read for one token anyway."""
         c = sequence.config
         if not c.prompt_lookup and c.draft is None:
-            return []
+            return [], None
         if sequence.pause:  # its drafts missed: plain steps for a while
             sequence.pause -= 1
-            return []
+            return [], None
         room = min(
             sequence.draft_length or c.draft_tokens,
             c.max_new_tokens - len(sequence.tokens) - 1,  # the step's own token comes too
             self.capacity - self.cache.lengths[sequence.slot] - 1,
         )
         if room < 1:
-            return []
+            return [], None
         text = sequence.prompt + sequence.tokens
         if c.prompt_lookup:
-            return prompt_lookup(text, c.prompt_lookup, room)
-        return self._draft_model(c.draft).propose(text, room)
+            return prompt_lookup(text, c.prompt_lookup, room), None
+        # a sampled row draws its draft (the rule needs q); under a grammar, whose matcher
+        # cannot be forked, and for greedy rows, the draft proposes its likeliest tokens
+        choice = sequence.choice
+        drawn = not c.greedy and choice.matcher is None
+        return self._draft_model(c.draft).propose(text, room, choice.fork() if drawn else None)
 
     def _draft_model(self, draft) -> DraftModel:
         """The draft model of `draft` (a model, or "int8": the target's own weights packed
@@ -235,9 +240,19 @@ class Slots:
             self.drafter = (draft, DraftModel(model, V, self.capacity))
         return self.drafter[1]
 
-    def _speculate(self, sequence: Sequence, fed: list[int]) -> list[Emitted]:
-        """One step of the target on the row's last token and a draft (`drafts.py`): the
-        tokens chosen in order while each is the one drafted, the cache rolled back to them.
+    def _speculate(
+        self, sequence: Sequence, fed: list[int], drawn_from: list[Tensor] | None
+    ) -> list[Emitted]:
+        """One step of the target on the row's last token and a draft x_1…x_γ, the draft's
+        tokens checked in order (Leviathan et al. 2023), the cache rolled back to the tokens
+        kept. With p the target's distribution and q the draft's, after the row's processing:
+        x_i is kept with probability min(1, p(x_i)/q(x_i)); the first one not kept is
+        replaced by a draw from norm(max(0, p - q)); when all γ are kept, one more is drawn
+        from p. A draft that was chosen, not drawn (prompt lookup, a greedy row, a grammar),
+        has q one-hot at x_i: the rule is then to draw from p and keep x_i while the draw is
+        x_i (kept with probability p(x_i), else a draw from p without x_i), which is what
+        `_choose` does, with the generator's draws of plain decoding: the same tokens.
+
         The draft length adapts: a draft kept whole lets the next one be 2 tokens longer (to
         `draft_tokens`), one cut short makes it 1 shorter (to 1); a draft of one token that
         misses pauses drafting for 4 plain steps, then 8, … up to 64 (a kept draft resets the
@@ -248,7 +263,11 @@ class Slots:
             logits, picks = self.decoder.check(self.cache, slot, fed, greedy)  # [k+1, V]
         emitted = []
         for i in range(len(fed)):
-            emitted.append(self._choose(sequence, logits, i, picks[i] if picks else None))
+            if drawn_from is None or i + 1 == len(fed):
+                emitted.append(self._choose(sequence, logits, i, picks[i] if picks else None))
+            else:
+                token = self._accept(sequence.choice, logits[i], fed[i + 1], drawn_from[i])
+                emitted.append(self._choose(sequence, logits, i, None, token))
             if sequence.done or i + 1 == len(fed) or emitted[-1].token != fed[i + 1]:
                 break
         sequence.drafted += len(fed) - 1
@@ -268,10 +287,27 @@ class Slots:
             self.cache.truncate(slot, start + len(emitted))  # its last token is fed next
         return emitted
 
-    def _choose(self, sequence: Sequence, step: Tensor, r: int, pick: tuple | None) -> Emitted:
+    @staticmethod
+    def _accept(choice: RowChoice, logits: Tensor, drafted: int, q: Tensor) -> int:
+        """The rule for a drawn draft token x: x with probability min(1, p(x)/q(x)), else a
+        draw from norm(max(0, p - q)); p is the target's distribution after logits [V]."""
+        p = choice.probabilities(logits)
+        u = float(torch.rand((), generator=choice.generator, device=p.device))
+        if u * float(q[drafted]) < float(p[drafted]):
+            return drafted
+        residual = (p - q.to(p.device)).clamp(min=0)
+        return draw(residual / residual.sum() if residual.sum() > 0 else p, choice.generator)
+
+    def _choose(
+        self, sequence: Sequence, step: Tensor, r: int, pick: tuple | None, token: int = -1
+    ) -> Emitted:
         """The token of a sequence from its logits, row r of the step's [R,V], or from
-        `pick` (ŵ, log P(ŵ)), the step's own greedy choice, where it made one."""
-        token, logprob, top = sequence.choice.choose(step[r], pick)
+        `pick` (ŵ, log P(ŵ)), the step's own greedy choice, where it made one; or `token`,
+        chosen already (the acceptance rule)."""
+        if token >= 0:
+            token, logprob, top = sequence.choice.take(step[r], token)
+        else:
+            token, logprob, top = sequence.choice.choose(step[r], pick)
         sequence.tokens.append(token)
         sequence.logprobs.append(logprob)
         if token in sequence.config.eos_ids:

@@ -32,6 +32,7 @@ class Completion:
     finish_reason: str = "length"  # "length", "eos" (end of text) or "stop" (a stop string)
     prompt_tokens: list[int] | None = None  # with prompt_logprobs: the prompt after <|endoftext|>
     prompt_logprobs: list[float] | None = None  # log P(each prompt token | the ones before)
+    speculation: dict | None = None  # with a draft: tokens drafted, kept, target steps
 
 
 def encode_prompts(
@@ -110,10 +111,24 @@ def _complete(model, tokenizer, prompts, ids, mask, config, stop, prompt_logprob
         tokens = [tokens[row] for tokens, _, _ in rows]
         logprobs = [logprobs[row] for _, logprobs, _ in rows]
         _finish(completion, tokenizer, tokens, logprobs, stop, config.eos_ids)
+        if steps and steps[-1].drafts is not None:
+            completion.speculation = speculation(*steps[-1].drafts[row])
     if n > keep:
         totals = torch.tensor([math.fsum(c.logprobs) for c in out], dtype=torch.float64)
         out = [out[i] for i in best_rows(totals, n, keep).tolist()]
     return out
+
+
+def speculation(drafted: int, kept: int, steps: int) -> dict:
+    """What a row's drafts did: tokens drafted and kept, the share kept, the target's
+    steps and the tokens each step gave (every step gives its kept tokens and one more)."""
+    return {
+        "drafted": drafted,
+        "accepted": kept,
+        "acceptance": round(kept / drafted, 4) if drafted else None,
+        "target_steps": steps,
+        "tokens_per_step": round((steps + kept) / steps, 4) if steps else None,
+    }
 
 
 def score_prompts(

@@ -41,6 +41,14 @@ class Metrics:
         self.drafted = Gauge("tlm_draft_tokens", "tokens drafted (speculative)", registry=r)
         self.kept = Gauge("tlm_draft_kept_tokens", "drafted tokens the model kept", registry=r)
         self.checks = Gauge("tlm_draft_checks", "steps that checked a draft", registry=r)
+        self.acceptance = Gauge(
+            "tlm_draft_acceptance", "share of drafted tokens kept (0 before any)", registry=r
+        )
+        self.per_check = Gauge(
+            "tlm_draft_tokens_per_step",
+            "tokens a step that checked a draft gave, on average (kept + 1; 0 before any)",
+            registry=r,
+        )
 
     def watch(self, engine) -> None:
         self.queue_depth.set_function(lambda: engine.queued)
@@ -48,6 +56,11 @@ class Metrics:
         self.drafted.set_function(lambda: engine.slots.drafted)
         self.kept.set_function(lambda: engine.slots.accepted)
         self.checks.set_function(lambda: engine.slots.checks)
+        slots = engine.slots
+        self.acceptance.set_function(lambda: slots.accepted / slots.drafted if slots.drafted else 0)
+        self.per_check.set_function(
+            lambda: (slots.accepted + slots.checks) / slots.checks if slots.checks else 0
+        )
 
     def on_token(self, first: float | None, gap: float | None) -> None:
         if first is not None:
