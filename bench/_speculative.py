@@ -6,7 +6,9 @@ Batch 1, greedy, the two sides alternating in one process, medians of `rounds`. 
 tokens again (the model is asked to continue a text the prompt quotes); "free", the
 passage's first 8 tokens alone. tlm's acceptance is read from its sequences (tokens kept
 of those drafted, and tokens per target step); both sides' outputs are checked equal to
-their own plain decoding.
+their own plain decoding. The tokens per step prompt lookup would give with drafts of
+the length the target keeps (`lookup_steps`) bound its speedup on the task, whatever a
+check costs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from tlm import load_model, load_tokenizer
 from tlm.generate import GenerationConfig
+from tlm.generate.drafts import prompt_lookup
 from tlm.generate.slots import Slots
 from tlm.inference import Decoder
 from tlm.kinds import export_hf
@@ -43,19 +46,21 @@ def prompts(data: Path, count: int, passage: int) -> dict[str, list[list[int]]]:
 def tlm_side(
     model, decoder, prompt, new: int, lookup: bool, draft=None
 ) -> tuple[list[int], float, tuple]:
-    """(tokens, seconds, (drafted, kept, target steps)) of one greedy decode on `Slots`."""
+    """(tokens, seconds, (drafted, kept, target steps), seconds of the first step: the
+    prompt's and the first token's) of one greedy decode on `Slots`."""
     config = GenerationConfig(
         max_new_tokens=new, prompt_lookup=NGRAM if lookup else None, draft_tokens=DRAFT,
         draft=draft,
     )  # fmt: skip
     slots = Slots(model, 1, decoder=decoder)
     started = time.perf_counter()
-    sequence, steps = slots.add(prompt, config), 0
+    sequence, steps, first = slots.add(prompt, config), 0, None
     while not sequence.done:
         slots.step()
         steps += 1
+        first = first or time.perf_counter() - started
     seconds = time.perf_counter() - started
-    return sequence.tokens, seconds, (sequence.drafted, sequence.accepted, steps)
+    return sequence.tokens, seconds, (sequence.drafted, sequence.accepted, steps), first
 
 
 def hf_side(model, prompt, new: int, **extra) -> tuple[list[int], float]:
@@ -83,6 +88,21 @@ def draft_run(data: Path, work: Path) -> Path:
         tokenizer = (data / "tokenizer.json").read_text()
         open_run(model_config, train_config, tokens, tokenizer, progress_bar=False).fit()
     return out
+
+
+def lookup_steps(prompt: list[int], tokens: list[int]) -> int:
+    """The fewest target steps prompt lookup could decode `tokens` in: each draft cut to
+    the length the target keeps whole (a draft that knew its length), so every step gives
+    its kept tokens and one more. Tokens over steps bounds lookup's speedup, with checks
+    and drafts free."""
+    steps = i = 0
+    while i < len(tokens):
+        draft = prompt_lookup(prompt + tokens[:i], NGRAM, min(DRAFT, len(tokens) - i - 1))
+        kept = 0
+        while kept < len(draft) and draft[kept] == tokens[i + kept]:
+            kept += 1
+        i, steps = i + kept + 1, steps + 1
+    return steps
 
 
 WAYS = ("plain", "lookup", "draft")  # tlm's and Hugging Face's, in the same order
@@ -113,34 +133,43 @@ def part_speculative(rounds: int, run: Path, data: Path, work: Path) -> None:
     )
     for task, batch in tasks.items():
         rates = {(side, way): [] for side in ("tlm", "HF") for way in WAYS}
+        decoding = {key: [] for key in rates}  # tokens after the first, over their time
         counts = {way: [0, 0, 0] for way in WAYS[1:]}  # drafted, kept, target steps
+        fewest = 0  # lookup's fewest steps (`lookup_steps`)
         for _ in range(rounds):
             for prompt in batch:
                 expected = None
                 for way in WAYS:
                     draft = small if way == "draft" else None
-                    tokens, seconds, stats = tlm_side(
+                    tokens, seconds, stats, first = tlm_side(
                         model, decoder, prompt, new, way == "lookup", draft
                     )
-                    expected = expected or tokens
+                    if expected is None:
+                        expected, fewest = tokens, fewest + lookup_steps(prompt, tokens)
                     assert tokens == expected, f"tlm's {way} changed its greedy tokens"
                     rates["tlm", way].append(new / seconds)
+                    decoding["tlm", way].append((new - 1) / (seconds - first))
                     if way != "plain":
                         counts[way] = [a + b for a, b in zip(counts[way], stats, strict=True)]
+                    _, first = hf_side(hf["target"], prompt, 1)  # the prompt and a token
                     _, seconds = hf_side(hf["target"], prompt, new, **hf_ways[way])
                     rates["HF", way].append(new / seconds)
-        m = {key: statistics.median(values) for key, values in rates.items()}
-        for side in ("tlm", "HF"):
-            cells = [f"plain {m[side, 'plain']:7.1f}"]
-            for way in WAYS[1:]:
-                cells.append(f"{way} {m[side, way]:7.1f} ({m[side, way] / m[side, 'plain']:.2f}x)")
-            print(f"{task:9s} {side:3s}  " + "   ".join(cells))
+                    decoding["HF", way].append((new - 1) / (seconds - first))
+        for label, table in (("", rates), (" (decoding: after the first token)", decoding)):
+            m = {key: statistics.median(values) for key, values in table.items()}
+            for side in ("tlm", "HF"):
+                cells = [f"plain {m[side, 'plain']:7.1f}"]
+                for way in WAYS[1:]:
+                    ratio = m[side, way] / m[side, "plain"]
+                    cells.append(f"{way} {m[side, way]:7.1f} ({ratio:.2f}x)")
+                print(f"{task:9s} {side:3s}  " + "   ".join(cells) + label)
         total = rounds * len(batch) * new
         kept = ", ".join(
             f"{way}: {k / max(d, 1):.2f} of drafted tokens kept, {total / s:.2f} a step"
             for way, (d, k, s) in counts.items()
         )
         print(f"{'':9s} tlm  {kept}")
+        print(f"{'':9s}      lookup with drafts of the right length: {total / fewest:.2f} a step")
 
 
 def part_self_draft(rounds: int, folder: Path) -> None:
@@ -156,8 +185,8 @@ def part_self_draft(rounds: int, folder: Path) -> None:
         drafted = kept = steps = 0
         for round_ in range(rounds + 1):  # the first warms both up
             prompt = torch.randint(0, model.config.vocab_size, (32,)).tolist()
-            tokens, seconds, _ = tlm_side(model, decoder, prompt, 64, False)
-            same, fast_seconds, (d, k, s) = tlm_side(model, decoder, prompt, 64, False, draft)
+            tokens, seconds, _, _ = tlm_side(model, decoder, prompt, 64, False)
+            same, fast_seconds, (d, k, s), _ = tlm_side(model, decoder, prompt, 64, False, draft)
             assert same == tokens, "the int8 self-draft changed the target's greedy tokens"
             if round_:
                 plain.append(64 / seconds), fast.append(64 / fast_seconds)

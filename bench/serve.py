@@ -26,6 +26,10 @@ a quiet machine a quarter to a third of its batch-1 speed (docs/benchmarks-histo
    requests, two batches, the last long request dominates both: the bound was 1.1-1.5x.)
 3. join: TTFT of a request that arrives while 7 long ones decode, against one 7-row decode
    step plus the request's prefill alone (and the time of a step the request joins).
+4. speculative (`--part speculative`, not in the default run): part 1's clients (1, 2 and
+   4) against an engine with `speculate={"draft": "int8"}` (`tlm serve --draft int8`: a
+   request decoding alone checks the int8 self-draft's tokens, busy batches take plain
+   steps), the two engines in turns, the better of `--rounds` each.
 """
 
 from __future__ import annotations
@@ -244,6 +248,34 @@ def part_join(model, vocab: int, repeats: int, long: int) -> None:
     )
 
 
+def part_speculative(model, vocab: int, requests: int, new: int, rounds: int) -> None:
+    print(f"4. speculative: clients as in 1 ({requests} x {new} new), plain engine against")
+    print("   `--draft int8` (rows decoding alone draft; greedy, random weights)")
+    print("   clients   plain tok/s   draft tok/s   ratio   drafted  kept  checks")
+    for clients in (1, 2, 4):
+        best, counts = {}, (0, 0, 0)
+        for _ in range(rounds):
+            for speculate in (None, {"draft": "int8"}):
+                engine = Engine(model, StubTokenizer(), clients, clients, speculate=speculate)
+                run_job(engine, prompt(random.Random(-1), vocab), 8)  # warm up (and pack)
+                before = (engine.slots.drafted, engine.slots.accepted, engine.slots.checks)
+                results: list[list[float]] = []
+                started = time.perf_counter()
+                calls = [(engine, c, requests, vocab, new, results) for c in range(clients)]
+                together(client, calls)
+                rate = sum(len(times) - 1 for times in results) / (time.perf_counter() - started)
+                engine.close()
+                key = "draft" if speculate else "plain"
+                best[key] = max(best.get(key, 0.0), rate)
+                if speculate:
+                    after = (engine.slots.drafted, engine.slots.accepted, engine.slots.checks)
+                    counts = tuple(a - b for a, b in zip(after, before, strict=True))
+        print(
+            f"   {clients:7d} {best['plain']:13.1f} {best['draft']:13.1f} "
+            f"{best['draft'] / best['plain']:6.2f}x  {counts[0]:8d} {counts[1]:5d} {counts[2]:7d}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 2-layer, d=64 model")
@@ -253,6 +285,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=64, help="requests per workload (part 2)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each schedule (part 2)")
     parser.add_argument("--repeats", type=int, default=7, help="arrivals measured (part 3)")
+    parser.add_argument("--part", choices=["all", "speculative"], default="all")
     args = parser.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -263,6 +296,10 @@ def main() -> None:
     print(f"{name}, fp32 prepacked, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"load average {os.getloadavg()[0]:.2f} (other processes share these cores)")
     started = time.perf_counter()
+    if args.part == "speculative":
+        part_speculative(model, shape["vocab_size"], args.requests, args.new, args.rounds)
+        print(f"total {time.perf_counter() - started:.0f} s")
+        return
     part_clients(model, shape["vocab_size"], args.requests, args.new)
     part_mixed(model, shape["vocab_size"], args.mixes, args.count, args.rounds)
     part_join(model, shape["vocab_size"], args.repeats, long=shape["context_length"] - PROMPT - 8)

@@ -11,6 +11,7 @@ from conftest import save_run
 from tlm.cli import main
 from tlm.generate import GenerationConfig
 from tlm.generate.drafts import prompt_lookup
+from tlm.generate.pace import Pace
 from tlm.generate.slots import Slots
 from tlm.inference import for_decoding, for_inference
 from tlm.tokenizer import CharTokenizer
@@ -53,7 +54,7 @@ SETTINGS = [
 
 @pytest.mark.parametrize("fmt", ["plain", "int8"])
 @pytest.mark.parametrize("settings", SETTINGS)
-def test_prompt_lookup_gives_the_tokens_of_plain_decoding(make_model, fmt, settings):
+def test_prompt_lookup_gives_the_tokens_of_plain_decoding(make_model, fmt, settings, untimed):
     model = looping(make_model, fmt, position="rope")
     prompt = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     prompt = prompt + prompt[:8]  # a text that quotes itself
@@ -90,7 +91,14 @@ def test_stops_and_lengths_fall_on_the_same_token(make_model):
         model.generate(ids, prompt_lookup=0)
 
 
-def test_a_draft_that_misses_gets_shorter(make_model, monkeypatch):
+@pytest.fixture
+def untimed(monkeypatch):
+    """Drafting paced by acceptance alone: no plain step's time is known, so the time rule
+    (which depends on the host's speed) never pauses a draft."""
+    monkeypatch.setattr(Pace, "plain", lambda self, seconds: None)
+
+
+def test_a_draft_that_misses_gets_shorter(make_model, monkeypatch, untimed):
     """Drafts the target never keeps shrink by one a check, down to one token, and leave
     the tokens as plain decoding gives them; none is drafted past max_new_tokens."""
     from tlm.generate import slots
@@ -103,11 +111,36 @@ def test_a_draft_that_misses_gets_shorter(make_model, monkeypatch):
     tokens, sequence = decode(model, [1, 2, 3], config)
     assert tokens == expected and sequence.accepted == 0
     assert sequence.drafted == 6 + 5 + 4 + 3 + 2 + 1  # then 4 plain steps; no room after
-    assert sequence.checks == 6 and sequence.pause == 0 and sequence.next_pause == 8
+    assert sequence.checks == 6 and sequence.pace.pause == 0 and sequence.pace.next_pause == 8
+
+
+def test_a_draft_that_costs_more_than_it_gives_pauses():
+    """The time rule (`pace.py`): a drafting step dearer a token than plain steps pauses
+    drafting 4, 8, 16 … steps whatever was kept; one that pays sets the pause back."""
+    pace = Pace(most=5)
+    pace.checked(5, 5, 0.010)  # no plain step timed yet: only acceptance counts,
+    assert pace.pause == 1 and pace.length == 5  # and a plain step comes next, to measure
+    assert not pace.wants_draft() and pace.wants_draft()
+    pace.plain(0.001)
+    pace.checked(5, 2, 0.006)  # 2 ms a token against 1 ms: drafting loses
+    assert (pace.pause, pace.next_pause, pace.length) == (4, 8, 4)
+    assert [pace.wants_draft() for _ in range(5)] == [False] * 4 + [True]
+    pace.checked(4, 4, 0.008)  # 1.6 ms a token
+    assert (pace.pause, pace.next_pause) == (8, 16)
+    pace.pause = 0
+    pace.checked(5, 5, 0.003)  # 0.5 ms a token: drafting pays
+    assert (pace.pause, pace.next_pause) == (0, 4)
+    for _ in range(12):
+        pace.checked(1, 0, 0.005)
+    assert pace.next_pause == 256  # the longest pause after slow drafts
+    lookup = Pace(most=5, timed=False)  # prompt lookup: free drafts, paced by acceptance
+    lookup.plain(0.001)
+    lookup.checked(5, 0, 1.0)
+    assert (lookup.pause, lookup.length, lookup.plain_cost) == (0, 4, None)
 
 
 @pytest.mark.parametrize("settings", [{}, {"repetition_penalty": 1.3, "logit_bias": {3: 1.0}}])
-def test_a_draft_model_gives_the_tokens_of_greedy_decoding(make_model, settings):
+def test_a_draft_model_gives_the_tokens_of_greedy_decoding(make_model, settings, untimed):
     """The target's own weights in int8, or another model of its vocabulary, propose their
     likeliest tokens; the tokens are plain greedy decoding's (the target chooses each), and
     the int8 self-draft's proposals are mostly kept; the target is left as it was."""
@@ -127,7 +160,7 @@ def test_a_draft_model_gives_the_tokens_of_greedy_decoding(make_model, settings)
         assert torch.equal(model(torch.tensor([prompt])), before)
 
 
-def test_a_sampled_row_draws_its_draft(make_model):
+def test_a_sampled_row_draws_its_draft(make_model, untimed):
     """A sampled row's draft is drawn from the draft's distribution (the acceptance rule,
     `test_speculative_sampling.py`): the int8 self-draft's q is close to p, so at
     temperature 1 most of its tokens are kept, where the likeliest token alone would be
@@ -153,7 +186,9 @@ def test_a_draft_that_cannot_serve_is_refused_in_one_line(make_model):
         GenerationConfig(prompt_lookup=2, draft="int8")
 
 
-def test_the_command_line_drafts_and_refuses_another_tokenizer(make_model, tmp_path, capsys):
+def test_the_command_line_drafts_and_refuses_another_tokenizer(
+    make_model, tmp_path, capsys, untimed
+):
     chars = CharTokenizer("abcdefghijklmnopqrstuvwxyz .")
     save_run(tmp_path / "run", looping(make_model, "plain", vocab_size=chars.vocab_size), chars)
     other = CharTokenizer("abcdefghijklmnopqrstuvwxyz ,")
@@ -188,7 +223,7 @@ def test_the_command_line_drafts_and_refuses_another_tokenizer(make_model, tmp_p
     assert "has another tokenizer" in capsys.readouterr().err
 
 
-def test_the_server_engine_drafts_for_a_request_decoding_alone(make_model):
+def test_the_server_engine_drafts_for_a_request_decoding_alone(make_model, untimed):
     """`tlm serve --prompt-lookup` (Engine(speculate=...)): a request's tokens are those
         of the engine without drafts, and /metrics counts the drafted and kept tokens, the
     share kept and the tokens per step that checked a draft."""

@@ -15,6 +15,8 @@ exact output at close to int8's speed.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import Tensor, nn
 
@@ -38,6 +40,9 @@ def self_draft(target: nn.Module) -> TransformerLM:
     return load_prepared(draft, pairs, "int8")
 
 
+CATCH_UP = 16  # most tokens the draft feeds in one C step (every row's logits computed)
+
+
 class DraftModel:
     """Proposes tokens for one sequence at a time from `model`, a language model with the
     target's vocabulary, keeping its own cache of `capacity` positions."""
@@ -52,6 +57,7 @@ class DraftModel:
         self.capacity = min(capacity, model.config.context_length)
         self.cache = SlotCache(model.config, 1, self.capacity)
         self.held: list[int] = []  # the tokens whose keys and values the cache holds
+        self.caught_up = 0.0  # seconds the last proposal spent feeding the text it missed
 
     def propose(
         self, text: list[int], count: int, choice: RowChoice | None = None
@@ -70,7 +76,9 @@ class DraftModel:
         self.cache.truncate(0, shared)
         self.held = self.held[:shared]
         proposed, drawn_from = [], []
+        started = time.perf_counter()
         logits = self._feed(text[shared:])
+        self.caught_up = time.perf_counter() - started if len(text) - shared > 1 else 0.0
         while True:
             if choice is None:
                 proposed.append(greedy_logprob(logits.float())[0])
@@ -83,11 +91,15 @@ class DraftModel:
             logits = self._feed(proposed[-1:])
 
     def _feed(self, tokens: list[int]) -> Tensor:
-        """The logits [V] after feeding `tokens` at the cache's end: the C step for one
-        token where it means the same, else the forward pass."""
+        """The logits [V] after feeding `tokens` at the cache's end: the C step where it
+        means the same, for up to CATCH_UP tokens (the text it missed while its row paused:
+        a step of a few rows costs a small draft a fraction of a forward pass), else the
+        forward pass."""
         self.held += tokens
-        if len(tokens) == 1 and self.decoder.can_step(self.cache.k):
-            return self.decoder.slot_step(self.cache, [0], tokens)[0][0]
+        if len(tokens) <= CATCH_UP and self.decoder.can_step(self.cache.k):
+            if len(tokens) == 1:
+                return self.decoder.slot_step(self.cache, [0], tokens)[0][0]
+            return self.decoder.check(self.cache, 0, tokens)[0][-1]
         ids = torch.tensor(tokens, device=self.cache.k.device)
         fed = self.cache.feed([0], [len(tokens)])
         with torch.no_grad():

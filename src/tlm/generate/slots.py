@@ -23,6 +23,7 @@ another row: the same seed gives the same tokens alone or in a busy batch. `gene
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 from tlm.generate.config import GenerationConfig
 from tlm.generate.draft_model import DraftModel, self_draft
 from tlm.generate.drafts import prompt_lookup
+from tlm.generate.pace import Pace
 from tlm.generate.sampling import GenerationError, RowChoice, draw
 from tlm.inference import Decoder, SlotCache
 
@@ -52,9 +54,7 @@ class Sequence:
     drafted: int = 0  # speculative decoding: tokens drafted, and how many were kept
     accepted: int = 0
     checks: int = 0  # the target's steps that checked a draft
-    draft_length: int | None = None  # the next draft's most tokens (`Slots._speculate`)
-    pause: int = 0  # plain steps left before the next draft, and the next pause's length
-    next_pause: int = 4
+    pace: Pace | None = None  # when and how long it drafts (`pace.py`); None: it does not
 
     @property
     def done(self) -> bool:
@@ -136,6 +136,8 @@ class Slots:
         V = self.model.config.vocab_size
         choice = RowChoice(prompt, config, generator, V, self.device, top_logprobs)
         sequence = Sequence(list(prompt), config, choice)
+        if config.prompt_lookup or config.draft is not None:
+            sequence.pace = Pace(config.draft_tokens, timed=config.draft is not None)
         self.waiting.append(sequence)
         return sequence
 
@@ -173,10 +175,13 @@ class Slots:
             feeds.append(feed)
         if not slots:
             return []
-        if len(slots) == 1 and len(feeds[0]) == 1:  # batch 1: a draft is almost free
-            draft, drawn_from = self._draft(self.rows[slots[0]])
+        alone = self.rows[slots[0]] if len(slots) == 1 and len(feeds[0]) == 1 else None
+        pace = alone and alone.pace  # batch 1, drafting: a draft is almost free
+        if pace:
+            started = time.perf_counter()
+            draft, drawn_from = self._draft(alone)
             if draft:
-                return self._speculate(self.rows[slots[0]], feeds[0] + draft, drawn_from)
+                return self._speculate(alone, feeds[0] + draft, drawn_from, started)
         tokens = [token for feed in feeds for token in feed]
         one_each = len(tokens) == len(feeds)  # every row feeds one token: a decoding step
         picks = None  # greedy's choices, where the step made them
@@ -192,7 +197,10 @@ class Slots:
                     logits = self.model(ids[None], fed, last_only=True)[0]  # [rows,V]
         picks = picks or [None] * len(slots)
         rows = enumerate(zip(slots, picks, strict=True))  # a row's logits taken where needed
-        return [self._choose(self.rows[slot], logits, r, pick) for r, (slot, pick) in rows]
+        emitted = [self._choose(self.rows[slot], logits, r, pick) for r, (slot, pick) in rows]
+        if pace:
+            pace.plain(time.perf_counter() - started)
+        return emitted
 
     def _admit(self) -> None:
         for slot, row in enumerate(self.rows):
@@ -210,13 +218,10 @@ class Slots:
         distributions they were drawn from (None: chosen, not drawn). Rows speculate only
         alone (batch 1), where a step's weights are read for one token anyway."""
         c = sequence.config
-        if not c.prompt_lookup and c.draft is None:
-            return [], None
-        if sequence.pause:  # its drafts missed: plain steps for a while
-            sequence.pause -= 1
+        if not sequence.pace.wants_draft():  # paused: plain steps for a while
             return [], None
         room = min(
-            sequence.draft_length or c.draft_tokens,
+            sequence.pace.length or c.draft_tokens,
             c.max_new_tokens - len(sequence.tokens) - 1,  # the step's own token comes too
             self.capacity - self.cache.lengths[sequence.slot] - 1,
         )
@@ -241,7 +246,7 @@ class Slots:
         return self.drafter[1]
 
     def _speculate(
-        self, sequence: Sequence, fed: list[int], drawn_from: list[Tensor] | None
+        self, sequence: Sequence, fed: list[int], drawn_from: list[Tensor] | None, started: float
     ) -> list[Emitted]:
         """One step of the target on the row's last token and a draft x_1…x_γ, the draft's
         tokens checked in order (Leviathan et al. 2023), the cache rolled back to the tokens
@@ -251,12 +256,9 @@ class Slots:
         from p. A draft that was chosen, not drawn (prompt lookup, a greedy row, a grammar),
         has q one-hot at x_i: the rule is then to draw from p and keep x_i while the draw is
         x_i (kept with probability p(x_i), else a draw from p without x_i), which is what
-        `_choose` does, with the generator's draws of plain decoding: the same tokens.
-
-        The draft length adapts: a draft kept whole lets the next one be 2 tokens longer (to
-        `draft_tokens`), one cut short makes it 1 shorter (to 1); a draft of one token that
-        misses pauses drafting for 4 plain steps, then 8, … up to 64 (a kept draft resets the
-        pause to 4), so that a row whose drafts miss decodes at close to plain speed."""
+        `_choose` does, with the generator's draws of plain decoding: the same tokens. The
+        row's `Pace` then sets the next draft's length and pauses (`pace.py`); `started` is
+        when this step's draft began."""
         slot, start = sequence.slot, self.cache.lengths[sequence.slot]
         with self.decoder.chosen_threads((1, len(fed))):
             greedy = sequence.choice.plain_greedy
@@ -270,19 +272,13 @@ class Slots:
                 emitted.append(self._choose(sequence, logits, i, None, token))
             if sequence.done or i + 1 == len(fed) or emitted[-1].token != fed[i + 1]:
                 break
-        sequence.drafted += len(fed) - 1
-        sequence.accepted += len(emitted) - 1
+        drafted, kept = len(fed) - 1, len(emitted) - 1
+        sequence.drafted, sequence.accepted = sequence.drafted + drafted, sequence.accepted + kept
         sequence.checks += 1
-        self.drafted, self.accepted = self.drafted + len(fed) - 1, self.accepted + len(emitted) - 1
+        self.drafted, self.accepted = self.drafted + drafted, self.accepted + kept
         self.checks += 1
-        whole, most = len(emitted) == len(fed), sequence.config.draft_tokens
-        length = sequence.draft_length or most
-        sequence.draft_length = min(most, length + 2) if whole else max(1, length - 1)
-        if len(emitted) > 1:
-            sequence.next_pause = 4
-        elif length == 1:  # the shortest draft, missed
-            sequence.pause = sequence.next_pause
-            sequence.next_pause = min(64, 2 * sequence.next_pause)
+        caught_up = self.drafter[1].caught_up if sequence.config.draft is not None else 0.0
+        sequence.pace.checked(drafted, kept, time.perf_counter() - started - caught_up)
         if not sequence.done:  # a finished row's slot is cleared already
             self.cache.truncate(slot, start + len(emitted))  # its last token is fed next
         return emitted
