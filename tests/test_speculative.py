@@ -2,6 +2,7 @@
 tokens plain decoding gives, greedy or sampled from the same seed, with drafts kept."""
 
 import json
+import random
 import re
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from conftest import save_run
 from tlm.cli import main
 from tlm.generate import GenerationConfig
-from tlm.generate.drafts import prompt_lookup
+from tlm.generate.drafts import NgramIndex, prompt_lookup
 from tlm.generate.pace import Pace
 from tlm.generate.slots import Slots
 from tlm.inference import for_decoding, for_inference
@@ -24,6 +25,18 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert prompt_lookup([5, 6, 7, 6], 3, 2) == [7, 6]  # no [7, 6] or [5, 6, 7, 6] before: [6]
     assert prompt_lookup([1, 2, 3], 2, 4) == []  # nothing recurs
     assert prompt_lookup([4], 2, 4) == [] and prompt_lookup([4, 4], 1, 3) == [4]
+
+
+def test_the_ngram_index_proposes_what_prompt_lookup_proposes():
+    """`NgramIndex`, kept as a text grows, answers as the scan does, for every prefix."""
+    for trial in range(200):
+        rng = random.Random(trial)
+        ngram, vocab = rng.randint(1, 4), rng.choice([2, 3, 5, 20])
+        text, index = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))], NgramIndex(ngram)
+        for _ in range(30):
+            count = rng.randint(1, 6)
+            assert index.propose(text, count) == prompt_lookup(text, ngram, count), trial
+            text += [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
 
 
 def looping(make_model, fmt: str, **overrides):
@@ -101,10 +114,8 @@ def untimed(monkeypatch):
 def test_a_draft_that_misses_gets_shorter(make_model, monkeypatch, untimed):
     """Drafts the target never keeps shrink by one a check, down to one token, and leave
     the tokens as plain decoding gives them; none is drafted past max_new_tokens."""
-    from tlm.generate import slots
-
     model = looping(make_model, "plain")
-    monkeypatch.setattr(slots, "prompt_lookup", lambda text, n, count: [5] * count)
+    monkeypatch.setattr(NgramIndex, "propose", lambda self, text, count: [5] * count)
     never = {"max_new_tokens": 12, "logit_bias": {5: -100}}  # token 5 is never chosen
     expected, _ = decode(model, [1, 2, 3], GenerationConfig(**never))
     config = GenerationConfig(prompt_lookup=1, draft_tokens=6, **never)

@@ -31,3 +31,30 @@ def prompt_lookup(text: list[int], ngram: int, count: int) -> list[int]:
             if text[start : start + n] == tail:
                 return text[start + n : start + n + count]
     return []
+
+
+class NgramIndex:
+    """`prompt_lookup` for one growing text, in a few dictionary reads a step: the latest
+    start of every n-gram (n <= `ngram`) of the text, kept up to date as tokens are added.
+    The text passed must extend the one passed before (a sequence's prompt and output);
+    its answers are `prompt_lookup`'s (held equal in a test), without a scan of the text
+    at each step (25 µs of a 130-token text's step in Python, 0.12 ms in all)."""
+
+    def __init__(self, ngram: int) -> None:
+        self.ngram = ngram
+        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(ngram + 1)]
+        self.indexed = 0  # n-grams ending before this position are in `latest`
+
+    def propose(self, text: list[int], count: int) -> list[int]:
+        """prompt_lookup(text, ngram, count)."""
+        # the n-grams ending before the last token: every start up to len - n - 1, the
+        # tail itself left out, and a token after each to propose
+        for end in range(self.indexed, len(text) - 1):
+            for n in range(1, min(self.ngram, end + 1) + 1):
+                self.latest[n][tuple(text[end - n + 1 : end + 1])] = end - n + 1
+        self.indexed = max(self.indexed, len(text) - 1)
+        for n in range(min(self.ngram, len(text) - 1), 0, -1):
+            start = self.latest[n].get(tuple(text[-n:]))
+            if start is not None:
+                return text[start + n : start + n + count]
+        return []

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from tlm.generate.config import GenerationConfig
 from tlm.generate.draft_model import DraftModel, self_draft
-from tlm.generate.drafts import prompt_lookup
+from tlm.generate.drafts import NgramIndex
 from tlm.generate.pace import Pace
 from tlm.generate.sampling import GenerationError, RowChoice, draw
 from tlm.inference import Decoder, SlotCache
@@ -55,6 +55,7 @@ class Sequence:
     accepted: int = 0
     checks: int = 0  # the target's steps that checked a draft
     pace: Pace | None = None  # when and how long it drafts (`pace.py`); None: it does not
+    ngrams: NgramIndex | None = None  # prompt lookup's index of its text
 
     @property
     def done(self) -> bool:
@@ -138,6 +139,8 @@ class Slots:
         sequence = Sequence(list(prompt), config, choice)
         if config.prompt_lookup or config.draft is not None:
             sequence.pace = Pace(config.draft_tokens, timed=config.draft is not None)
+        if config.prompt_lookup:
+            sequence.ngrams = NgramIndex(config.prompt_lookup)
         self.waiting.append(sequence)
         return sequence
 
@@ -229,7 +232,7 @@ class Slots:
             return [], None
         text = sequence.prompt + sequence.tokens
         if c.prompt_lookup:
-            return prompt_lookup(text, c.prompt_lookup, room), None
+            return sequence.ngrams.propose(text, room), None
         # a sampled row draws its draft (the rule needs q); under a grammar, whose matcher
         # cannot be forked, and for greedy rows, the draft proposes its likeliest tokens
         choice = sequence.choice
