@@ -15,6 +15,7 @@ from tlm.errors import UserError
 MODEL_TYPES = ("decoder", "encoder-decoder")
 NORMS = ("pre", "post")
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
+ROPE_SCALINGS = ("linear", "ntk", "dynamic", "yarn")  # model/positions.py: rotary_frequencies
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "relu2")
 DROPOUTS = ("dropout", "attn_dropout", "resid_dropout", "embd_dropout")
 RETIRED = {"attention_impl"}  # read from old config files and ignored
@@ -86,6 +87,11 @@ class ModelConfig:
     resid_dropout: float | None = None
     embd_dropout: float | None = None
     qk_norm: bool = False
+    rope_scaling: str | None = None  # positions past the trained context (`positions.py`)
+    rope_factor: float = 1.0
+    rope_original_context: int | None = None  # the context trained at (None: context_length)
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -126,6 +132,30 @@ class ModelConfig:
             raise ConfigError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
         if not self.rope_base > 1:
             raise ConfigError(f"rope_base must be > 1, got {self.rope_base!r}")
+        if self.rope_scaling is not None:
+            _check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+            if self.position != "rope":
+                raise ConfigError(
+                    f"rope_scaling applies to rotary positions; this model's are {self.position}"
+                )
+        if not self.rope_factor >= 1:
+            raise ConfigError(f"rope_factor must be >= 1, got {self.rope_factor!r}")
+        if self.rope_scaling is not None and self.rope_original_context is None:  # s·T given
+            trained = max(1, round(self.context_length / self.rope_factor))
+            object.__setattr__(self, "rope_original_context", trained)
+        if self.rope_original_context is not None:
+            _check_positive("rope_original_context", self.rope_original_context)
+        if not self.yarn_beta_fast > self.yarn_beta_slow > 0:
+            raise ConfigError(
+                f"yarn_beta_fast ({self.yarn_beta_fast}) must exceed yarn_beta_slow "
+                f"({self.yarn_beta_slow}), and both be > 0"
+            )
+
+    @property
+    def trained_context(self) -> int:
+        """The context the rotary positions were trained at: `rope_original_context`, or
+        `context_length` when no scaling stretches them."""
+        return self.rope_original_context or self.context_length
 
     @property
     def d_attn(self) -> int:
@@ -146,6 +176,25 @@ class ModelConfig:
     def embd_dropout_p(self) -> float:
         """The dropout rate on the embedding X = E[w] + P[pos]."""
         return self.dropout if self.embd_dropout is None else self.embd_dropout
+
+    def stretched(self, method: str | None, factor: float = 1.0) -> ModelConfig:
+        """This rotary model read at `factor` times the context it was trained at, with
+        `method` (ROPE_SCALINGS; None: as trained), its weights unchanged: what a command
+        that reads a model does with `--rope-scaling yarn --rope-factor 4`."""
+        if self.position != "rope":
+            raise ConfigError(
+                f"rope scaling applies to rotary positions; these are {self.position}"
+            )
+        trained = self.trained_context
+        if method is None:
+            unscaled = {"rope_scaling": None, "rope_factor": 1.0, "rope_original_context": None}
+            return self.replace(context_length=trained, **unscaled)
+        return self.replace(
+            context_length=int(trained * factor),
+            rope_scaling=method,
+            rope_factor=float(factor),
+            rope_original_context=trained,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

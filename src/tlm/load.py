@@ -48,6 +48,8 @@ def load_model(
     device: str | torch.device = "cpu",
     weights: str = "latest",
     dtype: str | None = None,
+    rope_scaling: str | None = None,
+    rope_factor: float = 1.0,
 ) -> TransformerLM | EncoderDecoder:
     """A run directory of ours, a Hugging Face GPT-2 or GPT-NeoX directory, or a GGUF file
     -> the model (TransformerLM, or EncoderDecoder for a translation run) in eval mode, with
@@ -58,6 +60,10 @@ def load_model(
     inference, as `tlm.inference.for_inference(model, dtype)` would, and on a CPU reads it
     one part at a time, packing each part before the next is read: the whole fp32 model is never in
     memory, so the peak follows the format (docs/benchmarks-history.md, "Memory").
+
+    `rope_scaling` ("linear", "ntk", "dynamic", "yarn") with `rope_factor` s reads a rotary
+    model at s times the context it was trained at (`ModelConfig.stretched`,
+    `model/positions.py`), without retraining.
     """
     path, device = Path(path), torch.device(device)
     kind = kind_of(path)
@@ -66,6 +72,8 @@ def load_model(
     if dtype is not None:
         check_format(dtype, device)
     config = kind.reader.config(path)
+    if rope_scaling is not None:
+        config = config.stretched(rope_scaling, rope_factor)
     if dtype is not None and config.model_type == "decoder" and device.type == "cpu":
         return _load_packed(path, kind, config, weights, dtype)
     model = build_model(config, init=False)  # every weight is read below
@@ -96,9 +104,14 @@ WRONG_MODEL = {
 
 
 def _load_one(
-    path: str | Path, device: str | torch.device, wanted: type, weights: str, dtype: str | None
+    path: str | Path,
+    device: str | torch.device,
+    wanted: type,
+    weights: str,
+    dtype: str | None,
+    **scaling: Any,
 ) -> Any:
-    model = load_model(path, device, weights, dtype)
+    model = load_model(path, device, weights, dtype, **scaling)
     if not isinstance(model, wanted):
         raise CheckpointError(f"{path} is {WRONG_MODEL[wanted]}")
     return model
@@ -109,9 +122,12 @@ def load_language_model(
     device: str | torch.device = "cpu",
     weights: str = "latest",
     dtype: str | None = None,
+    rope_scaling: str | None = None,
+    rope_factor: float = 1.0,
 ) -> TransformerLM:
     """`load_model` for the commands that continue text: an encoder-decoder is refused."""
-    return _load_one(path, device, TransformerLM, weights, dtype)
+    scaling = {"rope_scaling": rope_scaling, "rope_factor": rope_factor}
+    return _load_one(path, device, TransformerLM, weights, dtype, **scaling)
 
 
 def load_translation_model(

@@ -82,6 +82,31 @@ def add_weights_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_rope_flags(parser: argparse.ArgumentParser) -> None:
+    """--rope-scaling METHOD --rope-factor S: read a rotary model at S times the context it
+    was trained at (`ModelConfig.stretched`), without retraining."""
+    parser.add_argument(
+        "--rope-scaling",
+        choices=("linear", "ntk", "dynamic", "yarn"),  # config.ROPE_SCALINGS
+        help="read a rotary model past its trained context (with --rope-factor)",
+    )
+    parser.add_argument(
+        "--rope-factor", type=float, default=None, help="with --rope-scaling: the context's factor"
+    )
+
+
+def rope_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The loader's keywords of --rope-scaling and --rope-factor ({} when not given)."""
+    method, factor = getattr(args, "rope_scaling", None), getattr(args, "rope_factor", None)
+    if method is None and factor is None:
+        return {}
+    if method is None or factor is None:
+        fail("--rope-scaling and --rope-factor go together")
+    if not factor >= 1:
+        fail(f"--rope-factor must be >= 1, got {factor:g}")
+    return {"rope_scaling": method, "rope_factor": factor}
+
+
 def config_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The fields of `cls` given on the command line, converted to their types."""
     hints = get_type_hints(cls)

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from tlm.chat import ChatError, speaks
-from tlm.cli.args import add_command, add_weights_flag, fail
+from tlm.cli.args import add_command, add_rope_flags, add_weights_flag, fail, rope_flags
 from tlm.generate import GenerationConfig
 from tlm.generate.chat import chat_prompt, reply_room, stream_reply
 from tlm.inference import FORMATS
@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--dtype", default="float32", choices=FORMATS, help="weights (float32)")
     add_weights_flag(parser)
+    add_rope_flags(parser)
     parser.set_defaults(handler=run)
 
 
@@ -47,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
             f"{args.run} has no chat template (a base model continues text): fine-tune it with "
             f"tlm train --init-from {args.run} --data CHATDIR, or use tlm generate"
         )
-    model = load_language_model(args.run, weights=args.weights, dtype=args.dtype)
+    model = load_language_model(
+        args.run, weights=args.weights, dtype=args.dtype, **rope_flags(args)
+    )
     config = GenerationConfig.of(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,

@@ -7,7 +7,14 @@ import json
 import sys
 from dataclasses import replace
 
-from tlm.cli.args import add_command, add_weights_flag, fail, read_text_file
+from tlm.cli.args import (
+    add_command,
+    add_rope_flags,
+    add_weights_flag,
+    fail,
+    read_text_file,
+    rope_flags,
+)
 from tlm.generate import GenerationConfig, complete, stream_completion
 from tlm.generate.constrain import Grammar
 from tlm.inference import FORMATS
@@ -93,6 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="float32", choices=FORMATS, help="weights (float32)")
     parser.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
     add_weights_flag(parser)
+    add_rope_flags(parser)
     parser.set_defaults(handler=run)
 
 
@@ -114,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
         or (config.best_of or 1) > 1
     ):
         fail("--stream shows one completion: one prompt, -n 1, --num-beams 1, --best-of 1")
-    model = load_language_model(args.run, weights=args.weights, dtype=args.dtype)
+    model = load_language_model(
+        args.run, weights=args.weights, dtype=args.dtype, **rope_flags(args)
+    )
     tokenizer = load_tokenizer(args.run)
     if not args.no_eos:
         config = replace(config, eos_token_id=tokenizer.eot_id)
@@ -122,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
     if grammar is not None:
         config = replace(config, grammar=grammar)
     if args.draft is not None:
-        draft = load_draft(args.draft, args.run, args.dtype, args.weights, tokenizer)
+        draft = load_draft(
+            args.draft, args.run, args.dtype, args.weights, tokenizer, **rope_flags(args)
+        )
         config = replace(config, draft=draft)
     stop = tuple(_unescape(s) for s in args.stop)
     if args.stream:
@@ -143,14 +155,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_draft(draft: str, run: str, dtype: str, weights: str, tokenizer):
+def load_draft(draft: str, run: str, dtype: str, weights: str, tokenizer, **rope):
     """--draft: "int8" (packed from the model's own parameters, or read from its run in int8
-    where --dtype has packed them already), or a run or directory with the same tokenizer
-    (read in int8 when the model is)."""
+    where --dtype has packed them already, with the model's `rope` scaling), or a run or
+    directory with the same tokenizer (read in int8 when the model is)."""
     if draft == "int8" and dtype == "float32":
         return "int8"
     if draft == "int8":
-        return load_language_model(run, weights=weights, dtype="int8")
+        return load_language_model(run, weights=weights, dtype="int8", **rope)
     if load_tokenizer(draft).pieces() != tokenizer.pieces():
         fail(f"--draft {draft} has another tokenizer: a draft must share this model's")
     return load_language_model(draft, dtype="int8" if dtype == "int8" else None)

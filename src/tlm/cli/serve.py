@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tlm.cli.args import add_command, add_weights_flag, fail
+from tlm.cli.args import add_command, add_rope_flags, add_weights_flag, fail, rope_flags
 from tlm.cli.generate import load_draft
 from tlm.generate import GenerationConfig
 from tlm.inference import FORMATS
@@ -45,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--draft-tokens", type=int, help="most tokens a draft proposes (5)")
     add_weights_flag(parser)
+    add_rope_flags(parser)
     parser.set_defaults(handler=run)
 
 
@@ -60,13 +61,17 @@ def run(args: argparse.Namespace) -> int:
     metrics = Metrics()
 
     def load():  # in the engine thread: the one thread that runs torch's parallel work
-        return load_language_model(args.run, weights=args.weights, dtype=args.dtype)
+        return load_language_model(
+            args.run, weights=args.weights, dtype=args.dtype, **rope_flags(args)
+        )
 
     speculate = {"prompt_lookup": args.prompt_lookup, "draft_tokens": args.draft_tokens}
     tokenizer = None  # read after the model, whose errors say more, unless a draft needs it
     if args.draft is not None:
         tokenizer = load_tokenizer(args.run)
-        speculate["draft"] = load_draft(args.draft, args.run, args.dtype, args.weights, tokenizer)
+        speculate["draft"] = load_draft(
+            args.draft, args.run, args.dtype, args.weights, tokenizer, **rope_flags(args)
+        )
     speculate = {name: value for name, value in speculate.items() if value is not None}
     GenerationConfig(**speculate)  # a bad setting: one line, before the model loads
     engine = Engine(load, None, args.slots, args.max_queue, metrics.on_token, speculate)

@@ -115,6 +115,11 @@ def _architecture(config: ModelConfig) -> str:
             f"cannot export to GGUF: activation={config.activation!r}: llama.cpp's gpt2 and "
             "gptneox compute GELU"
         )
+    if config.rope_scaling not in (None, "ntk"):
+        raise GGUFError(
+            f"cannot export to GGUF: rope_scaling={config.rope_scaling!r} is not written to "
+            "its rope.scaling keys yet (ntk is: a raised rope.freq_base)"
+        )
     return arch
 
 
@@ -128,7 +133,9 @@ def _write_fields(writer, gguf, config: ModelConfig, vocab: dict[str, Any], kind
     writer.add_layer_norm_eps(config.layer_norm_eps)
     if config.position == "rope":
         writer.add_rope_dimension_count(config.d_head)  # every dimension of a head rotates
-        writer.add_rope_freq_base(config.rope_base)
+        s, d = config.rope_factor, config.d_head
+        ntk = s ** (d / (d - 2)) if config.rope_scaling == "ntk" else 1.0
+        writer.add_rope_freq_base(config.rope_base * ntk)
         writer.add_parallel_residual(False)  # the sequential block
     file_types = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
     writer.add_file_type(gguf.LlamaFileType[file_types[kind].upper()])

@@ -43,12 +43,70 @@ def rope(hf: dict[str, Any]) -> dict[str, Any]:
     new (rope_parameters), with transformers' defaults (a quarter of each head, 10000)."""
     given = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return {
+        **given,
         "rope_type": given.get("rope_type", given.get("type", "default")),
         "rope_theta": float(given.get("rope_theta", hf.get("rotary_emb_base", 10000.0))),
         "partial_rotary_factor": float(
             given.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))
         ),
     }
+
+
+def scaling_from_gptneox(settings: dict[str, Any], positions: int) -> dict[str, Any]:
+    """`rope_parameters` and max_position_embeddings -> ModelConfig's scaling fields
+    (context_length included). transformers reads max_position_embeddings as the trained
+    context for "dynamic", as the context for the others; YaRN's trained context is its
+    original_max_position_embeddings."""
+    kind = settings["rope_type"]
+    if kind == "default":
+        return {"context_length": positions}
+    if kind not in ("linear", "dynamic", "yarn"):
+        raise HFFormatError(f"rope_type {kind!r} has no equivalent in tlm")
+    unknown = {"attention_factor", "mscale", "mscale_all_dim", "low_freq_factor"} & set(settings)
+    if unknown or settings.get("truncate", True) is not True:
+        named = ", ".join(sorted(unknown)) or "truncate=False"
+        raise HFFormatError(f"rope_parameters {named}: tlm computes YaRN's defaults only")
+    factor = float(settings["factor"])
+    if kind == "dynamic":
+        trained, context = positions, int(positions * factor)
+    else:
+        trained = settings.get("original_max_position_embeddings") or int(positions / factor)
+        context = positions
+    betas = {}
+    if kind == "yarn":
+        betas = {
+            "yarn_beta_fast": float(settings.get("beta_fast") or 32.0),
+            "yarn_beta_slow": float(settings.get("beta_slow") or 1.0),
+        }
+    return {
+        "context_length": context,
+        "rope_scaling": kind,
+        "rope_factor": factor,
+        "rope_original_context": int(trained),
+        **betas,
+    }
+
+
+def gptneox_rope(config: ModelConfig) -> tuple[dict[str, Any], int]:
+    """(`rope_parameters`, max_position_embeddings) of a rotary ModelConfig: "ntk" is the
+    default rotation at its raised base, "dynamic" names the trained context, the others
+    the whole one."""
+    plain = {"rope_type": "default", "rope_theta": config.rope_base, "partial_rotary_factor": 1.0}
+    method, s, d = config.rope_scaling, config.rope_factor, config.d_head
+    if method is None:
+        return plain, config.context_length
+    if method == "ntk":
+        return {**plain, "rope_theta": config.rope_base * s ** (d / (d - 2))}, config.context_length
+    scaled = {**plain, "rope_type": method, "factor": s}
+    if method == "dynamic":
+        return scaled, config.trained_context
+    if method == "yarn":
+        scaled.update(
+            original_max_position_embeddings=config.trained_context,
+            beta_fast=config.yarn_beta_fast,
+            beta_slow=config.yarn_beta_slow,
+        )
+    return scaled, config.context_length
 
 
 def config_from_gptneox(hf: dict[str, Any]) -> ModelConfig:
@@ -65,8 +123,7 @@ def config_from_gptneox(hf: dict[str, Any]) -> ModelConfig:
             f"partial_rotary_factor={settings['partial_rotary_factor']:g} (rotary_pct): tlm "
             "rotates every dimension of a head"
         )
-    if settings["rope_type"] != "default":
-        raise HFFormatError(f"rope_type {settings['rope_type']!r} has no equivalent in tlm")
+    scaling = scaling_from_gptneox(settings, hf.get("max_position_embeddings", 2048))
     try:
         d, heads = hf.get("hidden_size", 6144), hf.get("num_attention_heads", 64)
         return ModelConfig(
@@ -75,7 +132,6 @@ def config_from_gptneox(hf: dict[str, Any]) -> ModelConfig:
             n_layers=hf.get("num_hidden_layers", 44),
             n_heads=heads,
             d_ff=hf.get("intermediate_size", 4 * d),
-            context_length=hf.get("max_position_embeddings", 2048),
             norm="pre",
             position="rope",
             activation=activation_in(hf, "hidden_act", "gelu"),
@@ -85,6 +141,7 @@ def config_from_gptneox(hf: dict[str, Any]) -> ModelConfig:
             attn_dropout=float(hf.get("attention_dropout", 0.0)),
             layer_norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
             rope_base=settings["rope_theta"],
+            **scaling,
         )
     except ConfigError as exc:
         raise HFFormatError(f"config.json: {exc}") from None
@@ -95,6 +152,7 @@ def gptneox_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
     GPT-NeoX cannot express."""
     rotary = config.position == "rope"
     refuse_unless_plain(config, "GPT-NeoX", rotary, "is rotary (--position rope)")
+    rope_parameters, positions = gptneox_rope(config)
     return {
         "architectures": ["GPTNeoXForCausalLM"],
         "model_type": "gpt_neox",
@@ -104,14 +162,10 @@ def gptneox_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
         "num_attention_heads": config.n_heads,
         "intermediate_size": config.d_ff,
         "hidden_act": ACTIVATIONS_OUT[config.activation],
-        "max_position_embeddings": config.context_length,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": config.rope_base,
-            "partial_rotary_factor": 1.0,
-        },
+        "max_position_embeddings": positions,
+        "rope_parameters": rope_parameters,
         "rotary_pct": 1.0,  # the same, under the names older readers know
-        "rotary_emb_base": config.rope_base,
+        "rotary_emb_base": rope_parameters["rope_theta"],
         "use_parallel_residual": False,
         "attention_bias": True,
         "layer_norm_eps": config.layer_norm_eps,

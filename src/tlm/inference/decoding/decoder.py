@@ -193,6 +193,7 @@ class Decoder:
             and next(model.parameters()).device.type == "cuda"
             and not model.training
             and prompt_length + new_tokens <= model.config.context_length
+            and model.config.rope_scaling != "dynamic"  # its tables change with the length
             and not self.listening()
         )
 

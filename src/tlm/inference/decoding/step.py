@@ -71,8 +71,8 @@ def steppable(model, store: Tensor | None) -> bool:
         return False
     if not (isinstance(model.ln_f, LayerNorm) and type(model.blocks[0]) is PreNormBlock):
         return False
-    if model.config.activation not in ACTIVATIONS:
-        return False
+    if model.config.activation not in ACTIVATIONS or model.config.rope_scaling == "dynamic":
+        return False  # dynamic: the angles change with the length, the C step reads tables
     P = model.embedding.P  # added row by row in C: fp32 rows of d
     return P is None or (P.dtype == torch.float32 and P.is_contiguous())
 
