@@ -21,7 +21,7 @@ T, S = 32, 4  # the trained context, the factor: read at 128 positions
 
 
 def rotary(**overrides):
-    return tiny_config(vocab_size=V, position="rope", context_length=T, **overrides)
+    return tiny_config(**{"vocab_size": V, "position": "rope", "context_length": T, **overrides})
 
 
 def unscaled_theta(config):
@@ -177,3 +177,52 @@ def test_every_command_that_reads_a_model_takes_the_scaling(tmp_path, bpe_tokeni
     assert written["rope_parameters"]["original_max_position_embeddings"] == T
     assert main([*command, "--rope-factor", "4"]) == 2
     assert "--rope-scaling and --rope-factor go together" in capsys.readouterr().err
+
+
+def test_eval_reads_a_model_with_a_longer_context(tmp_path, docs_chars, capsys):
+    """`tlm eval --context N` scores windows of N tokens, past the trained context with or
+    without a scaling; learned positions end where they were trained: one line."""
+    from tlm import load_tokenizer
+
+    chars = load_tokenizer(docs_chars)
+    torch.manual_seed(0)
+    save_run(tmp_path / "rope", TransformerLM(rotary(vocab_size=chars.vocab_size)), chars)
+    losses = []
+    for flags in ([], ["--context", "64"], ["--context", "128", *YARN]):
+        command = ["eval", str(tmp_path / "rope"), "--data", str(docs_chars), "--json"]
+        assert main([*command, "--batch-size", "4", *flags]) == 0
+        losses.append(json.loads(capsys.readouterr().out)["loss"])
+    assert len(set(losses)) == 3 and all(math.isfinite(x) for x in losses)
+    assert load_model(tmp_path / "rope", context_length=64).config.context_length == 64
+    save_run(tmp_path / "learned", TransformerLM(tiny_config(vocab_size=chars.vocab_size)), chars)
+    command = ["eval", str(tmp_path / "learned"), "--data", str(docs_chars), "--context", "64"]
+    assert main(command) == 2
+    assert "learned positions end at 32" in capsys.readouterr().err
+
+
+YARN = ["--rope-scaling", "yarn", "--rope-factor", str(S)]
+
+
+def test_a_rotary_run_fine_tunes_at_a_longer_context(tmp_path, docs_chars, capsys):
+    """`tlm train --init-from BASE --context-length 4T --rope-scaling yarn --rope-factor 4`:
+    the trained context is read as 4T / 4 = T, the weights are BASE's; a model with learned
+    positions cannot grow its context: one line."""
+    from tlm import load_tokenizer
+
+    chars = load_tokenizer(docs_chars)
+    torch.manual_seed(0)
+    save_run(tmp_path / "base", TransformerLM(rotary(vocab_size=chars.vocab_size)), chars)
+    longer = ["--context-length", str(S * T), "--max-steps", "2", "--batch-size", "2"]
+    flags = ["--data", str(docs_chars), "--device", "cpu", *longer, "--eval-interval", "2"]
+    command = ["train", "--init-from", str(tmp_path / "base"), *flags]
+    assert main([*command, *YARN, "--out", str(tmp_path / "ft")]) == 0
+    tuned = load_model(tmp_path / "ft").config
+    assert (tuned.context_length, tuned.rope_scaling, tuned.rope_original_context) == (
+        S * T,
+        "yarn",
+        T,
+    )
+    save_run(tmp_path / "learned", TransformerLM(tiny_config(vocab_size=chars.vocab_size)), chars)
+    command[2] = str(tmp_path / "learned")
+    assert main([*command, "--out", str(tmp_path / "ft2")]) == 2
+    assert "context_length: 32 there, 128 given" in capsys.readouterr().err

@@ -196,6 +196,16 @@ class ModelConfig:
             rope_original_context=trained,
         )
 
+    def with_context(self, n: int) -> ModelConfig:
+        """This model read with windows of `n` positions: past the trained context, a
+        rotary or sinusoidal model computes its angles on, scaled or not (`stretched`);
+        learned positions end where training left them."""
+        if self.position == "learned" and n > self.context_length:
+            raise ConfigError(
+                f"a context of {n}: this model's learned positions end at {self.context_length}"
+            )
+        return self.replace(context_length=n)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -50,6 +50,7 @@ def load_model(
     dtype: str | None = None,
     rope_scaling: str | None = None,
     rope_factor: float = 1.0,
+    context_length: int | None = None,
 ) -> TransformerLM | EncoderDecoder:
     """A run directory of ours, a Hugging Face GPT-2 or GPT-NeoX directory, or a GGUF file
     -> the model (TransformerLM, or EncoderDecoder for a translation run) in eval mode, with
@@ -63,7 +64,9 @@ def load_model(
 
     `rope_scaling` ("linear", "ntk", "dynamic", "yarn") with `rope_factor` s reads a rotary
     model at s times the context it was trained at (`ModelConfig.stretched`,
-    `model/positions.py`), without retraining.
+    `model/positions.py`), without retraining; `context_length` reads it with windows of
+    that many positions (`ModelConfig.with_context`: past the trained context, with or
+    without a scaling).
     """
     path, device = Path(path), torch.device(device)
     kind = kind_of(path)
@@ -74,6 +77,8 @@ def load_model(
     config = kind.reader.config(path)
     if rope_scaling is not None:
         config = config.stretched(rope_scaling, rope_factor)
+    if context_length is not None:
+        config = config.with_context(context_length)
     if dtype is not None and config.model_type == "decoder" and device.type == "cpu":
         return _load_packed(path, kind, config, weights, dtype)
     model = build_model(config, init=False)  # every weight is read below
@@ -124,9 +129,11 @@ def load_language_model(
     dtype: str | None = None,
     rope_scaling: str | None = None,
     rope_factor: float = 1.0,
+    context_length: int | None = None,
 ) -> TransformerLM:
     """`load_model` for the commands that continue text: an encoder-decoder is refused."""
     scaling = {"rope_scaling": rope_scaling, "rope_factor": rope_factor}
+    scaling["context_length"] = context_length
     return _load_one(path, device, TransformerLM, weights, dtype, **scaling)
 
 

@@ -82,9 +82,10 @@ def add_weights_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_rope_flags(parser: argparse.ArgumentParser) -> None:
+def add_rope_flags(parser: argparse.ArgumentParser, context: bool = True) -> None:
     """--rope-scaling METHOD --rope-factor S: read a rotary model at S times the context it
-    was trained at (`ModelConfig.stretched`), without retraining."""
+    was trained at (`ModelConfig.stretched`), without retraining; --context N: windows of
+    N positions (`ModelConfig.with_context`)."""
     parser.add_argument(
         "--rope-scaling",
         choices=("linear", "ntk", "dynamic", "yarn"),  # config.ROPE_SCALINGS
@@ -93,18 +94,31 @@ def add_rope_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rope-factor", type=float, default=None, help="with --rope-scaling: the context's factor"
     )
+    if context:  # `tlm score` has a --context of its own: the text before the choices
+        parser.add_argument(
+            "--context",
+            type=int,
+            metavar="N",
+            dest="context_length",
+            help="read the model with N positions (rotary: past its trained context)",
+        )
 
 
 def rope_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The loader's keywords of --rope-scaling and --rope-factor ({} when not given)."""
+    """The loader's keywords of --rope-scaling, --rope-factor and --context ({} when none is
+    given)."""
     method, factor = getattr(args, "rope_scaling", None), getattr(args, "rope_factor", None)
+    context = getattr(args, "context_length", None)
+    out = {} if context is None else {"context_length": context}
+    if context is not None and context < 1:
+        fail(f"--context must be >= 1, got {context}")
     if method is None and factor is None:
-        return {}
+        return out
     if method is None or factor is None:
         fail("--rope-scaling and --rope-factor go together")
     if not factor >= 1:
         fail(f"--rope-factor must be >= 1, got {factor:g}")
-    return {"rope_scaling": method, "rope_factor": factor}
+    return {"rope_scaling": method, "rope_factor": factor, **out}
 
 
 def config_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:

@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--choices", metavar="FILE.jsonl", help="multiple-choice items")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_weights_flag(parser)
-    add_rope_flags(parser)
+    add_rope_flags(parser, context=False)
     parser.set_defaults(handler=run)
 
 

@@ -103,6 +103,10 @@ def check_new_run(out: Path, probe_lock: bool = True) -> None:
 
 # may differ between a pretrained model and its fine-tuning run; the shape may not
 FINE_TUNING_FIELDS = ("dropout", "attn_dropout", "resid_dropout", "embd_dropout")
+# a rotary model fine-tuned past its trained context (docs/long-context.md)
+LONG_CONTEXT_FIELDS = (
+    "rope_scaling", "rope_factor", "rope_original_context", "yarn_beta_fast", "yarn_beta_slow"
+)  # fmt: skip
 
 
 def _init_model_values(source: str, given: dict[str, Any], data: TokenData) -> dict[str, Any]:
@@ -123,7 +127,9 @@ def _init_model_values(source: str, given: dict[str, Any], data: TokenData) -> d
     differ = [
         f"{k}: {saved[k]!r} there, {v!r} given"
         for k, v in given.items()
-        if k not in FINE_TUNING_FIELDS and saved.get(k) != v and not _shorter_context(k, v, saved)
+        if k not in FINE_TUNING_FIELDS + LONG_CONTEXT_FIELDS
+        and saved.get(k) != v
+        and not _other_context(k, v, saved)
     ]
     if differ:
         raise RunError(f"--init-from {source} fixes the model; {'; '.join(differ)}")
@@ -135,9 +141,12 @@ def _init_model_values(source: str, given: dict[str, Any], data: TokenData) -> d
     return {**saved, **given}
 
 
-def _shorter_context(key: str, value: Any, saved: dict[str, Any]) -> bool:
-    """A fine-tuning run may use the first N positions of a longer context."""
-    return key == "context_length" and isinstance(value, int) and value < saved[key]
+def _other_context(key: str, value: Any, saved: dict[str, Any]) -> bool:
+    """A fine-tuning run may use the first N positions of a longer context, and a model
+    whose positions are not learned a longer one."""
+    if key != "context_length" or not isinstance(value, int):
+        return False
+    return value < saved[key] or saved.get("position") != "learned"
 
 
 def _differences(config: Any, values: dict[str, Any]) -> list[str]:

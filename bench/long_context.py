@@ -1,0 +1,122 @@
+"""Long context (not a test): a rotary model read past the context it was trained at, with
+each of tlm's scalings (docs/long-context.md), measured by validation perplexity.
+
+    python bench/long_context.py            # T = 64, 800 steps: about 6 minutes on 2 cores
+    python bench/long_context.py --quick    # T = 32, 100 steps: a smoke test
+
+1. The model: the demo's shape (4 layers of d 128, rotary) trained `--steps` steps at
+   context T on the built-in python-stdlib corpus (byte-level BPE of 1024, prepared once
+   into --work), with the demo's settings.
+2. Without fine-tuning: the validation split's perplexity in non-overlapping windows of T,
+   2T, 4T and 8T tokens (every token of a window scored, so a window of 4T scores 3T tokens
+   past the trained context), with no scaling (the angles extrapolated) and with each
+   method at factor s = the window's multiple of T (`load_model(run, rope_scaling=M,
+   rope_factor=s, context_length=kT)`).
+3. After a fine-tune: each method at s = 4, fine-tuned at 4T from the model for 5% of its
+   pretraining steps (`tlm train --init-from`, the same data, lr 3e-4), then read at T…8T
+   (past 4T with its own scaling, the window longer than s·T).
+
+The goal (issue 54): YaRN with a fine-tune of at most 5% of the pretraining steps keeps
+the perplexity at 4T within 10% of the perplexity at T.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from _peers import host
+
+from tlm import load_model, load_tokenizer
+from tlm.data import TokenData, prepare
+from tlm.evaluate import evaluate_tokens
+from tlm.train import new_run_configs, open_run
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("linear", "ntk", "dynamic", "yarn")
+MODEL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "position": "rope"}
+TRAIN = {"batch_size": 16, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 50, "eval_interval": 100}
+TUNE = {"batch_size": 16, "lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 4}
+
+
+def data_folder(work: Path) -> Path:
+    folder = work / "data"
+    if not (folder / "meta.json").is_file():
+        prepare(["python-stdlib"], folder, vocab_size=1024, val_fraction=0.1, progress=False)
+    return folder
+
+
+def train(data: Path, out: Path, model: dict, values: dict) -> float:
+    """Seconds to train a run into `out` (kept: a second call reads it)."""
+    if (out / "model.safetensors").is_file():
+        return 0.0
+    started = time.perf_counter()
+    values = {**values, "data": str(data), "out": str(out)}
+    model_config, train_config, tokens = new_run_configs(model, values)
+    tokenizer = load_tokenizer(data).to_json()
+    open_run(model_config, train_config, tokens, tokenizer, progress_bar=False).fit()
+    return time.perf_counter() - started
+
+
+def perplexity(run: Path, data: Path, length: int, **scaling) -> float:
+    model = load_model(run, context_length=length, **scaling)
+    tokens = TokenData(data).split("val")
+    token_bytes = load_tokenizer(data).token_bytes()
+    with torch.no_grad():
+        scores = evaluate_tokens(model, tokens, token_bytes, batch_size=8)
+    return float(np.exp(scores["loss"]))
+
+
+def row(label: str, values: list[float], first: float) -> None:
+    cells = "  ".join(f"{v:8.2f} ({v / first:4.2f})" for v in values)
+    print(f"  {label:22s} {cells}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="T = 32, 100 steps")
+    parser.add_argument("--steps", type=int, help="pretraining steps (800)")
+    parser.add_argument("--context", type=int, help="the trained context T (64)")
+    parser.add_argument("--work", default=str(ROOT / "out" / "bench" / "long-context"))
+    args = parser.parse_args()
+    T = args.context or (32 if args.quick else 64)
+    steps = args.steps or (100 if args.quick else 800)
+    tune = max(1, steps // 20)  # 5% of the pretraining steps
+    torch.set_num_threads(2)
+    print(host())
+    work = Path(args.work)
+    data = data_folder(work)
+    base = work / "runs" / f"base-{T}-{steps}"
+    seconds = train(data, base, {**MODEL, "context_length": T}, {**TRAIN, "max_steps": steps})
+    print(
+        f"rotary model, 4 layers of d 128, trained {steps} steps at T = {T} ({seconds:.0f} s; "
+        "0 s: read from --work); validation perplexity, and its ratio to the model's at T"
+    )
+    lengths = [T, 2 * T, 4 * T, 8 * T]
+    print("  " + " " * 22 + "  ".join(f"{f'{k}T':>15s}" for k in (1, 2, 4, 8)))
+    plain = [perplexity(base, data, n) for n in lengths]
+    row("no scaling", plain, plain[0])
+    for method in METHODS:
+        values = [plain[0]]
+        for n in lengths[1:]:
+            values.append(perplexity(base, data, n, rope_scaling=method, rope_factor=n / T))
+        row(f"{method}, s = k", values, values[0])
+    print(f"after a fine-tune at 4T, s = 4, {tune} steps (5% of {steps}), lr 3e-4:")
+    for method in METHODS:
+        out = work / "runs" / f"{method}-{T}-{steps}-{tune}"
+        scaling = {"context_length": 4 * T, "rope_scaling": method, "rope_factor": 4.0}
+        spent = train(data, out, scaling, {**TUNE, "max_steps": tune, "init_from": str(base)})
+        values = [perplexity(out, data, n) for n in lengths]
+        row(f"{method} ({spent:.0f} s)", values, plain[0])
+        if method == "yarn":
+            ratio = values[2] / plain[0]
+            verdict = "met" if ratio <= 1.10 else "not met"
+            goal = f"YaRN + fine-tune at 4T / the model at T = {ratio:.3f}"
+            print(f"  goal: {goal} (<= 1.10: {verdict})")
+
+
+if __name__ == "__main__":
+    main()
