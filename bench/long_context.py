@@ -18,11 +18,19 @@ each of tlm's scalings (docs/long-context.md), measured by validation perplexity
 
 The goal (issue 54): YaRN with a fine-tune of at most 5% of the pretraining steps keeps
 the perplexity at 4T within 10% of the perplexity at T.
+
+`--part passkey`: passkey retrieval (`tlm.tasks.passkey`: a 5-digit key hidden at a depth of
+filler text, asked for at the end), by length (T…8T) and depth (0, 0.5, 1), 10 keys a
+cell, for a model of the same shape trained at T = 128 (`--steps`, 2000 here) on
+python-stdlib mixed with 6,000 passkey texts of 0-4 filler lines (up to T: it learns the
+task within its context), read with no scaling, with YaRN at s = k, and with YaRN after a
+fine-tune at 4T (5% of its steps, the same mixture).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -33,19 +41,29 @@ from _peers import host
 from tlm import load_model, load_tokenizer
 from tlm.data import TokenData, prepare
 from tlm.evaluate import evaluate_tokens
+from tlm.tasks.passkey import passkey_accuracy, passkey_documents
 from tlm.train import new_run_configs, open_run
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("linear", "ntk", "dynamic", "yarn")
 MODEL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "position": "rope"}
 TRAIN = {"batch_size": 16, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 50, "eval_interval": 100}
+PASSKEYS, LINES = 6000, 4  # passkey texts mixed into the corpus, their most filler lines
 TUNE = {"batch_size": 16, "lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 4}
 
 
-def data_folder(work: Path) -> Path:
-    folder = work / "data"
+def data_folder(work: Path, passkeys: bool = False) -> Path:
+    """python-stdlib prepared once (BPE 1024); with `passkeys`, mixed with passkey texts."""
+    folder = work / (f"data-passkey-{PASSKEYS}-{LINES}" if passkeys else "data")
     if not (folder / "meta.json").is_file():
-        prepare(["python-stdlib"], folder, vocab_size=1024, val_fraction=0.1, progress=False)
+        inputs = ["python-stdlib"]
+        if passkeys:
+            texts = work / "passkeys.jsonl"
+            work.mkdir(parents=True, exist_ok=True)
+            lines = (json.dumps({"text": t}) for t in passkey_documents(PASSKEYS, LINES, seed=0))
+            texts.write_text("\n".join(lines) + "\n")
+            inputs.append(str(texts))
+        prepare(inputs, folder, vocab_size=1024, val_fraction=0.1, progress=False)
     return folder
 
 
@@ -70,6 +88,36 @@ def perplexity(run: Path, data: Path, length: int, **scaling) -> float:
     return float(np.exp(scores["loss"]))
 
 
+def part_passkey(work: Path, steps: int) -> None:
+    T, tune = 128, max(1, steps // 20)
+    data = data_folder(work, passkeys=True)
+    tokenizer = load_tokenizer(data)
+    base = work / "runs" / f"passkey-{PASSKEYS}-{LINES}-{T}-{steps}"
+    seconds = train(data, base, {**MODEL, "context_length": T}, {**TRAIN, "max_steps": steps})
+    tuned = work / "runs" / f"passkey-{PASSKEYS}-{LINES}-yarn-{T}-{steps}-{tune}"
+    scaling = {"context_length": 4 * T, "rope_scaling": "yarn", "rope_factor": 4.0}
+    spent = train(data, tuned, scaling, {**TUNE, "max_steps": tune, "init_from": str(base)})
+    print(
+        f"passkey retrieval: trained {steps} steps at T = {T} ({seconds:.0f} s), YaRN fine-tune "
+        f"{tune} steps at 4T ({spent:.0f} s); share of 10 keys retrieved, depths 0 / 0.5 / 1"
+    )
+    print("  " + " " * 22 + "".join(f"{f'{k}T':>16s}" for k in (1, 2, 4, 8)))
+    readings = {
+        "no scaling": lambda k: load_model(base, context_length=k * T),
+        "yarn, s = k": lambda k: load_model(
+            base, rope_scaling="yarn", rope_factor=k, context_length=k * T
+        ) if k > 1 else load_model(base),
+        "yarn, fine-tuned": lambda k: load_model(tuned, context_length=k * T),
+    }  # fmt: skip
+    for label, read in readings.items():
+        cells = []
+        for k in (1, 2, 4, 8):
+            model = read(k)
+            found = [passkey_accuracy(model, tokenizer, k * T, d, 10) for d in (0.0, 0.5, 1.0)]
+            cells.append(" / ".join(f"{f:.1f}" for f in found))
+        print(f"  {label:22s}" + "".join(f"{c:>16s}" for c in cells))
+
+
 def row(label: str, values: list[float], first: float) -> None:
     cells = "  ".join(f"{v:8.2f} ({v / first:4.2f})" for v in values)
     print(f"  {label:22s} {cells}")
@@ -81,7 +129,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="pretraining steps (800)")
     parser.add_argument("--context", type=int, help="the trained context T (64)")
     parser.add_argument("--work", default=str(ROOT / "out" / "bench" / "long-context"))
+    parser.add_argument("--part", choices=["perplexity", "passkey"], default="perplexity")
     args = parser.parse_args()
+    if args.part == "passkey":
+        torch.set_num_threads(2)
+        print(host())
+        return part_passkey(Path(args.work), args.steps or (100 if args.quick else 800))
     T = args.context or (32 if args.quick else 64)
     steps = args.steps or (100 if args.quick else 800)
     tune = max(1, steps // 20)  # 5% of the pretraining steps
