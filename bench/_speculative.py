@@ -1,5 +1,7 @@
-"""`bench/generate.py --part speculative`: prompt lookup beside plain decoding, in tlm and in
-Hugging Face's `generate` (`prompt_lookup_num_tokens=`), on the demo's model.
+"""`bench/generate.py --part speculative`: prompt lookup beside plain decoding, in tlm, in
+Hugging Face's `generate` (`prompt_lookup_num_tokens=`) and, where llama-cpp-python is
+installed or built in --work (`bench/gguf.py`), in llama.cpp (`LlamaPromptLookupDecoding`
+on the model exported to GGUF f32), on the demo's model.
 
 Batch 1, greedy, the two sides alternating in one process, medians of `rounds`. Tasks:
 "grounded", a passage of the demo's validation text followed by a newline and its first 8
@@ -14,6 +16,7 @@ check costs.
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -75,6 +78,44 @@ def hf_side(model, prompt, new: int, **extra) -> tuple[list[int], float]:
     return out[0, len(prompt) :].tolist(), time.perf_counter() - started
 
 
+def llama_side(llm, prompt: list[int], new: int) -> tuple[list[int], float]:
+    """(tokens, seconds) of llama-cpp-python's greedy `generate` (with the prompt lookup
+    draft `llm` was opened with, if any)."""
+    started, out = time.perf_counter(), []
+    for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        out.append(token)
+        if len(out) == new:
+            break
+    return out, time.perf_counter() - started
+
+
+def open_llamas(run: Path, work: Path, context: int) -> dict | None:
+    """llama.cpp on the demo model exported to GGUF (f32), plain and with
+    `LlamaPromptLookupDecoding`; None where llama-cpp-python is neither installed nor built
+    in --work (`bench/gguf.py` builds it)."""
+    here = Path(__file__).resolve().parent  # bench/gguf.py would pass for the gguf package
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here] + [str(here)]
+    from _llama import llama_cpp
+
+    llama = llama_cpp(work, build=False)
+    if llama is None:
+        return None
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from tlm.interop.gguf import export_gguf
+
+    path = work / "demo-speculative-f32.gguf"
+    path.unlink(missing_ok=True)
+    export_gguf(load_model(run), load_tokenizer(run), path, "f32")
+    room = context + 2 * DRAFT  # a draft may run past the last token the answer needs
+    shape = {"n_ctx": room, "n_batch": room, "n_threads": 2, "n_threads_batch": 2}
+    lookup = LlamaPromptLookupDecoding(max_ngram_size=NGRAM, num_pred_tokens=DRAFT)
+    return {
+        "plain": llama.Llama(str(path), verbose=False, **shape),
+        "lookup": llama.Llama(str(path), verbose=False, draft_model=lookup, **shape),
+    }
+
+
 def draft_run(data: Path, work: Path) -> Path:
     """The draft model: 1 layer of d 64, rotary, 400 steps on the demo's data with its
     tokenizer (made once, kept in --work)."""
@@ -121,6 +162,8 @@ def part_speculative(rounds: int, run: Path, data: Path, work: Path) -> None:
             export_hf(source, load_tokenizer(run), folder)
             hf[name] = AutoModelForCausalLM.from_pretrained(folder).eval()
     decoder, tasks = Decoder(model), prompts(data, 8, model.config.context_length // 2 - 10)
+    llamas = open_llamas(run, work, model.config.context_length)
+    sides = ("tlm", "HF") if llamas is None else ("tlm", "HF", "llama.cpp")
     hf_ways = {
         "plain": {},
         "lookup": {"prompt_lookup_num_tokens": DRAFT, "max_matching_ngram_size": NGRAM},
@@ -131,8 +174,10 @@ def part_speculative(rounds: int, run: Path, data: Path, work: Path) -> None:
         f"{small.num_parameters():,}), batch 1, greedy, {new} new tokens, n-gram {NGRAM}, "
         f"drafts of up to {DRAFT}; tok/s, medians; speedups over each side's plain decoding"
     )
+    if llamas is None:
+        print("llama.cpp: llama-cpp-python is not installed (python bench/gguf.py builds it)")
     for task, batch in tasks.items():
-        rates = {(side, way): [] for side in ("tlm", "HF") for way in WAYS}
+        rates = {(side, way): [] for side in sides for way in WAYS}
         decoding = {key: [] for key in rates}  # tokens after the first, over their time
         counts = {way: [0, 0, 0] for way in WAYS[1:]}  # drafted, kept, target steps
         fewest = 0  # lookup's fewest steps (`lookup_steps`)
@@ -155,14 +200,19 @@ def part_speculative(rounds: int, run: Path, data: Path, work: Path) -> None:
                     _, seconds = hf_side(hf["target"], prompt, new, **hf_ways[way])
                     rates["HF", way].append(new / seconds)
                     decoding["HF", way].append((new - 1) / (seconds - first))
+                    if llamas is not None and way in llamas:  # no draft model in its API
+                        _, first = llama_side(llamas["plain"], prompt, 1)
+                        _, seconds = llama_side(llamas[way], prompt, new)
+                        rates["llama.cpp", way].append(new / seconds)
+                        decoding["llama.cpp", way].append((new - 1) / (seconds - first))
         for label, table in (("", rates), (" (decoding: after the first token)", decoding)):
-            m = {key: statistics.median(values) for key, values in table.items()}
-            for side in ("tlm", "HF"):
+            m = {key: statistics.median(values) for key, values in table.items() if values}
+            for side in sides:
                 cells = [f"plain {m[side, 'plain']:7.1f}"]
-                for way in WAYS[1:]:
+                for way in (w for w in WAYS[1:] if (side, w) in m):
                     ratio = m[side, way] / m[side, "plain"]
                     cells.append(f"{way} {m[side, way]:7.1f} ({ratio:.2f}x)")
-                print(f"{task:9s} {side:3s}  " + "   ".join(cells) + label)
+                print(f"{task:9s} {side:9s}  " + "   ".join(cells) + label)
         total = rounds * len(batch) * new
         kept = ", ".join(
             f"{way}: {k / max(d, 1):.2f} of drafted tokens kept, {total / s:.2f} a step"

@@ -28,75 +28,26 @@ cores, the first time only: it is installed under --work, one folder per CPU's f
 from __future__ import annotations
 
 import argparse
-import ctypes
-import hashlib
-import importlib
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import _ggml
 import numpy as np
 import torch
+from _llama import llama_cpp
 from _peers import host
 
 from tlm import ModelConfig, TransformerLM, load_model, load_tokenizer
 from tlm.data import TokenData, eval_windows
 from tlm.evaluate import evaluate_tokens
 from tlm.generate import generate
-from tlm.inference import native
 from tlm.interop.gguf import export_gguf
 from tlm.tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 TYPES = {"f32": "float32", "f16": "float16", "q8_0": "int8"}  # GGUF type -> tlm's format
 GPT2 = {"vocab_size": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "context_length": 1024}
-
-
-def llama_cpp(work: Path):
-    """The llama_cpp module, its log silenced: installed, or built once into
-    work/llama-cpp-<a hash of this CPU's flags>[-<build>] for the instruction set tlm's
-    kernels use (`TLM_NATIVE_ARCH`: haswell builds llama.cpp for AVX2 alone too)."""
-    arch = native.arch()
-    try:
-        if arch != "native":
-            raise ImportError  # an installed one is built for this CPU
-        module = importlib.import_module("llama_cpp")
-    except ImportError:
-        flags = next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if "flags" in line
-        )
-        suffix = "" if arch == "native" else f"-{arch}"
-        target = work / f"llama-cpp-{hashlib.sha256(flags.encode()).hexdigest()[:10]}{suffix}"
-        if not (target / "llama_cpp").is_dir():
-            print(
-                f"building {LLAMA_CPP_PYTHON} for {arch} into {target} (once; minutes)",
-                flush=True,
-            )
-            pip = [  # no wheel cache: it would hand one build's wheel to another build
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--no-cache-dir",
-                "--target",
-                str(target),
-            ]
-            env = os.environ | {"CMAKE_ARGS": " ".join(_ggml.CPU[arch])}
-            subprocess.run([*pip, "--no-deps", LLAMA_CPP_PYTHON, "diskcache"], check=True, env=env)
-        sys.path.insert(0, str(target))
-        module = importlib.import_module("llama_cpp")
-    SILENCE.append(module.llama_log_callback(lambda level, text, data: None))
-    module.llama_log_set(SILENCE[-1], ctypes.c_void_p(0))
-    return module
-
-
-SILENCE = []  # the log callback, kept alive for as long as llama.cpp may call it
 
 
 def write_files(model: TransformerLM, tokenizer, folder: Path, name: str) -> dict[str, Path]:
