@@ -25,17 +25,24 @@ cell, for a model of the same shape trained at T = 128 (`--steps`, 2000 here) on
 python-stdlib mixed with 6,000 passkey texts of 0-4 filler lines (up to T: it learns the
 task within its context), read with no scaling, with YaRN at s = k, and with YaRN after a
 fine-tune at 4T (5% of its steps, the same mixture).
+
+`--part llama`: the demo's model (`make demo`: rotary, T = 128) read at 4T with each method
+that GGUF carries (none, linear, ntk, yarn), exported to GGUF f32 (`rope.scaling.*`) and
+run by llama.cpp (llama-cpp-python, installed or built in out/bench by bench/gguf.py), on 4
+validation windows of 4T: both sides' perplexity, and the largest logit difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from _peers import host
 
 from tlm import load_model, load_tokenizer
@@ -118,6 +125,48 @@ def part_passkey(work: Path, steps: int) -> None:
         print(f"  {label:22s}" + "".join(f"{c:>16s}" for c in cells))
 
 
+def part_llama(work: Path) -> None:
+    here = Path(__file__).resolve().parent  # bench/gguf.py would pass for the gguf package
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here] + [str(here)]
+    from _llama import llama_cpp
+
+    from tlm.interop.gguf import export_gguf
+
+    llama = llama_cpp(ROOT / "out" / "bench", build=False)
+    run, data = ROOT / "runs" / "demo", ROOT / "data" / "demo"
+    if llama is None or not (run / "model.safetensors").is_file():
+        raise SystemExit("--part llama needs `make demo` and llama-cpp-python (bench/gguf.py)")
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer, val = load_tokenizer(run), TokenData(data).split("val")
+    n = 4 * load_model(run).config.context_length
+    print(f"llama.cpp {llama.__version__} beside tlm, the demo's model at 4T = {n}, 4 windows")
+    for method in ("none", "linear", "ntk", "yarn"):
+        scaling = {} if method == "none" else {"rope_scaling": method, "rope_factor": 4.0}
+        model = load_model(run, context_length=n, **scaling)
+        path = work / f"demo-{method}.gguf"
+        path.unlink(missing_ok=True)
+        export_gguf(model, tokenizer, path, "f32")
+        shape = {"n_ctx": n, "n_batch": n, "n_threads": 2, "logits_all": True}
+        llm = llama.Llama(str(path), verbose=False, **shape)
+        ours = theirs = 0.0
+        largest = 0.0
+        for w in range(4):
+            ids = [int(t) for t in val[w * n : (w + 1) * n]]
+            with torch.no_grad():
+                mine = model(torch.tensor([ids]))[0].float()
+            llm.reset()
+            llm.eval(ids)
+            other = torch.from_numpy(np.array(llm.scores[:n], dtype=np.float32))
+            largest = max(largest, float((mine - other).abs().max()))
+            target = torch.tensor(ids[1:])
+            ours += float(F.cross_entropy(mine[:-1], target, reduction="sum"))
+            theirs += float(F.cross_entropy(other[:-1], target, reduction="sum"))
+        count = 4 * (n - 1)
+        a, b = np.exp(ours / count), np.exp(theirs / count)
+        print(f"  {method:7s} tlm {a:8.3f}  llama.cpp {b:8.3f}  ratio {b / a:.4f}  "
+              f"max |logit difference| {largest:.1e}")  # fmt: skip
+
+
 def row(label: str, values: list[float], first: float) -> None:
     cells = "  ".join(f"{v:8.2f} ({v / first:4.2f})" for v in values)
     print(f"  {label:22s} {cells}")
@@ -129,8 +178,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="pretraining steps (800)")
     parser.add_argument("--context", type=int, help="the trained context T (64)")
     parser.add_argument("--work", default=str(ROOT / "out" / "bench" / "long-context"))
-    parser.add_argument("--part", choices=["perplexity", "passkey"], default="perplexity")
+    parser.add_argument("--part", choices=["perplexity", "passkey", "llama"], default="perplexity")
     args = parser.parse_args()
+    if args.part == "llama":
+        torch.set_num_threads(2)
+        print(host())
+        return part_llama(Path(args.work))
     if args.part == "passkey":
         torch.set_num_threads(2)
         print(host())

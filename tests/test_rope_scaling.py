@@ -151,11 +151,39 @@ def test_what_cannot_be_scaled_or_written_is_refused(tmp_path, bpe_tokenizer, ca
     save_run(tmp_path / "learned", TransformerLM(tiny_config(vocab_size=V)), bpe_tokenizer)
     with pytest.raises(ConfigError, match="rope scaling applies to rotary positions"):
         load_model(tmp_path / "learned", rope_scaling="linear", rope_factor=2.0)
-    save_run(tmp_path / "yarn", TransformerLM(rotary().stretched("yarn", S)), bpe_tokenizer)
-    saved = json.loads((tmp_path / "yarn" / "config.json").read_text())["model"]
-    assert (saved["rope_scaling"], saved["rope_original_context"]) == ("yarn", T)
-    assert main(["export-gguf", str(tmp_path / "yarn"), str(tmp_path / "m.gguf")]) == 2
-    assert "rope_scaling='yarn' is not written" in capsys.readouterr().err
+    save_run(tmp_path / "dyn", TransformerLM(rotary().stretched("dynamic", S)), bpe_tokenizer)
+    saved = json.loads((tmp_path / "dyn" / "config.json").read_text())["model"]
+    assert (saved["rope_scaling"], saved["rope_original_context"]) == ("dynamic", T)
+    assert main(["export-gguf", str(tmp_path / "dyn"), str(tmp_path / "m.gguf")]) == 2
+    assert "llama.cpp has no dynamic NTK" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["linear", "ntk", "yarn"])
+def test_a_scaled_model_keeps_its_scaling_through_gguf(tmp_path, bpe_tokenizer, method):
+    """export-gguf writes linear and yarn to `gptneox.rope.scaling.*` (type, factor,
+    original_context_length, yarn_beta_*), ntk to a raised rope.freq_base; reading the file
+    gives the same model at 4T."""
+    import gguf
+
+    model = scaled_run(tmp_path / "run", bpe_tokenizer, method)
+    flags = ["--rope-scaling", method, "--rope-factor", str(S)]
+    assert main(["export-gguf", str(tmp_path / "run"), str(tmp_path / "m.gguf"), *flags]) == 0
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    written = fields.get("gptneox.rope.scaling.type")
+    if method == "ntk":
+        assert written is None
+    else:
+        assert bytes(written.parts[written.data[0]]).decode() == method
+    back = load_model(tmp_path / "m.gguf")
+    assert back.config.context_length == S * T
+    if method != "ntk":
+        fields = ("rope_scaling", "rope_factor", "rope_original_context", "yarn_beta_fast")
+        assert [getattr(back.config, f) for f in fields] == [
+            getattr(model.config, f) for f in fields
+        ]
+    ids = torch.randint(0, V, (1, S * T), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.allclose(back(ids), model(ids), atol=1e-4, rtol=0)
 
 
 def test_every_command_that_reads_a_model_takes_the_scaling(tmp_path, bpe_tokenizer, capsys):

@@ -115,10 +115,10 @@ def _architecture(config: ModelConfig) -> str:
             f"cannot export to GGUF: activation={config.activation!r}: llama.cpp's gpt2 and "
             "gptneox compute GELU"
         )
-    if config.rope_scaling not in (None, "ntk"):
+    if config.rope_scaling == "dynamic":
         raise GGUFError(
-            f"cannot export to GGUF: rope_scaling={config.rope_scaling!r} is not written to "
-            "its rope.scaling keys yet (ntk is: a raised rope.freq_base)"
+            "cannot export to GGUF: rope_scaling='dynamic': llama.cpp has no dynamic NTK "
+            "(linear and yarn go to rope.scaling.*, ntk to a raised rope.freq_base)"
         )
     return arch
 
@@ -136,6 +136,13 @@ def _write_fields(writer, gguf, config: ModelConfig, vocab: dict[str, Any], kind
         s, d = config.rope_factor, config.d_head
         ntk = s ** (d / (d - 2)) if config.rope_scaling == "ntk" else 1.0
         writer.add_rope_freq_base(config.rope_base * ntk)
+        if config.rope_scaling in ("linear", "yarn"):  # llama.cpp's names for the same
+            writer.add_rope_scaling_type(gguf.RopeScalingType(config.rope_scaling))
+            writer.add_rope_scaling_factor(config.rope_factor)
+            writer.add_rope_scaling_orig_ctx_len(config.trained_context)
+        if config.rope_scaling == "yarn":
+            writer.add_rope_scaling_yarn_beta_fast(config.yarn_beta_fast)
+            writer.add_rope_scaling_yarn_beta_slow(config.yarn_beta_slow)
         writer.add_parallel_residual(False)  # the sequential block
     file_types = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
     writer.add_file_type(gguf.LlamaFileType[file_types[kind].upper()])
@@ -264,9 +271,28 @@ def _config(fields: dict[str, Any], tied: bool, path: str | Path) -> ModelConfig
             dropout=0.0,
             layer_norm_eps=float(need("attention.layer_norm_epsilon")),
             rope_base=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+            **_scaling(fields, arch, path),
         )
     except (ConfigError, KeyError) as exc:
         raise GGUFError(f"{path}: {exc}") from None
+
+
+def _scaling(fields: dict[str, Any], arch: str, path: str | Path) -> dict[str, Any]:
+    """ModelConfig's scaling fields of `{arch}.rope.scaling.*` (none, linear or yarn)."""
+    kind = fields.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return {}
+    if kind not in ("linear", "yarn"):
+        raise GGUFError(f"{path}: {arch}.rope.scaling.type={kind!r}: tlm reads linear and yarn")
+    values = {
+        "rope_scaling": kind,
+        "rope_factor": float(fields[f"{arch}.rope.scaling.factor"]),
+        "rope_original_context": int(fields[f"{arch}.rope.scaling.original_context_length"]),
+    }
+    for key in ("beta_fast", "beta_slow"):
+        if f"{arch}.rope.scaling.yarn_{key}" in fields:
+            values[f"yarn_{key}"] = float(fields[f"{arch}.rope.scaling.yarn_{key}"])
+    return values
 
 
 def _expand(gguf, tensor) -> torch.Tensor:
