@@ -57,13 +57,6 @@ def sinusoidal_table(n_positions: int, d: int, base: float = 10000.0) -> Tensor:
     return table[:, :d].float()
 
 
-def rotary_angles(n_positions: int, d_head: int, base: float = 10000.0) -> Tensor:
-    """[n_positions, d_head/2] angles m·θ_i with θ_i = base^(-2i/d_head)."""
-    theta = base ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)  # [d_head/2]
-    pos = torch.arange(n_positions, dtype=torch.float64)
-    return torch.outer(pos, theta)  # [N, d_head/2]
-
-
 def rotary_frequencies(config: ModelConfig, length: int | None = None) -> tuple[Tensor, float]:
     """(θ_i [d_head/2] in float64, the factor q and k are each multiplied by) under
     `config.rope_scaling` (the module's list); `length` is a pass's last position + 1,
