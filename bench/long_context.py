@@ -26,6 +26,16 @@ python-stdlib mixed with 6,000 passkey texts of 0-4 filler lines (up to T: it le
 task within its context), read with no scaling, with YaRN at s = k, and with YaRN after a
 fine-tune at 4T (5% of its steps, the same mixture).
 
+`--part window`: sliding-window attention (`--attention-window`). (a) A model of the same
+shape trained `--steps` steps at T = 64 with a window of W = 16, its validation
+perplexity at T…8T beside the model without a window (no scaling). (b) Memory and speed
+while generating T…8T tokens (greedy, from one token) with a model of 8 layers of d 512
+(random weights: memory does not depend on training), T = 256, in a fresh process each:
+the resident memory's rise during generation (sampled every 2 ms) and tokens/s, for the
+model with a window of W = 64 (a ring of W + 64 entries), the same weights read without
+a window at --context 8T (a cache of every position), and without a window at T (the
+text slides past T: the last T tokens are read again at each step).
+
 `--part llama`: the demo's model (`make demo`: rotary, T = 128) read at 4T with each method
 that GGUF carries (none, linear, ntk, yarn), exported to GGUF f32 (`rope.scaling.*`) and
 run by llama.cpp (llama-cpp-python, installed or built in out/bench by bench/gguf.py), on 4
@@ -167,6 +177,100 @@ def part_llama(work: Path) -> None:
               f"max |logit difference| {largest:.1e}")  # fmt: skip
 
 
+MEMORY_WORKER = """
+import resource, sys, threading, time
+import torch
+from tlm import load_model
+from tlm.generate import GenerationConfig, generate
+torch.set_num_threads(2)
+run, new, window, context = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+flags = {"attention_window": int(window)} if window != "-" else {}
+model = load_model(run, context_length=int(context) if context != "-" else None, **flags)
+page = resource.getpagesize()
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
+peak, going = [0], [True]
+def watch():
+    while going[0]:
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+list(generate(model, torch.tensor([[1, 2]]), GenerationConfig(max_new_tokens=8)))  # warm
+before = rss()
+thread = threading.Thread(target=watch)
+thread.start()
+started = time.perf_counter()
+list(generate(model, torch.tensor([[1]]), GenerationConfig(max_new_tokens=new)))
+seconds = time.perf_counter() - started
+going[0] = False
+thread.join()
+print(max(peak[0], rss()) - before, new / seconds)
+"""
+
+
+def generation_memory(run: Path, new: int, window: int | None, context: int | None):
+    """(MB the resident memory rose while generating `new` tokens, tokens/s), in a fresh
+    process."""
+    import subprocess
+
+    flags = [str(window) if window else "-", str(context) if context else "-"]
+    out = subprocess.run(
+        [sys.executable, "-c", MEMORY_WORKER, str(run), str(new), *flags],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    return int(out[0]) / 2**20, float(out[1])
+
+
+def part_window(work: Path, steps: int) -> None:
+    T, W = 64, 16
+    data = data_folder(work)
+    base = work / "runs" / f"base-{T}-{steps}"
+    seconds = train(data, base, {**MODEL, "context_length": T}, {**TRAIN, "max_steps": steps})
+    windowed = work / "runs" / f"window-{W}-{T}-{steps}"
+    shape = {**MODEL, "context_length": T, "attention_window": W}
+    spent = train(data, windowed, shape, {**TRAIN, "max_steps": steps})
+    print(
+        f"(a) trained {steps} steps at T = {T} without a window ({seconds:.0f} s) and with W = "
+        f"{W} ({spent:.0f} s; 0 s: read from --work); validation perplexity (ratio to the "
+        "model without a window at T)"
+    )
+    lengths = [T, 2 * T, 4 * T, 8 * T]
+    print("  " + " " * 22 + "  ".join(f"{f'{k}T':>15s}" for k in (1, 2, 4, 8)))
+    plain = [perplexity(base, data, n) for n in lengths]
+    row("no window", plain, plain[0])
+    row(f"window W = {W}", [perplexity(windowed, data, n) for n in lengths], plain[0])
+    T, W = 256, 64
+    big = work / "runs" / "random-8x512"
+    if not (big / "model.safetensors").is_file():
+        from tlm import ModelConfig, TransformerLM
+        from tlm.checkpoint import save_weights, write_config
+
+        torch.manual_seed(0)
+        vocab = load_tokenizer(data).vocab_size
+        shape = {"n_layers": 8, "d_model": 512, "n_heads": 8, "position": "rope"}
+        model = TransformerLM(ModelConfig(vocab_size=vocab, context_length=T, **shape))
+        big.mkdir(parents=True, exist_ok=True)
+        save_weights(big / "model.safetensors", model)
+        write_config(big, model.config, {})
+        load_tokenizer(data).save(big / "tokenizer.json")
+    print(
+        f"(b) generating n tokens, 8 layers of d 512 (random weights), T = {T}: the resident "
+        "memory's rise (MB) and tokens/s, a fresh process each"
+    )
+    print("  " + " " * 26 + "".join(f"{f'n = {k}T':>18s}" for k in (1, 2, 4, 8)))
+    readings = {
+        f"window W = {W} (a ring)": (W, None),
+        "no window, --context 8T": (None, 8 * T),
+        "no window, slides at T": (None, None),
+    }
+    for label, (window, context) in readings.items():
+        cells = [generation_memory(big, k * T, window, context) for k in (1, 2, 4, 8)]
+        print(
+            f"  {label:26s}"
+            + "".join(f"{f'{mb:6.1f} MB {rate:5.0f}/s':>18s}" for mb, rate in cells)
+        )
+
+
 def row(label: str, values: list[float], first: float) -> None:
     cells = "  ".join(f"{v:8.2f} ({v / first:4.2f})" for v in values)
     print(f"  {label:22s} {cells}")
@@ -178,8 +282,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="pretraining steps (800)")
     parser.add_argument("--context", type=int, help="the trained context T (64)")
     parser.add_argument("--work", default=str(ROOT / "out" / "bench" / "long-context"))
-    parser.add_argument("--part", choices=["perplexity", "passkey", "llama"], default="perplexity")
+    parts = ["perplexity", "passkey", "window", "llama"]
+    parser.add_argument("--part", choices=parts, default="perplexity")
     args = parser.parse_args()
+    if args.part == "window":
+        torch.set_num_threads(2)
+        print(host())
+        return part_window(Path(args.work), args.steps or (100 if args.quick else 800))
     if args.part == "llama":
         torch.set_num_threads(2)
         print(host())

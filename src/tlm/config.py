@@ -92,6 +92,7 @@ class ModelConfig:
     rope_original_context: int | None = None  # the context trained at (None: context_length)
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    attention_window: int | None = None  # each query sees at most W keys (`model/window.py`)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -145,6 +146,13 @@ class ModelConfig:
             object.__setattr__(self, "rope_original_context", trained)
         if self.rope_original_context is not None:
             _check_positive("rope_original_context", self.rope_original_context)
+        if self.attention_window is not None:
+            _check_positive("attention_window", self.attention_window)
+            if self.position not in ("rope", "none"):
+                raise ConfigError(
+                    "an attention window reads past the context, which needs positions "
+                    f"without a table (rope or none); this model's are {self.position}"
+                )
         if not self.yarn_beta_fast > self.yarn_beta_slow > 0:
             raise ConfigError(
                 f"yarn_beta_fast ({self.yarn_beta_fast}) must exceed yarn_beta_slow "
@@ -156,6 +164,12 @@ class ModelConfig:
         """The context the rotary positions were trained at: `rope_original_context`, or
         `context_length` when no scaling stretches them."""
         return self.rope_original_context or self.context_length
+
+    @property
+    def reads(self) -> int | None:
+        """The most tokens a text given to the model may hold: its context, or any number
+        for a model with an attention window (each query sees W keys; positions count on)."""
+        return self.context_length if self.attention_window is None else None
 
     @property
     def d_attn(self) -> int:

@@ -51,6 +51,7 @@ def load_model(
     rope_scaling: str | None = None,
     rope_factor: float = 1.0,
     context_length: int | None = None,
+    attention_window: int | None = None,
 ) -> TransformerLM | EncoderDecoder:
     """A run directory of ours, a Hugging Face GPT-2 or GPT-NeoX directory, or a GGUF file
     -> the model (TransformerLM, or EncoderDecoder for a translation run) in eval mode, with
@@ -66,7 +67,8 @@ def load_model(
     model at s times the context it was trained at (`ModelConfig.stretched`,
     `model/positions.py`), without retraining; `context_length` reads it with windows of
     that many positions (`ModelConfig.with_context`: past the trained context, with or
-    without a scaling).
+    without a scaling); `attention_window` W lets each query see at most W keys
+    (`model/window.py`: decoding then keeps W positions, however long the text).
     """
     path, device = Path(path), torch.device(device)
     kind = kind_of(path)
@@ -79,6 +81,8 @@ def load_model(
         config = config.stretched(rope_scaling, rope_factor)
     if context_length is not None:
         config = config.with_context(context_length)
+    if attention_window is not None:
+        config = config.replace(attention_window=attention_window)
     if dtype is not None and config.model_type == "decoder" and device.type == "cpu":
         return _load_packed(path, kind, config, weights, dtype)
     model = build_model(config, init=False)  # every weight is read below
@@ -130,10 +134,11 @@ def load_language_model(
     rope_scaling: str | None = None,
     rope_factor: float = 1.0,
     context_length: int | None = None,
+    attention_window: int | None = None,
 ) -> TransformerLM:
     """`load_model` for the commands that continue text: an encoder-decoder is refused."""
     scaling = {"rope_scaling": rope_scaling, "rope_factor": rope_factor}
-    scaling["context_length"] = context_length
+    scaling |= {"context_length": context_length, "attention_window": attention_window}
     return _load_one(path, device, TransformerLM, weights, dtype, **scaling)
 
 

@@ -82,10 +82,11 @@ def add_weights_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_rope_flags(parser: argparse.ArgumentParser, context: bool = True) -> None:
+def add_long_context_flags(parser: argparse.ArgumentParser, context: bool = True) -> None:
     """--rope-scaling METHOD --rope-factor S: read a rotary model at S times the context it
     was trained at (`ModelConfig.stretched`), without retraining; --context N: windows of
-    N positions (`ModelConfig.with_context`)."""
+    N positions (`ModelConfig.with_context`); --attention-window W: each query sees at most
+    W keys, and decoding keeps W positions (`model/window.py`)."""
     parser.add_argument(
         "--rope-scaling",
         choices=("linear", "ntk", "dynamic", "yarn"),  # config.ROPE_SCALINGS
@@ -93,6 +94,12 @@ def add_rope_flags(parser: argparse.ArgumentParser, context: bool = True) -> Non
     )
     parser.add_argument(
         "--rope-factor", type=float, default=None, help="with --rope-scaling: the context's factor"
+    )
+    parser.add_argument(
+        "--attention-window",
+        type=int,
+        metavar="W",
+        help="each query sees at most W keys; the cache holds W positions, however long the text",
     )
     if context:  # `tlm score` has a --context of its own: the text before the choices
         parser.add_argument(
@@ -104,14 +111,18 @@ def add_rope_flags(parser: argparse.ArgumentParser, context: bool = True) -> Non
         )
 
 
-def rope_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The loader's keywords of --rope-scaling, --rope-factor and --context ({} when none is
-    given)."""
+def long_context_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The loader's keywords of --rope-scaling, --rope-factor, --context and
+    --attention-window ({} when none is given)."""
     method, factor = getattr(args, "rope_scaling", None), getattr(args, "rope_factor", None)
-    context = getattr(args, "context_length", None)
+    context, window = getattr(args, "context_length", None), getattr(args, "attention_window", None)
     out = {} if context is None else {"context_length": context}
     if context is not None and context < 1:
         fail(f"--context must be >= 1, got {context}")
+    if window is not None:
+        if window < 1:
+            fail(f"--attention-window must be >= 1, got {window}")
+        out["attention_window"] = window
     if method is None and factor is None:
         return out
     if method is None or factor is None:

@@ -6,7 +6,13 @@ import argparse
 import sys
 
 from tlm.chat import ChatError, speaks
-from tlm.cli.args import add_command, add_rope_flags, add_weights_flag, fail, rope_flags
+from tlm.cli.args import (
+    add_command,
+    add_long_context_flags,
+    add_weights_flag,
+    fail,
+    long_context_flags,
+)
 from tlm.generate import GenerationConfig
 from tlm.generate.chat import chat_prompt, reply_room, stream_reply
 from tlm.inference import FORMATS
@@ -34,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--dtype", default="float32", choices=FORMATS, help="weights (float32)")
     add_weights_flag(parser)
-    add_rope_flags(parser)
+    add_long_context_flags(parser)
     parser.set_defaults(handler=run)
 
 
@@ -49,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             f"tlm train --init-from {args.run} --data CHATDIR, or use tlm generate"
         )
     model = load_language_model(
-        args.run, weights=args.weights, dtype=args.dtype, **rope_flags(args)
+        args.run, weights=args.weights, dtype=args.dtype, **long_context_flags(args)
     )
     config = GenerationConfig.of(
         max_new_tokens=args.max_new_tokens,

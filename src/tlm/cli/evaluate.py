@@ -6,7 +6,13 @@ import argparse
 import json
 
 from tlm.chat import chat_tokenizer, speaks
-from tlm.cli.args import add_command, add_rope_flags, add_weights_flag, fail, rope_flags
+from tlm.cli.args import (
+    add_command,
+    add_long_context_flags,
+    add_weights_flag,
+    fail,
+    long_context_flags,
+)
 from tlm.data import ChatData, TokenData, documents, open_data, resolve_sources
 from tlm.evaluate import evaluate_text, evaluate_tokens
 from tlm.load import load_language_model, load_tokenizer, load_translation_model
@@ -42,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_weights_flag(parser)
-    add_rope_flags(parser)
+    add_long_context_flags(parser)
     pairs = parser.add_argument_group("translation (--task translate): BLEU and chrF")
     pairs.add_argument(
         "--task", choices=("lm", "translate", "chat"), default="lm", help="lm (default)"
@@ -66,7 +72,7 @@ def run_chat(args: argparse.Namespace) -> int:
     data = open_data(args.data)
     if not isinstance(data, ChatData):
         fail(f"{args.data} holds no conversations; prepare them with tlm prepare --task chat")
-    model = load_language_model(args.run, weights=args.weights, **rope_flags(args))
+    model = load_language_model(args.run, weights=args.weights, **long_context_flags(args))
     tokenizer = load_tokenizer(args.run)
     theirs = load_tokenizer(data.folder)
     if speaks(tokenizer) and tokenizer.to_json() != theirs.to_json():
@@ -132,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         fail("--src and --ref go with --task translate")
     if bool(args.data) == bool(args.text):
         fail("give either --data DIR (with --split) or --text FILE...")
-    model = load_language_model(args.run, weights=args.weights, **rope_flags(args))
+    model = load_language_model(args.run, weights=args.weights, **long_context_flags(args))
     tokenizer = load_tokenizer(args.run)
     if args.data:
         data = TokenData(args.data)

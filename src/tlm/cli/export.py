@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tlm.cli.args import add_command, add_rope_flags, add_weights_flag, rope_flags
+from tlm.cli.args import add_command, add_long_context_flags, add_weights_flag, long_context_flags
 from tlm.interop.gguf import TYPES
 from tlm.kinds import writer_of
 from tlm.load import load_model, load_tokenizer
@@ -45,20 +45,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("run", help="run directory (or a Hugging Face directory)")
     parser.add_argument("out", help="the folder to create (must not exist or be empty)")
     add_weights_flag(parser)
-    add_rope_flags(parser)
+    add_long_context_flags(parser)
     parser.set_defaults(handler=run)
     parser = add_command(sub, "export-gguf", "write a run as a GGUF file (llama.cpp)", GGUF_EXAMPLE)
     parser.add_argument("run", help="run directory (or a Hugging Face directory)")
     parser.add_argument("out", help="the .gguf file to write (must not exist)")
     parser.add_argument("--type", choices=TYPES, default="f32", help="the matrices' type")
     add_weights_flag(parser)
-    add_rope_flags(parser)
+    add_long_context_flags(parser)
     parser.set_defaults(handler=run_gguf)
 
 
 def run(args: argparse.Namespace) -> int:
     card = Path(args.run) / "MODEL_CARD.md"
-    model = load_model(args.run, weights=args.weights, **rope_flags(args))
+    model = load_model(args.run, weights=args.weights, **long_context_flags(args))
     writer = writer_of(model.config, "export-hf").writer  # GPT-2, GPT-NeoX or Marian
     out = writer.write(model, load_tokenizer(args.run), args.out, card=card)
     print(f"wrote {out}: load it with {writer.opens_with}.from_pretrained({str(out)!r})")
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_gguf(args: argparse.Namespace) -> int:
-    model = load_model(args.run, weights=args.weights, **rope_flags(args))
+    model = load_model(args.run, weights=args.weights, **long_context_flags(args))
     writer = writer_of(model.config, "export-gguf").writer
     out = writer.write(model, load_tokenizer(args.run), args.out, args.type)
     size = out.stat().st_size / 2**20

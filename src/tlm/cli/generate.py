@@ -9,11 +9,11 @@ from dataclasses import replace
 
 from tlm.cli.args import (
     add_command,
-    add_rope_flags,
+    add_long_context_flags,
     add_weights_flag,
     fail,
+    long_context_flags,
     read_text_file,
-    rope_flags,
 )
 from tlm.generate import GenerationConfig, complete, stream_completion
 from tlm.generate.constrain import Grammar
@@ -100,7 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="float32", choices=FORMATS, help="weights (float32)")
     parser.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
     add_weights_flag(parser)
-    add_rope_flags(parser)
+    add_long_context_flags(parser)
     parser.set_defaults(handler=run)
 
 
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         fail("--stream shows one completion: one prompt, -n 1, --num-beams 1, --best-of 1")
     model = load_language_model(
-        args.run, weights=args.weights, dtype=args.dtype, **rope_flags(args)
+        args.run, weights=args.weights, dtype=args.dtype, **long_context_flags(args)
     )
     tokenizer = load_tokenizer(args.run)
     if not args.no_eos:
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         config = replace(config, grammar=grammar)
     if args.draft is not None:
         draft = load_draft(
-            args.draft, args.run, args.dtype, args.weights, tokenizer, **rope_flags(args)
+            args.draft, args.run, args.dtype, args.weights, tokenizer, **long_context_flags(args)
         )
         config = replace(config, draft=draft)
     stop = tuple(_unescape(s) for s in args.stop)

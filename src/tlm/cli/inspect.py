@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tlm.cli.args import add_command, add_rope_flags, add_weights_flag, fail, rope_flags
+from tlm.cli.args import (
+    add_command,
+    add_long_context_flags,
+    add_weights_flag,
+    fail,
+    long_context_flags,
+)
 from tlm.generate.translate import translate
 from tlm.interpret.attention import cross_attention_of
 from tlm.interpret.hooks import check_head
@@ -42,12 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--head", type=int, default=0, help="... and its index (0)")
     parser.add_argument("--top-k", type=int, default=5, help="tokens per depth in the lens (5)")
     add_weights_flag(parser)
-    add_rope_flags(parser)
+    add_long_context_flags(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(args.run, weights=args.weights, **rope_flags(args))
+    model = load_model(args.run, weights=args.weights, **long_context_flags(args))
     tokenizer = load_tokenizer(args.run)
     if isinstance(model, EncoderDecoder):
         return inspect_translation(args, model, tokenizer)

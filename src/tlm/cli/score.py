@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from tlm.cli.args import add_command, add_rope_flags, add_weights_flag, fail, rope_flags
+from tlm.cli.args import (
+    add_command,
+    add_long_context_flags,
+    add_weights_flag,
+    fail,
+    long_context_flags,
+)
 from tlm.load import load_language_model, load_tokenizer
 from tlm.tasks import multiple_choice, score
 from tlm.tasks.inputs import read_choices
@@ -29,14 +35,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--choices", metavar="FILE.jsonl", help="multiple-choice items")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_weights_flag(parser)
-    add_rope_flags(parser, context=False)
+    add_long_context_flags(parser, context=False)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if bool(args.choices) == bool(args.continuation):
         fail("give --continuation (with --context) or --choices FILE.jsonl")
-    model = load_language_model(args.run, weights=args.weights, **rope_flags(args))
+    model = load_language_model(args.run, weights=args.weights, **long_context_flags(args))
     tokenizer = load_tokenizer(args.run)
     if args.choices:
         results = multiple_choice(model, tokenizer, read_choices(args.choices))

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tlm.cli.args import add_command, add_rope_flags, add_weights_flag, fail, rope_flags
+from tlm.cli.args import (
+    add_command,
+    add_long_context_flags,
+    add_weights_flag,
+    fail,
+    long_context_flags,
+)
 from tlm.cli.generate import load_draft
 from tlm.generate import GenerationConfig
 from tlm.inference import FORMATS
@@ -45,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--draft-tokens", type=int, help="most tokens a draft proposes (5)")
     add_weights_flag(parser)
-    add_rope_flags(parser)
+    add_long_context_flags(parser)
     parser.set_defaults(handler=run)
 
 
@@ -62,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     def load():  # in the engine thread: the one thread that runs torch's parallel work
         return load_language_model(
-            args.run, weights=args.weights, dtype=args.dtype, **rope_flags(args)
+            args.run, weights=args.weights, dtype=args.dtype, **long_context_flags(args)
         )
 
     speculate = {"prompt_lookup": args.prompt_lookup, "draft_tokens": args.draft_tokens}
@@ -70,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.draft is not None:
         tokenizer = load_tokenizer(args.run)
         speculate["draft"] = load_draft(
-            args.draft, args.run, args.dtype, args.weights, tokenizer, **rope_flags(args)
+            args.draft, args.run, args.dtype, args.weights, tokenizer, **long_context_flags(args)
         )
     speculate = {name: value for name, value in speculate.items() if value is not None}
     GenerationConfig(**speculate)  # a bad setting: one line, before the model loads

@@ -24,7 +24,7 @@ from tlm.generate.sampling import GenerationError, choose
 from tlm.generate.slots import Slots, random_seed, row_generator, window_start
 from tlm.inference import Decoder
 from tlm.inference.devices.cuda_graph import GraphedDecoder
-from tlm.model.kv_cache import KVCache
+from tlm.model.kv_cache import KVCache, cache_size
 
 
 class Step:
@@ -72,7 +72,9 @@ class DecodeState:
     The cache (or, without one, the window each step runs) covers ids[:, start:]. When the
     text outgrows the context window, the window slides (`window_start`): the cache is
     rebuilt from the last context_length tokens, which is exactly what the uncached model
-    sees at that step. The cached steps run on a `Decoder` of the model.
+    sees at that step. A model with an attention window reads on instead: its uncached
+    steps run the whole text, and its cache is a ring that holds the window (`window.py`).
+    The cached steps run on a `Decoder` of the model.
     """
 
     def __init__(
@@ -86,22 +88,23 @@ class DecodeState:
         self.decoder = Decoder(model) if use_cache else None
         self.model, self.ids = self.decoder.model if use_cache else model, ids
         self.mask = None if mask is None or bool(mask.all()) else mask  # no padding: no mask
-        self.N = model.config.context_length
+        config = model.config
+        self.N = config.context_length if config.attention_window is None else None  # or all
         self.cache, self.start = None, 0
         if use_cache:
-            longest = self.N if max_new_tokens is None else ids.shape[1] + max_new_tokens
-            capacity, dtype = min(self.N, longest), next(model.parameters()).dtype
-            self.cache = KVCache(model.config, len(ids), capacity, dtype, ids.device)
+            longest = None if max_new_tokens is None else ids.shape[1] + max_new_tokens
+            capacity, dtype = cache_size(config, longest), next(model.parameters()).dtype
+            self.cache = KVCache(config, len(ids), capacity, dtype, ids.device)
 
     def next_logits(self) -> Tensor:
         """Logits [B,V] for the token after the last one of every row."""
         S = self.ids.shape[1]
         if self.cache is None:  # the reference: the whole (last) window, every step
-            lo = window_start(S, self.N)
+            lo = 0 if self.N is None else window_start(S, self.N)
             with torch.no_grad():
                 logits = self.model(self.ids[:, lo:], attention_mask=self._mask(lo), last_only=True)
             return logits[:, -1]
-        if S - self.start > self.cache.capacity:  # full: recompute from the last N tokens
+        if self.N is not None and S - self.start > self.cache.capacity:  # full: the last N
             self.cache.reset()
             self.start = window_start(S, self.cache.capacity)
         new = self.ids[:, self.start + self.cache.length :]  # [B, prompt or 1]
@@ -190,8 +193,7 @@ def _decode_slots(decoder: Decoder, ids: Tensor, mask: Tensor | None, c: Generat
         return
     B, n = ids.shape[0], c.num_return_sequences
     seed = random_seed() if c.seed is None else c.seed
-    capacity = min(decoder.model.config.context_length, ids.shape[1] + c.max_new_tokens)
-    slots = Slots(decoder.model, B, capacity, decoder)
+    slots = Slots(decoder.model, B, ids.shape[1] + c.max_new_tokens, decoder)
     prompts = [
         row.tolist() if mask is None else row[mask[r].bool()].tolist() for r, row in enumerate(ids)
     ]

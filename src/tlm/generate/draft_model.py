@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from tlm.generate.sampling import GenerationError, RowChoice, draw, greedy_logprob
 from tlm.inference import Decoder, SlotCache, in_parts, load_prepared
+from tlm.model.kv_cache import cache_size
 from tlm.model.transformer import TransformerLM
 
 
@@ -54,8 +55,9 @@ class DraftModel:
                 f"{vocab_size}: a draft must share the target's tokenizer"
             )
         self.decoder = Decoder(model)
-        self.capacity = min(capacity, model.config.context_length)
-        self.cache = SlotCache(model.config, 1, self.capacity)
+        self.bounded = model.config.attention_window is None  # else it reads on (a ring)
+        self.capacity = cache_size(model.config, capacity) if self.bounded else capacity
+        self.cache = SlotCache(model.config, 1, cache_size(model.config, capacity))
         self.held: list[int] = []  # the tokens whose keys and values the cache holds
         self.caught_up = 0.0  # seconds the last proposal spent feeding the text it missed
 
@@ -66,13 +68,15 @@ class DraftModel:
         not fit its cache): its greedy ones, or with `choice` (a sampled row's `fork`) each
         drawn from the draft's distribution as the row processes it, returned with those
         distributions q [V] for the acceptance rule (`Slots._speculate`)."""
-        if len(text) + count > self.capacity:
+        if self.bounded and len(text) + count > self.capacity:
             return [], None
         shared = 0
         for held, token in zip(self.held, text[:-1], strict=False):
             if held != token:
                 break
             shared += 1
+        if not self.cache.can_truncate(0, shared):  # a ring that lost what it needs
+            shared = 0
         self.cache.truncate(0, shared)
         self.held = self.held[:shared]
         proposed, drawn_from = [], []

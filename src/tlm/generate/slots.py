@@ -37,6 +37,7 @@ from tlm.generate.drafts import NgramIndex
 from tlm.generate.pace import Pace
 from tlm.generate.sampling import GenerationError, RowChoice, draw
 from tlm.inference import Decoder, SlotCache
+from tlm.model.kv_cache import cache_size
 
 
 @dataclass(eq=False)  # compared and hashed by identity
@@ -105,8 +106,8 @@ class Slots:
     ) -> None:
         self.decoder = decoder or Decoder(model)
         self.model = self.decoder.model
-        N = model.config.context_length
-        self.capacity = min(capacity or N, N)
+        self.capacity = cache_size(model.config, capacity)  # a windowed model's ring, or N
+        self.slides = model.config.attention_window is None  # past N; a windowed model reads on
         first = next(model.parameters())
         self.device = first.device
         self.cache = SlotCache(model.config, slots, self.capacity, first.dtype, first.device)
@@ -124,7 +125,8 @@ class Slots:
         top_logprobs: int = 0,
     ) -> Sequence:
         """Queue a sequence; it takes a row at the next step with one free. A prompt longer
-        than the cache is seen through its last `capacity` tokens, as the window slides."""
+        than the cache is seen through its last `capacity` tokens, as the window slides (a
+        model with an attention window reads all of it, into its ring)."""
         if config.num_beams > 1:
             raise GenerationError("beam search keeps its beams together: use beam_search")
         if config.max_new_tokens < 1:
@@ -167,9 +169,10 @@ class Slots:
         for slot, sequence in enumerate(self.rows):
             if sequence is None:
                 continue
-            if sequence.fresh or self.cache.lengths[slot] + 1 > self.capacity:
+            full = self.slides and self.cache.lengths[slot] + 1 > self.capacity
+            if sequence.fresh or full:
                 text = sequence.prompt + sequence.tokens  # the prompt, or the slid window
-                feed = text[window_start(len(text), self.capacity) :]
+                feed = text[window_start(len(text), self.capacity) :] if self.slides else text
                 self.cache.clear(slot)
                 sequence.fresh = False
             else:
@@ -226,7 +229,7 @@ class Slots:
         room = min(
             sequence.pace.length or c.draft_tokens,
             c.max_new_tokens - len(sequence.tokens) - 1,  # the step's own token comes too
-            self.capacity - self.cache.lengths[sequence.slot] - 1,
+            self.cache.room(sequence.slot) - 1,
         )
         if room < 1:
             return [], None

@@ -36,10 +36,10 @@ class Completion:
 
 
 def encode_prompts(
-    tokenizer: Tokenizer, prompts: list[str], context_length: int
+    tokenizer: Tokenizer, prompts: list[str], context_length: int | None
 ) -> tuple[Tensor, Tensor | None]:
     """Prompts -> ids [B,S] left-padded with <|endoftext|>, and a mask (None if no padding).
-    A prompt longer than the context is refused (`tokenizer.within`)."""
+    A prompt longer than `context_length` is refused (`tokenizer.within`; None: any)."""
     rows = [
         document_ids(tokenizer, prompt, context_length, f"prompt {i + 1}")
         for i, prompt in enumerate(prompts)
@@ -62,7 +62,7 @@ def complete(
     prompt_logprobs: bool = False,
 ) -> list[Completion]:
     """Completions of every prompt (num_return_sequences each, prompt by prompt)."""
-    ids, mask = encode_prompts(tokenizer, prompts, model.config.context_length)
+    ids, mask = encode_prompts(tokenizer, prompts, model.config.reads)
     return _complete(model, tokenizer, prompts, ids, mask, config, stop, prompt_logprobs)
 
 
@@ -174,7 +174,7 @@ def stream_completion(
 
     Text that could be the start of a stop string is held back until it is not.
     """
-    ids, _ = encode_prompts(tokenizer, [prompt], model.config.context_length)
+    ids, _ = encode_prompts(tokenizer, [prompt], model.config.reads)
     yield from stream_tokens(model, tokenizer, ids, config, stop)
 
 

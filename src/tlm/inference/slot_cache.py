@@ -20,7 +20,8 @@ attending to its own keys:
   row. Slots of the range not in the group run along as dummies, whose output is dropped.
 
 q, k, v reach a group as [1,H,N,d_head] and each group sees its rows as a batch
-[rows,H,count,d_head].
+[rows,H,count,d_head]. For a model with an attention window each slot's store is a ring
+(`model/window.py`): the lengths grow without bound, the memory does not.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch
 from torch import Tensor
 
 from tlm.config import ModelConfig
-from tlm.model.kv_cache import Attend
+from tlm.model.kv_cache import Attend, cache_size
+from tlm.model.window import RingPass, held, rollback_ok, window_mask
 
 
 class SlotCache:
@@ -43,7 +45,8 @@ class SlotCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.capacity = capacity or config.context_length
+        self.window = config.attention_window
+        self.capacity = capacity or cache_size(config)
         shape = (config.n_layers, slots, config.n_heads, self.capacity, config.d_head)
         # zeros, not empty: a `Ragged` row's mask hides the positions past its length, but a
         # weight of 0 times a NaN left in never-written memory would still be NaN
@@ -63,7 +66,24 @@ class SlotCache:
         keys and values past it are never read again, and the next tokens overwrite them."""
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"slot {slot} holds {self.lengths[slot]} positions, not {length}")
+        if not self.can_truncate(slot, length):
+            most = self.capacity - self.window
+            raise ValueError(f"a windowed cache goes back at most {most} positions")
         self.lengths[slot] = length
+
+    def can_truncate(self, slot: int, length: int) -> bool:
+        """Whether `slot` can go back to its first `length` positions (a ring keeps the
+        last W + SLACK)."""
+        held = self.lengths[slot]
+        ring = self.window is None or rollback_ok(held, length, self.capacity, self.window)
+        return 0 <= length <= held and ring
+
+    def room(self, slot: int) -> int:
+        """The most tokens one pass may feed `slot` and still be rolled back: the positions
+        left in its store, or for a ring, the pass that writes before it reads."""
+        if self.window is None:
+            return self.capacity - self.lengths[slot]
+        return self.capacity - self.window + 1
 
 
 class Band:
@@ -75,6 +95,10 @@ class Band:
     def __init__(self, cache: SlotCache, lo: int, start: int, count: int, offset: int) -> None:
         self.cache, self.lo, self.hi, self.length = cache, lo, lo + 1, start
         self.count, self.offset = count, offset
+        self.ring = None  # a windowed model's pass into its rings, and its mask [count,S]
+        if cache.window is not None:
+            self.ring = RingPass(start, count, cache.capacity, cache.window, cache.k.device)
+            self.mask = self.ring.mask
 
     def take(self, x: Tensor) -> Tensor:
         """This group's part of x [1,H,N,dh]: [hi-lo,H,count,dh] (a view)."""
@@ -93,6 +117,8 @@ class Band:
         end = self.length + self.count
         k_all = self.cache.k[layer, self.lo : self.hi]
         v_all = self.cache.v[layer, self.lo : self.hi]
+        if self.ring is not None:
+            return self.ring.store(k_all, v_all, k, v)
         k_all[:, :, self.length : end] = k
         v_all[:, :, self.length : end] = v
         return k_all[:, :, :end], v_all[:, :, :end]
@@ -119,14 +145,18 @@ class Ragged:
         # where each new key goes in cache.k[layer] viewed as [slots*H*capacity, d_head]
         H, capacity = cache.k.shape[2], cache.capacity
         heads = torch.arange(H, device=device)
-        base = torch.tensor([s * H * capacity + n for s, n in zip(slots, at, strict=True)])
+        entries = at if cache.window is None else [n % capacity for n in at]  # a ring's
+        base = torch.tensor([s * H * capacity + n for s, n in zip(slots, entries, strict=True)])
         self.writes = (base.to(device)[:, None] + heads * capacity).flatten()  # [rows*H]
-        S = max(at) + 1
+        S = min(max(at) + 1, capacity)
         mask = torch.zeros(self.hi - self.lo, 1, 1, S, dtype=torch.bool, device=device)
         mask[:, :, :, 0] = True
-        mask[self.rows] = (
-            torch.arange(S, device=device) <= torch.tensor(at, device=device)[:, None, None, None]
-        )
+        if cache.window is None:
+            seen = torch.arange(S, device=device) <= torch.tensor(at, device=device)[:, None]
+        else:  # each row's window of the positions its ring holds
+            keys = torch.stack([held(n + 1, capacity, device)[:S] for n in at])  # [rows,S]
+            seen = window_mask(torch.tensor(at, device=device)[:, None], keys, cache.window)
+        mask[self.rows] = seen.reshape(len(at), 1, 1, S)
         self.mask = mask  # [hi-lo,1,1,S]
 
     def take(self, x: Tensor) -> Tensor:
@@ -167,7 +197,7 @@ class SlotPass:
         self.lasts = [o + c - 1 for o, c in zip(offsets, counts, strict=True)]  # each slot's last
         starts = [cache.lengths[s] for s in slots]
         self.longest = max(s + c for s, c in zip(starts, counts, strict=True))
-        if self.longest > cache.capacity:
+        if self.longest > cache.capacity and cache.window is None:  # a ring holds the last
             raise ValueError(
                 f"KV cache holds {cache.capacity} positions; {self.longest} were asked for"
             )

@@ -149,7 +149,7 @@ def gpt2_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
 def refuse_unless_plain(config: ModelConfig, target: str, position_ok: bool, position: str):
     """Refuse, naming the field, what a Hugging Face decoder class does not compute: post-norm,
     another position scheme than `target`'s (which "is/adds ..." `position`), a d_head other
-    than d_model / n_heads, a query/key norm."""
+    than d_model / n_heads, a query/key norm, an attention window."""
     refusals = [
         (config.norm != "pre", f"norm={config.norm!r}: {target} is pre-norm (--norm pre)"),
         (not position_ok, f"position={config.position!r}: {target} {position}"),
@@ -159,6 +159,11 @@ def refuse_unless_plain(config: ModelConfig, target: str, position_ok: bool, pos
             f"= {config.d_model / config.n_heads:g} (leave --d-head unset)",
         ),
         (config.qk_norm, f"qk_norm: {target}'s attention has no query/key norm"),
+        (
+            config.attention_window is not None,
+            f"attention_window={config.attention_window}: {target} attends to every earlier "
+            "position",
+        ),
     ]
     for refused, message in refusals:
         if refused:

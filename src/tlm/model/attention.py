@@ -23,6 +23,7 @@ from tlm.model.functional import linear
 from tlm.model.hooks import HookPoint
 from tlm.model.kv_cache import Cache, KVCache
 from tlm.model.positions import Rotary
+from tlm.model.window import window_causal_mask
 
 
 def causal_mask(T: int, S: int, device: torch.device | None = None) -> Tensor:
@@ -156,6 +157,7 @@ class MultiHeadAttention(nn.Module):
         else:
             self.b_Q = self.b_K = self.b_V = self.b_O = None
         self.rotary = Rotary(config) if config.position == "rope" else None
+        self.window = config.attention_window  # each query sees at most W keys (or all)
         self.qk_norm = config.qk_norm
         self.q, self.k, self.v = HookPoint(), HookPoint(), HookPoint()  # [B,H,T,d_head]
         self.scores, self.pattern = HookPoint(), HookPoint()  # [B,H,T,S]
@@ -199,7 +201,9 @@ class MultiHeadAttention(nn.Module):
         keys and values, and each query also attends to the stored ones. `mask` (from
         `padding_mask`) replaces the causal mask where batch rows are left-padded.
         `causal=False` lets every query see every key (an encoder); `mask` then only hides
-        padding.
+        padding. With an attention window W (`model/window.py`) a causal query sees the W
+        keys up to its own position: the band is added here, or by the cache, which knows
+        the positions of the keys it holds.
         """
         B, T, _ = x.shape
         q, k, v = map(self.split_heads, self.project_qkv(x))  # eq. 9.34  [B,H,T,dh] each
@@ -210,11 +214,19 @@ class MultiHeadAttention(nn.Module):
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         q, k, v = self.q(q), self.k(k), self.v(v)
         if cache is None:
-            heads = self.attend(q, k, v, mask, causal)
+            heads = self.attend(q, k, v, self.banded(mask, T, q.device) if causal else mask, causal)
         else:  # the cache stores k, v and hands each query the keys it may see
             heads = cache.attend(self.layer, q, k, v, mask, self.attend)
         z = self.z(heads.transpose(1, 2))  # [B,H,T,dh] -> [B,T,H,dh]
         return self.out(self.project_out(z.reshape(B, T, -1)))  # concat, then W^O: eq. 9.19
+
+    def banded(self, mask: Tensor | None, T: int, device: torch.device) -> Tensor | None:
+        """The mask of a causal pass over its own T positions with the window's band added
+        (unchanged when the window covers them all)."""
+        if self.window is None or T <= self.window:
+            return mask
+        band = window_causal_mask(T, T, self.window, device)  # [T,T]
+        return band if mask is None else mask & band
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True

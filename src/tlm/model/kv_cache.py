@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from tlm.config import ModelConfig
+from tlm.model.window import RingPass, ring_size, rollback_ok
 
 # attend(q, k, v, mask) -> heads: `MultiHeadAttention.attend`, for the keys a query may see
 Attend = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
@@ -53,7 +54,9 @@ class Cache(Protocol):
 
 
 class KVCache:
-    """K and V [L, B, H, capacity, d_head]; positions [0, length) are filled."""
+    """K and V [L, B, H, capacity, d_head]; positions [0, length) are filled. For a model
+    with an attention window W the store is a ring (`model/window.py`): position p at
+    entry p mod capacity, capacity W + SLACK at most, however long the text grows."""
 
     def __init__(
         self,
@@ -63,13 +66,15 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.capacity = capacity or config.context_length
+        self.window = config.attention_window
+        self.capacity = capacity or cache_size(config)
         shape = (config.n_layers, batch_size, config.n_heads, self.capacity, config.d_head)
         self.k = torch.empty(shape, dtype=dtype, device=device)  # only [0, length) is ever read
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
         self.cross_kv: dict[int, tuple[Tensor, Tensor]] = {}  # layer -> the source's K, V
         self.cross_projections = 0  # how many times a source's K, V were computed
+        self._ring: tuple[tuple[int, int], RingPass] | None = None  # this pass's, if windowed
 
     def positions(self, T: int, device: torch.device) -> Tensor:
         return torch.arange(self.length, self.length + T, device=device)  # [T]
@@ -80,8 +85,25 @@ class KVCache:
     def attend(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, attend: Attend
     ) -> Tensor:
+        if self.window is not None:
+            return self._attend_ring(layer, q, k, v, mask, attend)
         k, v = self.update(layer, k, v)  # [B,H,S,dh]: the stored positions, then these
         return attend(q, k, v, mask)
+
+    def _attend_ring(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, attend: Attend
+    ) -> Tensor:
+        """A windowed model's pass: the ring's keys, each query seeing its window of them;
+        a padding `mask` [B,1,T,length+T] (by position) is read at the keys' positions."""
+        key = (self.length, k.shape[2])
+        if self._ring is None or self._ring[0] != key:  # one per pass, for every layer
+            self._ring = (key, RingPass(*key, self.capacity, self.window, k.device))
+        ring = self._ring[1]
+        keys, values = ring.store(self.k[layer], self.v[layer], k, v)
+        seen = ring.mask  # [T,S]
+        if mask is not None:
+            seen = seen & mask.index_select(-1, ring.keys.clamp(min=0))  # [B,1,T,S]
+        return attend(q, keys, values, seen)
 
     def last(self, x: Tensor) -> Tensor:
         return x[:, -1:]
@@ -111,7 +133,7 @@ class KVCache:
 
     def check_capacity(self, end: int) -> None:
         """Refuse to fill positions up to `end` when the cache holds fewer."""
-        if end > self.capacity:
+        if end > self.capacity and self.window is None:  # a ring holds the last ones
             raise ValueError(f"KV cache holds {self.capacity} positions; {end} were asked for")
 
     def advance(self, T: int) -> None:
@@ -119,7 +141,7 @@ class KVCache:
 
     def reorder(self, rows: Tensor) -> None:
         """Keep batch rows `rows` (with repeats), e.g. the surviving beams of beam search."""
-        n = self.length  # the unfilled positions are never read: leave them behind
+        n = min(self.length, self.capacity)  # the unfilled entries are never read
         kept = []
         for old in (self.k, self.v):
             new = old.new_empty((old.shape[0], len(rows), *old.shape[2:]))
@@ -134,9 +156,21 @@ class KVCache:
         values past it are never read again, and the next tokens overwrite them."""
         if not 0 <= length <= self.length:
             raise ValueError(f"KV cache holds {self.length} positions, not {length}")
+        if self.window and not rollback_ok(self.length, length, self.capacity, self.window):
+            most = self.capacity - self.window
+            raise ValueError(f"a windowed cache goes back at most {most} positions")
         self.length = length
 
     def reset(self) -> None:
         """Empty, for a new sequence (and a new source)."""
         self.length = 0
         self.cross_kv.clear()
+
+
+def cache_size(config: ModelConfig, longest: int | None = None) -> int:
+    """The positions a cache keeps for texts of at most `longest` tokens (None: any): the
+    context (the window slides past it), or for a model with an attention window its
+    ring, which holds the window whatever the length."""
+    if config.attention_window is not None:
+        return ring_size(config.attention_window, longest)
+    return config.context_length if longest is None else min(config.context_length, longest)

@@ -105,21 +105,25 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Rotary(nn.Module):
     """Rotary position embedding of q or k [B,H,T,d_head] at absolute positions, with the
     config's scaling (tables of cos and sin for every position of its context; "dynamic"
-    makes them anew for a pass that reaches past the trained context)."""
+    makes them anew for a pass that reaches past the trained context, and a model with an
+    attention window, which reads on past its context, computes the angles of positions
+    past the tables for each pass: the tables never grow)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.dynamic = config.rope_scaling == "dynamic"
+        self.reads_on = config.attention_window is not None  # positions past the tables
         cos, sin = rotary_tables(config, torch.arange(config.context_length))
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """positions [T], or [B,T] when each batch row has its own (left padding)."""
-        length = int(positions.max()) + 1 if self.dynamic and positions.numel() else 0
-        if length > self.config.trained_context:
-            cos, sin = rotary_tables(self.config, positions, length)
+        asks = (self.dynamic or self.reads_on) and positions.numel()
+        length = int(positions.max()) + 1 if asks else 0
+        if (self.dynamic and length > self.config.trained_context) or length > len(self.cos):
+            cos, sin = rotary_tables(self.config, positions, length if self.dynamic else None)
             cos, sin = cos.to(x.device, x.dtype), sin.to(x.device, x.dtype)
         else:
             cos = self.cos[positions].to(x.dtype)  # [T,d/2] or [B,T,d/2]

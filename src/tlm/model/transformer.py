@@ -118,8 +118,9 @@ class TransformerLM(nn.Module):
         return self.logits(self.unembed(self.final(self.ln_f(x))))
 
     def check_context(self, end: int) -> None:
-        """Refuse a pass after which the longest row would hold `end` > N tokens."""
-        if end > self.config.context_length:
+        """Refuse a pass after which the longest row would hold `end` > N tokens, but for a
+        model with an attention window, which reads on (each query sees W keys)."""
+        if end > self.config.context_length and self.config.attention_window is None:
             raise ValueError(
                 f"input has {end} tokens; context_length is {self.config.context_length}"
             )

@@ -62,7 +62,7 @@ def ids(
     """A prompt's token ids, or a 400 naming `param`. A string is a document: <|endoftext|>,
     then its tokens (`tokenizer.document_ids`); a list of token ids is taken as it is, each
     checked against the vocabulary. With `whole`, it must fit the model's context."""
-    limit = server.context if whole else None
+    limit = server.engine.slots.model.config.reads if whole else None  # any, for a window
     try:
         if isinstance(prompt, str):
             return document_ids(server.engine.tokenizer, prompt, limit, name)

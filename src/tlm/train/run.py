@@ -105,7 +105,8 @@ def check_new_run(out: Path, probe_lock: bool = True) -> None:
 FINE_TUNING_FIELDS = ("dropout", "attn_dropout", "resid_dropout", "embd_dropout")
 # a rotary model fine-tuned past its trained context (docs/long-context.md)
 LONG_CONTEXT_FIELDS = (
-    "rope_scaling", "rope_factor", "rope_original_context", "yarn_beta_fast", "yarn_beta_slow"
+    "rope_scaling", "rope_factor", "rope_original_context", "yarn_beta_fast", "yarn_beta_slow",
+    "attention_window",
 )  # fmt: skip
 
 

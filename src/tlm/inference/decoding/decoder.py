@@ -146,8 +146,12 @@ class Decoder:
         them, as `slot_step` gives them; the logits may be a view of the decoder's scratch,
         valid until its next step."""
         start, k = cache.lengths[slot], len(tokens)
-        if start + k > cache.capacity:
-            raise ValueError(f"the slot cache holds {cache.capacity} positions; {start + k} asked")
+        if k > cache.room(slot):  # past its store, or a ring's pass that writes first
+            raise ValueError(
+                f"the slot cache holds {cache.capacity} positions; {start + k} asked"
+                if cache.window is None
+                else f"a check of {k} tokens: a windowed cache checks at most {cache.room(slot)}"
+            )
         if not self.can_step(cache.k):
             ids = torch.tensor(tokens, device=cache.k.device)
             with torch.no_grad():
@@ -186,7 +190,8 @@ class Decoder:
     def graphable(self, prompt_length: int, new_tokens: int) -> bool:
         """Whether a generation can run on a `GraphedDecoder`: a plain language model on a
         GPU, in eval mode, with no hook registered (a graph would call a hook once, at
-        recording), with the whole generation inside its context (no sliding window)."""
+        recording), with the whole generation inside its context (no sliding window), and
+        no attention window."""
         model = self.model
         return (
             isinstance(model, TransformerLM)
@@ -194,6 +199,7 @@ class Decoder:
             and not model.training
             and prompt_length + new_tokens <= model.config.context_length
             and model.config.rope_scaling != "dynamic"  # its tables change with the length
+            and model.config.attention_window is None  # a ring's mask moves at every step
             and not self.listening()
         )
 

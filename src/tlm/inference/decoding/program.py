@@ -50,6 +50,13 @@ class Norm(ctypes.Structure):
     _fields_ = [("gamma", ptr), ("beta", ptr), ("eps", f32)]
 
 
+class Rope(ctypes.Structure):
+    """step.c's Rope: a rotary model's cos and sin tables [n, d_head/2], and θ (float64
+    [d_head/2]) and the factor for positions past them (`step.layers` makes it)."""
+
+    _fields_ = [("cos", ptr), ("sin", ptr), ("n", i64), ("theta", ptr), ("factor", ctypes.c_double)]
+
+
 class Block(ctypes.Structure):
     _fields_ = [
         ("qkv", Product * 3),
@@ -59,8 +66,7 @@ class Block(ctypes.Structure):
         ("down", Product),
         ("inside", Norm),
         ("after", Norm),
-        ("cos", ptr),
-        ("sin", ptr),
+        ("rope", ptr),
         ("qk_eps", f32),
     ]
 
@@ -201,7 +207,7 @@ def _described(model, layers, copies: bool) -> Program:
 
     first, described = layers
     blocks = []
-    for attn, inside, ffn, after, (cos, sin, qk_eps) in described:
+    for attn, inside, ffn, after, (rope, qk_eps) in described:
         qkv = products(attn.qkv_kernel)
         if len(qkv) > 3:
             raise _NoKernel
@@ -209,7 +215,7 @@ def _described(model, layers, copies: bool) -> Program:
         block.down, block.inside, block.after = one(ffn.down_kernel), norm(*inside), norm(*after)
         for i, part in enumerate(qkv):
             block.qkv[i] = part
-        block.cos, block.sin, block.qk_eps = cos, sin, qk_eps
+        block.rope, block.qk_eps = None if rope is None else ctypes.addressof(rope), qk_eps
         blocks.append(block)
     rows = _rows(model.embedding, keep)
     watch = model.inference_format == "float32"  # the parameters of a model that may train

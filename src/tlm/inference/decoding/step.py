@@ -44,6 +44,7 @@ from tlm.inference.formats.blas import needs_one_thread
 from tlm.inference.slot_cache import SlotCache, SlotPass
 from tlm.model.kv_cache import KVCache
 from tlm.model.layers import LayerNorm, PreNormBlock
+from tlm.model.positions import rotary_frequencies
 from tlm.tensor_files import TensorFileError
 
 RMS_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default, the qk_norm of attention
@@ -205,8 +206,8 @@ def _decode_step(
         ctypes.addressof(whole.blocks), len(whole.blocks), ctypes.addressof(whole.head),
         ctypes.addressof(whole.first), native.address(model.embedding.P), x, R,
         config.d_model, config.d_ff, K.data_ptr(), V.data_ptr(), K.stride(0), slots,
-        positions, config.n_heads, config.d_head, K.shape[3], ACTIVATIONS[config.activation],
-        logits, words, logprobs, rows, ids,
+        positions, config.n_heads, config.d_head, K.shape[3], config.attention_window or 0,
+        ACTIVATIONS[config.activation], logits, words, logprobs, rows, ids,
     )  # fmt: skip
     if failed == LOOKUP_RANGE:
         raise IndexError(f"token ids must be in [0, {whole.rows.n})")
@@ -237,14 +238,16 @@ def _product_by_product(model, layers, x: Tensor, K, V, places: Tensor) -> Tenso
 
     first, blocks = layers
     add_norm(model.embedding.P, first, at)  # x = E[w] + P[pos] (Fig. 9.13); h = LN1(x)
-    for layer, (attn, ln2, ffn, after, (cos, sin, qk_eps)) in enumerate(blocks):
+    window = config.attention_window or 0
+    for layer, (attn, ln2, ffn, after, (rope, qk_eps)) in enumerate(blocks):
+        rope = None if rope is None else ctypes.addressof(rope)
         q, k, v = attn.qkv_kernel.step(h)
         if not (q.stride() == k.stride() == v.stride() and q.stride(-1) == 1):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         offset = layer * layer_bytes
         lib.attend_one(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k_ + offset, v_ + offset,
-            where, at, R, H, d_head, K.shape[3], qk_eps, cos, sin, z_,
+            where, at, R, H, d_head, K.shape[3], window, qk_eps, rope, z_,
         )  # fmt: skip
         add_norm(_dense(attn.out_kernel.step(z)), ln2)
         u = _dense(ffn.up_kernel.step(h))  # a new tensor: activated in place
@@ -255,7 +258,8 @@ def _product_by_product(model, layers, x: Tensor, K, V, places: Tensor) -> Tenso
 
 def layers(model) -> tuple[tuple, list[tuple]]:
     """The first block's ln1, and per block (attention, ln2, FFN, the norm after it: the
-    next block's ln1 or ln_f, (cos, sin, qk eps)), each norm as (gamma, beta, eps). A
+    next block's ln1 or ln_f, (its `program.Rope` or None, qk eps)), each norm as (gamma,
+    beta, eps). A
     `Decoder` makes it once: the modules and parameters of a model built for inference do
     not change (training updates a plain model's parameters in place)."""
     blocks = list(model.blocks)
@@ -264,11 +268,20 @@ def layers(model) -> tuple[tuple, list[tuple]]:
     described = []
     for block, after in zip(blocks, norms, strict=True):
         attn, ln2, rotary = block.attn, block.ln2, block.attn.rotary
-        rope = (None, None) if rotary is None else (rotary.cos.data_ptr(), rotary.sin.data_ptr())
-        rope += (RMS_EPS if attn.qk_norm else 0.0,)
+        rope = (None if rotary is None else rope_of(rotary), RMS_EPS if attn.qk_norm else 0.0)
         described.append((attn, (ln2.gamma, ln2.beta, ln2.eps), block.ffn, after, rope))
     first = blocks[0].ln1
     return (first.gamma, first.beta, first.eps), described
+
+
+def rope_of(rotary) -> program.Rope:
+    """step.c's Rope of a `Rotary`: its tables, and θ and the factor that `rotary_tables`
+    computed them from, for positions past them (the arrays kept on the struct)."""
+    theta, factor = rotary_frequencies(rotary.config)
+    rope = program.Rope(rotary.cos.data_ptr(), rotary.sin.data_ptr(), len(rotary.cos))
+    rope.theta, rope.factor = theta.data_ptr(), factor
+    rope.kept = (rotary.cos, rotary.sin, theta)
+    return rope
 
 
 def _dense(t: Tensor) -> Tensor:

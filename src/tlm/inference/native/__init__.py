@@ -73,7 +73,7 @@ SIGNATURES = {  # name: (what it returns, its arguments)
     "add_norm": (None, [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, f32]),
     "attend_one": (
         None,
-        [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, ptr, ptr, ptr],
+        [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, ptr],
     ),
     "activate": (None, [ptr, i64, i64]),
     "greedy_pick": (i64, [ptr, i64, ptr]),
@@ -87,7 +87,7 @@ SIGNATURES = {  # name: (what it returns, its arguments)
     "decode_step": (
         i64,
         [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr]
-        + [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr],
+        + [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr],
     ),
     "look_up": (i64, [ptr, ptr, i64, i64, ptr]),
     "decode_products": (i64, [ptr, i64, ptr, i64, i64, i64, i64, ptr]),

@@ -60,30 +60,60 @@ static void rotate(float *v, int64_t n, const float *cos_, const float *sin_) {
     }
 }
 
-/* One head of one row's key and value, written at position p of the head's cache Kh, Vh
- * [capacity, d_head]: the key scaled to unit RMS (qk_eps > 0) and rotated (cos/sin). */
-static void store_head(const float *k, const float *v, float *Kh, float *Vh, int64_t p,
-                       int64_t d_head, float qk_eps, const float *cos_, const float *sin_) {
-    float *key = Kh + p * d_head;
-    memcpy(key, k, d_head * sizeof(float));
-    memcpy(Vh + p * d_head, v, d_head * sizeof(float));
-    if (qk_eps > 0.0f) rms_norm(key, d_head, qk_eps);
-    if (cos_) rotate(key, d_head, cos_ + p * (d_head / 2), sin_ + p * (d_head / 2));
+/* A rotary model's angles (positions.py): cos and sin tables [n, d_head/2], the scaling's
+ * factor folded in, and past them (a model with an attention window reads on) the angles
+ * computed as the tables were: cos(p * theta_i) * factor in double, rounded to float. */
+typedef struct {
+    const float *cos_, *sin_;
+    int64_t n;
+    const double *theta;
+    double factor;
+} Rope;
+
+/* Rotate v [d_head] to position p (rope may be NULL: no rotation). */
+static void rotate_to(float *v, int64_t d_head, const Rope *rope, int64_t p) {
+    const int64_t half = d_head / 2;
+    if (!rope) return;
+    if (p < rope->n) {
+        rotate(v, d_head, rope->cos_ + p * half, rope->sin_ + p * half);
+        return;
+    }
+    float c[half], s[half];
+    for (int64_t i = 0; i < half; i++) {
+        const double angle = (double)p * rope->theta[i];
+        c[i] = (float)(cos(angle) * rope->factor);
+        s[i] = (float)(sin(angle) * rope->factor);
+    }
+    rotate(v, d_head, c, s);
 }
 
-/* One head of one row's query at position p: out = softmax(q Kh[0..p]^T / sqrt(d_head))
- * Vh[0..p], the query scaled and rotated as its key was. */
+/* One head of one row's key and value at position p, written at entry p mod capacity of
+ * the head's cache Kh, Vh [capacity, d_head] (a ring where the model has an attention
+ * window; p < capacity otherwise): the key scaled to unit RMS (qk_eps > 0) and rotated. */
+static void store_head(const float *k, const float *v, float *Kh, float *Vh, int64_t p,
+                       int64_t capacity, int64_t d_head, float qk_eps, const Rope *rope) {
+    float *key = Kh + (p % capacity) * d_head;
+    memcpy(key, k, d_head * sizeof(float));
+    memcpy(Vh + (p % capacity) * d_head, v, d_head * sizeof(float));
+    if (qk_eps > 0.0f) rms_norm(key, d_head, qk_eps);
+    rotate_to(key, d_head, rope, p);
+}
+
+/* One head of one row's query at position p: out = softmax(q K_j^T / sqrt(d_head)) V_j
+ * over positions j = lo..p (lo = 0, or p - W + 1 with an attention window W), each at
+ * entry j mod capacity; the query scaled and rotated as its key was. */
 static void attend_head(const float *q, const float *Kh, const float *Vh, int64_t p,
-                        int64_t d_head, float qk_eps, const float *cos_, const float *sin_,
-                        float *scores, float *out) {
+                        int64_t lo, int64_t capacity, int64_t d_head, float qk_eps,
+                        const Rope *rope, float *scores, float *out) {
     float query[d_head];
     memcpy(query, q, d_head * sizeof(float));
     if (qk_eps > 0.0f) rms_norm(query, d_head, qk_eps);
-    if (cos_) rotate(query, d_head, cos_ + p * (d_head / 2), sin_ + p * (d_head / 2));
+    rotate_to(query, d_head, rope, p);
     const float scale = 1.0f / sqrtf((float)d_head);
+    const int64_t n = p - lo + 1;
     float most = -INFINITY;
-    for (int64_t j = 0; j <= p; j++) {
-        const float *kj = Kh + j * d_head;
+    for (int64_t j = 0; j < n; j++) {
+        const float *kj = Kh + ((lo + j) % capacity) * d_head;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t i = 0; i < d_head; i++) dot += query[i] * kj[i];
@@ -92,14 +122,14 @@ static void attend_head(const float *q, const float *Kh, const float *Vh, int64_
     }
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j <= p; j++) {
+    for (int64_t j = 0; j < n; j++) {
         scores[j] = expf(scores[j] - most);
         total += scores[j];
     }
     memset(out, 0, d_head * sizeof(float));
-    for (int64_t j = 0; j <= p; j++) {
+    for (int64_t j = 0; j < n; j++) {
         const float weight = scores[j] / total;
-        const float *vj = Vh + j * d_head;
+        const float *vj = Vh + ((lo + j) % capacity) * d_head;
 #pragma omp simd
         for (int64_t i = 0; i < d_head; i++) out[i] += weight * vj[i];
     }
@@ -109,32 +139,35 @@ static void attend_head(const float *q, const float *Kh, const float *Vh, int64_
  * concatenation). Row r writes its key and value at position pos[r] of its slot slots[r]
  * in the cache, K and V [slots, H, capacity, d_head] of this layer, and its query attends
  * to positions 0..pos[r] of its slot: z[r] = concat_h softmax(q_h K_h^T / sqrt(d_head)) V_h.
- * Every row's key and value are written before any query attends, so rows may be
- * consecutive positions of one slot (k tokens of one sequence checked in one step: each
- * sees those before it, as in the forward pass's causal mask). q, k, v: rows of width
- * H*d_head, `stride` floats apart. With qk_eps > 0, q and k are first scaled to unit RMS
- * per head; with cos/sin ([positions, d_head/2]), then rotated. The rows' heads are shared
- * out among OpenMP's threads: a head's keys and values were last read a whole step ago
- * and come from memory, which two cores read faster than one. */
+ * With an attention window W > 0 it attends to pos[r] - W + 1..pos[r] only, and the cache
+ * is a ring (position p at entry p mod capacity: model/window.py). Every row's key and
+ * value are written before any query attends, so rows may be consecutive positions of
+ * one slot (k tokens of one sequence checked in one step: each sees those before it, as
+ * in the forward pass's causal mask; a ring holds W + k - 1 of them). q, k, v: rows of
+ * width H*d_head, `stride` floats apart. With qk_eps > 0, q and k are first scaled to unit
+ * RMS per head; with a rope, then rotated. The rows' heads are shared out among OpenMP's
+ * threads: a head's keys and values were last read a whole step ago and come from
+ * memory, which two cores read faster than one. */
 void attend_one(const float *q, const float *k, const float *v, int64_t stride, float *K,
                 float *V, const int64_t *slots, const int64_t *pos, int64_t rows, int64_t H,
-                int64_t d_head, int64_t capacity, float qk_eps, const float *cos_,
-                const float *sin_, float *z) {
+                int64_t d_head, int64_t capacity, int64_t window, float qk_eps,
+                const Rope *rope, float *z) {
 #pragma omp parallel if (rows * H > 1)
     {
 #pragma omp for schedule(static)
         for (int64_t unit = 0; unit < rows * H; unit++) {
             const int64_t r = unit / H, h = unit % H, at = r * stride + h * d_head;
             const int64_t head = (slots[r] * H + h) * capacity * d_head;
-            store_head(k + at, v + at, K + head, V + head, pos[r], d_head, qk_eps, cos_, sin_);
+            store_head(k + at, v + at, K + head, V + head, pos[r], capacity, d_head, qk_eps, rope);
         }  /* the for's barrier: every key and value is in before a query reads them */
 #pragma omp for schedule(static)
         for (int64_t unit = 0; unit < rows * H; unit++) {
             const int64_t r = unit / H, h = unit % H, at = r * stride + h * d_head;
             const int64_t head = (slots[r] * H + h) * capacity * d_head;
-            float scores[pos[r] + 1];
-            attend_head(q + at, K + head, V + head, pos[r], d_head, qk_eps, cos_, sin_, scores,
-                        z + (r * H + h) * d_head);
+            const int64_t lo = window > 0 && pos[r] >= window ? pos[r] - window + 1 : 0;
+            float scores[pos[r] - lo + 1];
+            attend_head(q + at, K + head, V + head, pos[r], lo, capacity, d_head, qk_eps, rope,
+                        scores, z + (r * H + h) * d_head);
         }
     }
 }
@@ -311,7 +344,7 @@ typedef struct {
     int64_t n_qkv;
     Product out, up, down;
     Norm inside, after;
-    const float *cos_, *sin_;
+    const Rope *rope;
     float qk_eps;
 } Block;
 
@@ -329,13 +362,15 @@ static int64_t product(const Product *p, const float *x, int64_t rows, float *y,
 /* Logits [rows, V] of a step in which each row feeds one token (step.py's loop, in C):
  * x [rows, d] holds E[w], or with E, is given the rows of the tokens `ids` (look_up), and
  * becomes the residual stream; P (or NULL) the position
- * embeddings added by pos; K, V the cache, `layer_floats` apart per layer; `activation`
+ * embeddings added by pos; K, V the cache, `layer_floats` apart per layer (a ring with an
+ * attention window > 0, as attend_one's); `activation`
  * as `activate`'s kind. Returns 0, look_up's error, or the first product's error. */
 int64_t decode_step(const Block *blocks, int64_t n_blocks, const Product *head,
                     const Norm *first, const float *P, float *x, int64_t rows, int64_t d,
                     int64_t d_ff, float *K, float *V, int64_t layer_floats,
                     const int64_t *slots, const int64_t *pos, int64_t H, int64_t d_head,
-                    int64_t capacity, int64_t activation, float *logits, int64_t *picks,
+                    int64_t capacity, int64_t window, int64_t activation, float *logits,
+                    int64_t *picks,
                     float *pick_logprobs, const Rows *E, const int64_t *ids) {
     const int64_t width = H * d_head;
     if (E) {
@@ -352,8 +387,8 @@ int64_t decode_step(const Block *blocks, int64_t n_blocks, const Product *head,
         const Block *b = blocks + l;
         for (int64_t i = 0; i < b->n_qkv; i++) failed |= product(&b->qkv[i], h, rows, qkv, 3 * width);
         attend_one(qkv, qkv + width, qkv + 2 * width, 3 * width, K + l * layer_floats,
-                   V + l * layer_floats, slots, pos, rows, H, d_head, capacity, b->qk_eps,
-                   b->cos_, b->sin_, z);
+                   V + l * layer_floats, slots, pos, rows, H, d_head, capacity, window,
+                   b->qk_eps, b->rope, z);
         failed |= product(&b->out, z, rows, o, d);
         add_norm(x, o, NULL, h, b->inside.gamma, b->inside.beta, rows, d, b->inside.eps);
         failed |= product(&b->up, h, rows, u, d_ff);
