@@ -11,10 +11,12 @@ from tlm.data import (
     TokenData,
     batch_generator,
     count_eval_chunks,
+    document_starts,
     eval_windows,
     prepare,
     random_windows,
     resolve_sources,
+    step_starts,
 )
 from tlm.data import corpus as corpus_module
 from tlm.data import encode as encode_module
@@ -162,6 +164,18 @@ def test_random_windows_are_shifted_and_reproducible():
     assert torch.equal(x, again) and not torch.equal(x, other)
     with pytest.raises(CorpusError, match="fewer than one window"):
         random_windows(tokens[:10], 1, 16, batch_generator(1, 0))
+
+
+def test_document_windows_start_at_a_document():
+    tokens = np.array([0, 5, 6, 0, 7, 8, 9, 0, 1, 2, 3, 4], dtype=np.uint16)  # eot 0
+    starts = document_starts(tokens, 0, 3)  # windows of 4 fit from each document's start
+    assert starts.tolist() == [0, 3, 7]
+    assert document_starts(tokens, 0, 5, chunk=5).tolist() == [0, 3]  # 7 + 6 > 12
+    drawn = step_starts(len(tokens), 3, 1337, 0, 16, 2, starts)
+    assert len(drawn) == 32 and set(drawn.tolist()) == {0, 3, 7}
+    assert not set(step_starts(len(tokens), 3, 1337, 0, 16, 2).tolist()) <= {0, 3, 7}
+    with pytest.raises(CorpusError, match="no document starts"):
+        document_starts(np.array([1, 2, 0, 3], dtype=np.uint16), 0, 2)
 
 
 def test_eval_windows_predict_every_token_once():

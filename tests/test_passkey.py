@@ -60,3 +60,5 @@ def test_training_documents_vary_the_depth_and_key():
     assert len(set(texts)) == 50 and all(t.endswith(".") for t in texts)
     assert {t.count(FILLER) for t in texts} == {0, 1, 2, 3}
     assert passkey_documents(5, 3, seed=1) == texts[:5]
+    longer = passkey_documents(50, 6, seed=1, least_lines=4)  # a fine-tune's far needles
+    assert {t.count(FILLER) for t in longer} == {4, 5, 6}

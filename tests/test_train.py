@@ -306,3 +306,26 @@ def test_a_trainer_is_built_without_io_and_open_run_does_it(docs_chars, tmp_path
     built = Trainer(model_config, train_config, *parts)
     assert sorted(tmp_path.rglob("*")) == files and torch.equal(torch.random.get_rng_state(), rng)
     assert built.model is opened.model and built.state.step == 0
+
+
+def test_windows_at_documents_begin_with_their_first_token(docs_chars, tmp_path, monkeypatch):
+    """`--windows documents`: every training window starts at a document's <|endoftext|>
+    (with random windows most do not); a run of conversations refuses the flag."""
+    from tlm.train import windows as windows_module
+
+    firsts = []
+    real = windows_module.windows_at
+
+    def spied(tokens, starts, T):
+        x, y = real(tokens, starts, T)
+        firsts.extend(x[:, 0].tolist())
+        return x, y
+
+    monkeypatch.setattr(windows_module, "windows_at", spied)
+    eot = load_tokenizer(docs_chars).eot_id
+    steps = ["--max-steps", "3", "--eval-interval", "3"]
+    assert train(docs_chars, tmp_path / "docs", *steps, "--windows", "documents") == 0
+    assert len(firsts) == 24 and set(firsts) == {eot}
+    firsts.clear()
+    assert train(docs_chars, tmp_path / "random", *steps) == 0
+    assert firsts.count(eot) < 12

@@ -297,6 +297,7 @@ PRECISIONS = ("auto", "float32", "bfloat16")  # the training precision (autocast
 BAD_GRADIENT = ("skip", "stop")
 SCHEDULES = ("cosine", "inverse-sqrt")
 OPTIMIZERS = ("adamw", "muon")
+WINDOWS = ("random", "documents")  # where a training window starts (`data/batches.py`)
 
 
 @dataclass(frozen=True)
@@ -322,6 +323,13 @@ class TrainConfig:
     `keep_best`: each evaluation whose validation loss is lower than every earlier one writes
     the weights to RUN/best.safetensors (`--weights best` reads them); model.safetensors
     stays the latest weights, which a resumed run continues from.
+
+    `windows`: where a training window of a token stream starts: "random", any offset of
+    the packed stream (each token as likely as any other to be in a window, wherever its
+    document is cut); or "documents", the first token of a document (its <|endoftext|>),
+    so that a document shorter than the window is seen whole, from its start, and what it
+    asks at its end is read with all it said before (the window then runs on into the
+    next documents). Long-context work wants the second (docs/long-context.md).
 
     Translation (an encoder-decoder on sentence pairs) batches by token count: each
     micro-batch holds at most `batch_tokens` tokens a side, padding included, and a step
@@ -358,6 +366,7 @@ class TrainConfig:
     label_smoothing: float = 0.0
     batch_tokens: int | None = None
     keep_best: bool = False
+    windows: str = "random"
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_interval"):
@@ -395,6 +404,7 @@ class TrainConfig:
             _check_positive("batch_tokens", self.batch_tokens)
         _check_choice("device", self.device, DEVICES)
         _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("windows", self.windows, WINDOWS)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -17,6 +17,7 @@ __all__ = [
     "TokenData",
     "batch_generator",
     "count_eval_chunks",
+    "document_starts",
     "documents",
     "eval_windows",
     "open_data",
@@ -43,6 +44,7 @@ def open_data(folder: str | Path) -> TokenData | PairData:
 BATCHES = (  # tlm.data.batches needs PyTorch: imported when one of these is first asked for
     "batch_generator",
     "count_eval_chunks",
+    "document_starts",
     "eval_windows",
     "random_windows",
     "step_starts",

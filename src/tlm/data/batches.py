@@ -1,6 +1,7 @@
 """Batches of context windows cut from a token stream (J&M §10.9.1).
 
-Training draws windows at random offsets of the packed stream; the offsets of step s come
+Training draws windows at random offsets of the packed stream (or, with
+`--windows documents`, at the documents' first tokens); the offsets of step s come
 from a generator seeded by (seed, step, micro-batch), so a resumed run sees exactly the
 batches an uninterrupted one would. Evaluation walks the stream in non-overlapping windows
 so that every token after the first is predicted exactly once.
@@ -30,20 +31,52 @@ def random_windows(
     return windows_at(tokens, window_starts(len(tokens), batch_size, T, generator), T)
 
 
-def window_starts(n_tokens: int, count: int, T: int, generator: torch.Generator) -> np.ndarray:
-    """`count` random offsets of windows of T + 1 tokens in a stream of `n_tokens`."""
+def window_starts(
+    n_tokens: int,
+    count: int,
+    T: int,
+    generator: torch.Generator,
+    choices: np.ndarray | None = None,
+) -> np.ndarray:
+    """`count` random offsets of windows of T + 1 tokens in a stream of `n_tokens`, or
+    drawn from the offsets `choices` (`document_starts`)."""
     if n_tokens < T + 1:
         raise CorpusError(f"{n_tokens} tokens are fewer than one window of {T} + 1")
+    if choices is not None:
+        return choices[torch.randint(0, len(choices), (count,), generator=generator).numpy()]
     return torch.randint(0, n_tokens - T, (count,), generator=generator).numpy()
 
 
-def step_starts(n_tokens: int, T: int, seed: int, step: int, batch_size: int, micro: int):
+def document_starts(tokens: np.ndarray, eot_id: int, T: int, chunk: int = 1 << 24) -> np.ndarray:
+    """The offsets of the documents' first tokens (each document is <|endoftext|>, then its
+    text, as `prepare` writes it) from which a window of T + 1 tokens fits in the stream."""
+    found = [
+        np.flatnonzero(np.asarray(tokens[at : at + chunk]) == eot_id) + at
+        for at in range(0, len(tokens), chunk)
+    ]
+    starts = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+    starts = starts[starts + T + 1 <= len(tokens)]
+    if len(starts) == 0:
+        raise CorpusError(f"no document starts a window of {T} + 1 tokens in the stream")
+    return starts
+
+
+def step_starts(
+    n_tokens: int,
+    T: int,
+    seed: int,
+    step: int,
+    batch_size: int,
+    micro: int,
+    choices: np.ndarray | None = None,
+):
     """The window offsets of one optimizer step's global batch: `micro` draws of
-    `batch_size`, each from the generator of (seed, step, draw). However many processes
-    share the batch, it is this one (each takes a slice)."""
+    `batch_size`, each from the generator of (seed, step, draw), at random offsets or among
+    `choices`. However many processes share the batch, it is this one (each takes a
+    slice)."""
     return np.concatenate(
         [
-            window_starts(n_tokens, batch_size, T, batch_generator(seed, step, m))
+            window_starts(n_tokens, batch_size, T, batch_generator(seed, step, m), choices)
             for m in range(micro)
         ]
     )

@@ -39,8 +39,11 @@ class Server:
 
     @property
     def window_size(self) -> int:
-        """The most tokens a decoding row reads at once: past it, the window slides."""
-        return self.engine.slots.capacity
+        """The most tokens a decoding row reads at once: past it, the window slides. A model
+        with an attention window decodes any length through its ring; a prompt read whole
+        (the explaining routes) is then cut to its context."""
+        slots = self.engine.slots
+        return slots.capacity if slots.slides else slots.model.config.context_length
 
 
 def authorized(request: Request) -> Server:

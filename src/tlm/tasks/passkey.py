@@ -60,13 +60,15 @@ def random_key(rng: random.Random) -> str:
     return str(rng.randrange(10_000, 100_000))
 
 
-def passkey_documents(count: int, most_lines: int, seed: int = 0) -> list[str]:
-    """`count` training texts: prompt and answer, 0…`most_lines` filler lines, the needle at
-    a random depth, a random 5-digit key."""
+def passkey_documents(
+    count: int, most_lines: int, seed: int = 0, least_lines: int = 0
+) -> list[str]:
+    """`count` training texts: prompt and answer, `least_lines`…`most_lines` filler lines,
+    the needle at a random depth, a random 5-digit key."""
     rng = random.Random(seed)
     texts = []
     for _ in range(count):
-        lines = rng.randint(0, most_lines)
+        lines = rng.randint(least_lines, most_lines)
         before = rng.randint(0, lines)
         prompt, answer = passkey_text(random_key(rng), before, lines - before)
         texts.append(prompt + answer + ".")

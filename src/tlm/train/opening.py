@@ -94,6 +94,11 @@ def _check_batch(config: TrainConfig, rt: Runtime) -> None:
 def _batches(data, model_config: ModelConfig, config: TrainConfig, rt: Runtime):
     """The batch source of the data's kind: token windows, conversations packed in
     windows, or translation pairs."""
+    if config.windows != "random" and type(data) is not TokenData:
+        raise RunError(
+            "--windows documents draws windows of a token stream; conversations and pairs "
+            "are packed whole already"
+        )
     if isinstance(data, PairData):
         return PairBatches(data, model_config, config, rt)
     if isinstance(data, ChatData):

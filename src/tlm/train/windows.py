@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tlm.config import ModelConfig, TrainConfig
-from tlm.data import TokenData, eval_windows, step_starts, windows_at
+from tlm.data import TokenData, document_starts, eval_windows, step_starts, windows_at
 from tlm.model.loss import cross_entropy, window_nll
 from tlm.train.report import write_model_card
 
@@ -34,6 +34,9 @@ class TokenWindows:
         self.share = self.global_batch // world_size  # a rank's windows
         self.tokens_per_step = self.global_batch * self.T  # all ranks'
         self.train_tokens = data.split("train")  # memory-mapped once
+        self.choices = None  # where windows may start: anywhere, or at documents' starts
+        if config.windows == "documents":
+            self.choices = document_starts(self.train_tokens, data.meta["eot_id"], self.T)
         self.val_batches = self._val_batches()
 
     def _val_batches(self) -> list[torch.Tensor]:
@@ -54,7 +57,7 @@ class TokenWindows:
         """
         c, rt = self.config, trainer.runtime
         starts = step_starts(
-            len(self.train_tokens), self.T, c.seed, step, c.batch_size, c.grad_accum
+            len(self.train_tokens), self.T, c.seed, step, c.batch_size, c.grad_accum, self.choices
         )
         mine = starts[rt.rank * self.share : (rt.rank + 1) * self.share]
         micros = [mine[i : i + c.batch_size] for i in range(0, self.share, c.batch_size)]
