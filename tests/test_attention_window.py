@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from test_kv_cache import FORMAT_ERROR
 from test_native_step import Spy, forward_only, needs_native
 
 from conftest import save_run, tiny_config, written_out
@@ -16,7 +17,7 @@ from tlm.cli import main
 from tlm.config import ConfigError
 from tlm.generate import GenerationConfig, generate
 from tlm.generate.slots import Slots
-from tlm.inference import Decoder, SlotCache, for_decoding
+from tlm.inference import Decoder, SlotCache, for_decoding, for_inference
 from tlm.model import window as window_module
 from tlm.model.kv_cache import KVCache
 from tlm.model.window import held, window_causal_mask, window_mask
@@ -175,14 +176,18 @@ def test_slot_rows_decode_as_the_whole_text_is_read(make_model, monkeypatch, sla
 
 
 @needs_native
+@pytest.mark.parametrize("fmt", ["float32", "float16", "int8"])
 @pytest.mark.parametrize("whole_step", [True, False])
-def test_the_c_step_reads_the_ring_past_its_tables(make_model, monkeypatch, slack, whole_step):
+def test_the_c_step_reads_the_ring_past_its_tables(make_model, monkeypatch, slack, whole_step, fmt):
     """One token per step from position 5 to 120: the C step (the whole step in C, or
-    step.py's loop between the products) writes each key at its entry of the ring, reads
-    the window, and rotates positions past the rotary tables (32) as `rotary_tables` does."""
+    step.py's loop between the products; each weight format) writes each key at its entry
+    of the ring, reads the window, and rotates positions past the rotary tables (32) as
+    `rotary_tables` does."""
     from tlm.inference.decoding import program
 
-    model = for_decoding(windowed(make_model, qk_norm=True))
+    exact = windowed(make_model, qk_norm=True)
+    model = windowed(make_model, qk_norm=True)
+    model = for_decoding(model) if fmt == "float32" else for_inference(model, fmt)
     if not whole_step:
         monkeypatch.setattr(program, "program", lambda *a: None)
     ids, spy = ids_of(120, batch=2), Spy(monkeypatch)
@@ -192,7 +197,11 @@ def test_the_c_step_reads_the_ring_past_its_tables(make_model, monkeypatch, slac
         for t in range(5, 120):
             out.append(decoder.logits(ids[:, t : t + 1], cache, None))
     assert spy.calls == 115
-    assert torch.allclose(torch.stack(out, 1), whole(model, ids)[:, 5:], atol=1e-4)
+    if fmt == "int8":  # activations rounded to 8 bits: within the format's own error
+        error = torch.stack(out, 1).log_softmax(-1) - whole(exact, ids)[:, 5:].log_softmax(-1)
+        assert error.abs().max() < FORMAT_ERROR["int8"][1]
+    else:
+        assert torch.allclose(torch.stack(out, 1), whole(model, ids)[:, 5:], atol=1e-4)
 
 
 @needs_native

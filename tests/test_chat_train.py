@@ -221,3 +221,11 @@ def test_two_processes_fine_tune_as_one_with_the_same_global_batch(base_and_data
     for key in ("train_loss", "grad_norm"):  # Adam would hide a gradient of the wrong scale
         one, two = ([r[key] for r in rows] for rows in logged)
         assert one == pytest.approx(two, abs=1e-4), key
+
+
+def test_conversations_refuse_windows_at_documents(base_and_data, tmp_path, capsys):
+    """Conversations are packed whole already: `--windows documents` is for a token stream."""
+    base, data = base_and_data
+    args = ["train", "--init-from", str(base), "--data", str(data.folder), "--max-steps", "1"]
+    assert main([*args, "--out", str(tmp_path / "run"), "--windows", "documents"]) == 2
+    assert "conversations and pairs are packed whole already" in capsys.readouterr().err
