@@ -10,6 +10,7 @@ import torch
 
 from tlm.inference import native
 from tlm.model.attention import attention_fused, attention_reference, causal_mask
+from tlm.model.window import window_causal_mask
 from tlm.train import attention_kernel as kernel
 from tlm.train import new_run_configs, open_run
 from tlm.train.attention_kernel import causal_attention, kernel_here
@@ -35,23 +36,31 @@ def relative(a, b):
     return ((a.float() - b).abs().max() / b.abs().max()).item()
 
 
+def band(T: int, window: int | None) -> torch.Tensor:
+    """The causal mask, or with an attention window its band (model/window.py)."""
+    return causal_mask(T, T) if window is None else window_causal_mask(T, T, window)
+
+
+SHAPES = [(2, 3, 37, 32, True), (2, 1, 5, 64, False), (1, 1, 100, 128, True)]
+WINDOWS = [None, 7, 40]  # none; a window of 7 (the 8-row tiles cut); 40 (past a 32-key tile)
+
+
 @needs_kernel
-@pytest.mark.parametrize(
-    "B,H,T,d_head,strided",
-    [(2, 3, 37, 32, True), (1, 2, 256, 64, True), (2, 1, 5, 64, False), (1, 1, 100, 128, True)],
-)
-def test_the_kernel_is_attention_reference_forward_and_backward(B, H, T, d_head, strided):
+@pytest.mark.parametrize("B,H,T,d_head,strided", [*SHAPES, (1, 2, 256, 64, True)])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_the_kernel_is_attention_reference_forward_and_backward(B, H, T, d_head, strided, window):
     """Against the equations in fp32 on the same bf16 q, k, v: the kernel rounds α and its
     gradient to bf16 to enter their products (each ~0.4% at most), so outputs and gradients
-    agree within 1.5% of their largest value (seen: 0.13-0.52%); a dropped term is 10-100%."""
+    agree within 1.5% of their largest value (seen: 0.13-0.52%); a dropped term is 10-100%.
+    With an attention window, each query's keys start at i - W + 1."""
     q, k, v = heads(B, H, T, d_head, strided=strided)
     grad = torch.randn(B, H, T, d_head, generator=torch.Generator().manual_seed(1))
     exact = [t.float().requires_grad_() for t in (q, k, v)]
-    expected, _ = attention_reference(*exact, causal_mask(T, T))
+    expected, _ = attention_reference(*exact, band(T, window))
     expected.backward(grad)
     given = [t.detach().requires_grad_() for t in (q, k, v)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = causal_attention(*given, is_causal=True)
+        out = causal_attention(*given, is_causal=True, window=window)
     out.backward(grad)
     assert out.dtype == torch.float32 and out.shape == expected.shape
     assert relative(out, expected) < 0.015
@@ -93,13 +102,14 @@ def test_the_operators_pass_torchs_checks(dtype, build, monkeypatch):
     on the bf16 kernel's inputs and the fp32 kernel's."""
     monkeypatch.setenv("TLM_NATIVE_ARCH", build)
     q, k, v = (t.contiguous().requires_grad_() for t in heads(1, 2, 40, 32, dtype=dtype))
-    torch.library.opcheck(torch.ops.tlm.causal_attention.default, (q, k, v))
+    for window in (0, 9):  # every key up to the query's, or the 9 up to it
+        torch.library.opcheck(torch.ops.tlm.causal_attention.default, (q, k, v, window))
 
 
-def train(docs_chars, out, precision, steps=40):
+def train(docs_chars, out, precision, steps=40, **model):
     values = {"data": str(docs_chars), "out": str(out), "max_steps": steps, "lr": 3e-3}
     values |= {"precision": precision, "batch_size": 8, "log_interval": 5}
-    shape = {"n_layers": 2, "d_model": 64, "n_heads": 2, "context_length": 48}
+    shape = {"n_layers": 2, "d_model": 64, "n_heads": 2, "context_length": 48, **model}
     model_config, train_config, data = new_run_configs(shape, values)
     tokenizer = (docs_chars / "tokenizer.json").read_text()
     trainer = open_run(model_config, train_config, data, tokenizer, progress_bar=False)
@@ -110,21 +120,22 @@ def train(docs_chars, out, precision, steps=40):
 
 @needs_kernel32
 @pytest.mark.usefixtures("kernel_build")
-@pytest.mark.parametrize(
-    "B,H,T,d_head,strided",
-    [(2, 3, 37, 32, True), (1, 2, 64, 64, True), (2, 1, 5, 64, False), (1, 1, 100, 128, True)],
-)
-def test_the_fp32_kernel_is_attention_reference_forward_and_backward(B, H, T, d_head, strided):
+@pytest.mark.parametrize("B,H,T,d_head,strided", [*SHAPES, (1, 2, 64, 64, True)])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_the_fp32_kernel_is_attention_reference_forward_and_backward(
+    B, H, T, d_head, strided, window
+):
     """In fp32 every step is fp32: outputs and gradients agree with the equations in fp64
     within 2e-5 of their largest value (seen: 1e-7 to 1e-6); a dropped term is 10-100%. T
-    64 is read in place, the others through padded copies."""
+    64 is read in place, the others through padded copies. With an attention window, each
+    query's keys start at i - W + 1."""
     q, k, v = heads(B, H, T, d_head, strided=strided, dtype=torch.float32)
     grad = torch.randn(B, H, T, d_head, generator=torch.Generator().manual_seed(1))
     exact = [t.double().requires_grad_() for t in (q, k, v)]
-    expected, _ = attention_reference(*exact, causal_mask(T, T))
+    expected, _ = attention_reference(*exact, band(T, window))
     expected.backward(grad.double())
     given = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = causal_attention(*given, is_causal=True)
+    out = causal_attention(*given, is_causal=True, window=window)
     out.backward(grad)
     assert out.dtype == torch.float32 and out.shape == expected.shape
     assert relative(out, expected) < 2e-5
@@ -177,3 +188,25 @@ def test_training_with_the_kernel_follows_pytorchs_kernel(
     assert ours[-1] < ours[0] - 0.5  # it learned
     assert ours != theirs  # the kernel really ran
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < tolerance, (ours, theirs)
+
+
+@needs_kernel32
+def test_a_windowed_run_trains_with_the_kernel(docs_chars, tmp_path, monkeypatch):
+    """A rotary model with an attention window of 12 (context 48): fp32 runs with the
+    kernel (the band its own) and with PyTorch's (the band as a mask) log losses within
+    1e-4 nats, and the kernel ran with the window."""
+    windows = []
+    real = torch.ops.tlm.causal_attention
+
+    def counted(q, k, v, window):
+        windows.append(window)
+        return real(q, k, v, window)
+
+    monkeypatch.setattr(torch.ops.tlm, "causal_attention", counted)
+    shape = {"position": "rope", "attention_window": 12}
+    _, ours = train(docs_chars, tmp_path / "ours", "float32", steps=20, **shape)
+    assert windows and set(windows) == {12}
+    monkeypatch.setattr(kernel, "kernel_here", lambda dtype: False)
+    _, theirs = train(docs_chars, tmp_path / "theirs", "float32", steps=20, **shape)
+    assert ours != theirs and ours[-1] < ours[0] - 0.3
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-4, (ours, theirs)

@@ -87,15 +87,21 @@ def attention_fused(
     mask: Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
+    window: int | None = None,
 ) -> Tensor:
     """The same attention through PyTorch's fused kernel; the pattern is never materialised.
 
     `is_causal=True` (only with T == S and no mask) lets the kernel skip the masked half.
+    `window` W (a causal pass over its own T positions): each query sees the W keys up to
+    its own, the band given to the kernel as a mask (with `mask`, both).
     Under bf16 autocast on a CPU it runs in fp32 on the bf16-rounded q, k, v: PyTorch's CPU
     kernel is slower in bf16 than in fp32 (3.7x at d_head 32, T 64; docs/benchmarks-history.md), and
     the products around it still run in bf16. A bf16 training run on a CPU with AVX512_BF16
     runs tlm's own kernel instead where it applies (`use_attention_kernel`).
     """
+    if window is not None and window < k.shape[-2]:
+        band = window_causal_mask(q.shape[-2], k.shape[-2], window, q.device)
+        mask, is_causal = (band if mask is None else mask & band), False
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
             return F.scaled_dot_product_attention(
@@ -213,28 +219,28 @@ class MultiHeadAttention(nn.Module):
                 positions = torch.arange(T, device=q.device)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         q, k, v = self.q(q), self.k(k), self.v(v)
-        if cache is None:
-            heads = self.attend(q, k, v, self.banded(mask, T, q.device) if causal else mask, causal)
+        if cache is None:  # the window's band (a cache gives the keys it holds their own)
+            heads = self.attend(q, k, v, mask, causal, self.window if causal else None)
         else:  # the cache stores k, v and hands each query the keys it may see
             heads = cache.attend(self.layer, q, k, v, mask, self.attend)
         z = self.z(heads.transpose(1, 2))  # [B,H,T,dh] -> [B,T,H,dh]
         return self.out(self.project_out(z.reshape(B, T, -1)))  # concat, then W^O: eq. 9.19
 
-    def banded(self, mask: Tensor | None, T: int, device: torch.device) -> Tensor | None:
-        """The mask of a causal pass over its own T positions with the window's band added
-        (unchanged when the window covers them all)."""
-        if self.window is None or T <= self.window:
-            return mask
-        band = window_causal_mask(T, T, self.window, device)  # [T,T]
-        return band if mask is None else mask & band
-
     def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None = None,
+        causal: bool = True,
+        window: int | None = None,
     ) -> Tensor:
         """Every head's output [B,H,T,d_head] from q [B,H,T,d_head] and k, v [B,H,S,d_head]
         (eq. 9.11-9.13): the last T of S positions query; without `causal`, `mask` alone says
-        what a query may see."""
+        what a query may see. `window` W (a pass over its own positions, T == S): each query
+        sees the W keys up to its own, the band on top of `mask`."""
         T, S = q.shape[2], k.shape[2]
+        window = window if window is not None and window < S else None  # else all
         whole_window = causal and mask is None and 1 < T == S  # the kernel's causal mask
         if causal and mask is None and 1 < T < S:  # new queries after cached keys
             mask = causal_mask(T, S, q.device)
@@ -242,10 +248,15 @@ class MultiHeadAttention(nn.Module):
         if self.scores.listening or self.pattern.listening:  # α is wanted: write it out
             if whole_window:
                 mask = causal_mask(T, S, q.device)
+            if window is not None:  # Fig. 9.9's mask cut to a band of width W
+                band = window_causal_mask(T, S, window, q.device)
+                mask = band if mask is None else mask & band
             scores = self.scores(attention_scores(q, k, mask))  # eq. 9.11
             pattern = self.pattern(torch.softmax(scores, dim=-1))  # eq. 9.12
             return attend(pattern, v, dropout_p)  # eq. 9.13
-        return self.fused(q, k, v, mask, dropout_p, is_causal=whole_window)
+        if window is None:
+            return self.fused(q, k, v, mask, dropout_p, is_causal=whole_window)
+        return self.fused(q, k, v, mask, dropout_p, is_causal=whole_window, window=window)
 
 
 def use_attention_kernel(model: nn.Module, kernel: Callable[..., Tensor]) -> None:

@@ -11,7 +11,8 @@ a CPU without bf16 units. `causal_attention` takes the place of `attention_fused
 (`model.attention.use_attention_kernel`; `train/opening.py` sets it for training on a CPU)
 and runs a kernel where one applies: a CPU under bf16 autocast (a library built with
 AVX512_BF16) or fp32 q, k, v without autocast, the whole causal window (T == S, no mask, no
-dropout), d_head a multiple of 32, T <= 2048, not inside torch.compile. Everything else
+dropout; an attention window W is the kernel's own: each query's keys start at i - W + 1),
+d_head a multiple of 32, T <= 2048, not inside torch.compile. Everything else
 goes to `attention_fused`. `tests/test_attention_kernel.py` holds both equal to
 `attention_reference`."""
 
@@ -40,13 +41,15 @@ def causal_attention(
     mask: Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
+    window: int | None = None,
 ) -> Tensor:
     """`attention_fused`'s arguments and result [B,H,T,d_head]: tlm's kernel where it
-    applies (see the module's docstring), `attention_fused` elsewhere."""
+    applies (see the module's docstring; with an attention window too), `attention_fused`
+    elsewhere."""
     dtype = _precision(q)
     if dtype is not None and _applies(q, k, mask, dropout_p, is_causal, dtype):
-        return torch.ops.tlm.causal_attention(*_alike(q, k, v, dtype))[0]
-    return attention_fused(q, k, v, mask, dropout_p, is_causal)
+        return torch.ops.tlm.causal_attention(*_alike(q, k, v, dtype), window or 0)[0]
+    return attention_fused(q, k, v, mask, dropout_p, is_causal, window)
 
 
 def _precision(q: Tensor) -> torch.dtype | None:
@@ -78,14 +81,15 @@ def _applies(
 # Two torch operators (`torch.ops.tlm.*`), so that autograd, torch's profiler and a
 # TorchDispatchMode (bench/_anatomy.py) see the kernel as one call each way.
 @torch.library.custom_op("tlm::causal_attention", mutates_args=())
-def _forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, window: int) -> tuple[Tensor, Tensor]:
     """(O [B,H,T,d_head] fp32, each query's log-sum-exp of its scores [B,H,T]) from q, k, v
-    of one layout, all bf16 or all fp32: softmax(mask(QKᵀ/√d_k))V (eq. 9.11-9.13)."""
+    of one layout, all bf16 or all fp32: softmax(mask(QKᵀ/√d_k))V (eq. 9.11-9.13), each
+    query seeing the `window` keys up to its own (0: all of them)."""
     B, H, T, d_head = q.shape
     o, lse = _heads(B, H, T, d_head), torch.empty(B, H, T, dtype=torch.float32)
     status = _kernel("forward", q.dtype)(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, T, d_head, *q.stride()[:3],
-        o.data_ptr(), *o.stride()[:3], lse.data_ptr(),
+        o.data_ptr(), *o.stride()[:3], lse.data_ptr(), window,
     )  # fmt: skip
     _check(status)
     return o, lse
@@ -93,7 +97,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 
 @torch.library.custom_op("tlm::causal_attention_backward", mutates_args=())
 def _backward(
-    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, grad: Tensor
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, grad: Tensor, window: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) fp32 from the forward pass's inputs and results and dO, `grad`."""
     if grad.dtype != torch.float32 or grad.stride() != o.stride():
@@ -103,29 +107,31 @@ def _backward(
     status = _kernel("backward", q.dtype)(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, T, d_head, *q.stride()[:3],
         o.data_ptr(), grad.data_ptr(), *o.stride()[:3], lse.data_ptr(),
-        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), *dq.stride()[:3],
+        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), *dq.stride()[:3], window,
     )  # fmt: skip
     _check(status)
     return dq, dk, dv
 
 
 @_forward.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def _(q: Tensor, k: Tensor, v: Tensor, window: int) -> tuple[Tensor, Tensor]:
     B, H, T, d_head = q.shape
     return _heads(B, H, T, d_head), q.new_empty(B, H, T, dtype=torch.float32)
 
 
 @_backward.register_fake
-def _(q, k, v, o, lse, grad) -> tuple[Tensor, Tensor, Tensor]:
+def _(q, k, v, o, lse, grad, window) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(_heads(*q.shape) for _ in range(3))
 
 
 def _keep(ctx, inputs: tuple, output: tuple) -> None:
-    ctx.save_for_backward(*inputs, *output)
+    ctx.save_for_backward(*inputs[:3], *output)
+    ctx.window = inputs[3]
 
 
-def _gradients(ctx, grad: Tensor, _lse_grad: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.ops.tlm.causal_attention_backward(*ctx.saved_tensors, grad)
+def _gradients(ctx, grad: Tensor, _lse_grad: Tensor | None) -> tuple:
+    dq, dk, dv = torch.ops.tlm.causal_attention_backward(*ctx.saved_tensors, grad, ctx.window)
+    return dq, dk, dv, None  # the window has no gradient
 
 
 _forward.register_autograd(_gradients, setup_context=_keep)

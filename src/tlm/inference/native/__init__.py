@@ -92,10 +92,10 @@ SIGNATURES = {  # name: (what it returns, its arguments)
     "look_up": (i64, [ptr, ptr, i64, i64, ptr]),
     "decode_products": (i64, [ptr, i64, ptr, i64, i64, i64, i64, ptr]),
     "attention_here": (i64, []),
-    "attention_forward": (i64, [ptr, ptr, ptr, *[i64] * 7, ptr, i64, i64, i64, ptr]),
+    "attention_forward": (i64, [ptr, ptr, ptr, *[i64] * 7, ptr, i64, i64, i64, ptr, i64]),
     "attention_backward": (
         i64,
-        [ptr, ptr, ptr, *[i64] * 7, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64],
+        [ptr, ptr, ptr, *[i64] * 7, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, *[i64] * 4],
     ),
 }
 for name in ("forward", "backward"):  # attention32.c: attention.c's arguments, all fp32

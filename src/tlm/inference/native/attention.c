@@ -119,7 +119,7 @@ static void pair_rows(const uint16_t *rows, int64_t pairs, int64_t width, int di
 /* The forward pass of one head: o [T][d] (rows `so` apart) and lse [T] from q, k, v. */
 static void forward_head(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t sq,
                          int64_t T, int64_t d, float scale, float *o, int64_t so, float *lse,
-                         uint16_t *work) {
+                         uint16_t *work, int64_t window) {
     const int64_t Tp = (T + COLS - 1) / COLS * COLS;
     uint16_t *Q = work, *K = Q + Tp * d, *V = K + Tp * d, *P = V + Tp * d; /* P [8][Tp] */
     uint16_t *plain = P + ROWS * Tp;
@@ -135,7 +135,8 @@ static void forward_head(const uint16_t *q, const uint16_t *k, const uint16_t *v
             tile(Q + i0 * d, d, 2, K + 2 * j0, Tp, 0, d / 2, S + j0, Tp);
         for (int64_t m = 0; m < ROWS; m++) { /* P = softmax(S / sqrt(d)) over j <= i (eq. 9.12) */
             const int64_t i = i0 + m;
-            const float logsum = softmax_row(S + m * Tp, i < T ? i + 1 : 1, width, scale);
+            const float logsum = softmax_row(S + m * Tp, i < T ? first_key(i, window) : 0,
+                                               i < T ? i + 1 : 1, width, scale);
             round_row(P + m * Tp, S + m * Tp, width);
             if (i < T) lse[i] = logsum;
         }
@@ -151,7 +152,7 @@ static void forward_head(const uint16_t *q, const uint16_t *k, const uint16_t *v
 static void backward_head(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t sq,
                           int64_t T, int64_t d, float scale, const float *o, const float *dout,
                           int64_t so, const float *lse, float *dq, float *dk, float *dv,
-                          int64_t sg, uint16_t *work) {
+                          int64_t sg, uint16_t *work, int64_t window) {
     const int64_t Tp = (T + COLS - 1) / COLS * COLS, T8 = (T + ROWS - 1) / ROWS * ROWS;
     uint16_t *Kr = work, *Vr = Kr + Tp * d, *Qd = Vr + Tp * d, *Qt = Qd + Tp * d;
     uint16_t *Gd = Qt + Tp * d, *Gt = Gd + Tp * d, *Kj = Gt + Tp * d; /* G = dO */
@@ -186,7 +187,7 @@ static void backward_head(const uint16_t *q, const uint16_t *k, const uint16_t *
         for (int64_t m = 0; m < ROWS; m++) {
             const int64_t j = j0 + m;
             float *p = ST + m * Tp, *ds = dPT + m * Tp;
-            gradient_row(p, ds, L, D, j, first, Tp, T, scale); /* P^T, dS^T */
+            gradient_row(p, ds, L, D, j, first, Tp, T, window, scale); /* P^T, dS^T */
             round_row(PT + j * Tp + first, p + first, Tp - first);
             round_row(dST + j * Tp + first, ds + first, Tp - first);
         }
@@ -215,7 +216,7 @@ static void backward_head(const uint16_t *q, const uint16_t *k, const uint16_t *
  * no kernel, -2 without memory. */
 int64_t attention_forward(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t B,
                           int64_t H, int64_t T, int64_t d, int64_t sb, int64_t sh, int64_t st,
-                          float *o, int64_t ob, int64_t oh, int64_t ot, float *lse) {
+                          float *o, int64_t ob, int64_t oh, int64_t ot, float *lse, int64_t window) {
 #if defined(ATTENTION_BF16)
     const int64_t Tp = (T + COLS - 1) / COLS * COLS;
     const size_t bytes = 2 * (size_t)(4 * Tp * d + ROWS * Tp) + 4 * (size_t)(ROWS * Tp + ROWS * d);
@@ -229,14 +230,14 @@ int64_t attention_forward(const uint16_t *q, const uint16_t *k, const uint16_t *
             const int64_t b = n / H, h = n % H, at = b * sb + h * sh;
             if (work)
                 forward_head(q + at, k + at, v + at, st, T, d, 1.0f / sqrtf((float)d),
-                             o + b * ob + h * oh, ot, lse + n * T, work);
+                             o + b * ob + h * oh, ot, lse + n * T, work, window);
         }
         free(work);
     }
     return failed ? -2 : 0;
 #else
     (void)q, (void)k, (void)v, (void)B, (void)H, (void)T, (void)d, (void)sb, (void)sh, (void)st;
-    (void)o, (void)ob, (void)oh, (void)ot, (void)lse;
+    (void)o, (void)ob, (void)oh, (void)ot, (void)lse, (void)window;
     return -1;
 #endif
 }
@@ -249,7 +250,7 @@ int64_t attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t 
                            int64_t H, int64_t T, int64_t d, int64_t sb, int64_t sh, int64_t st,
                            const float *o, const float *dout, int64_t ob, int64_t oh, int64_t ot,
                            const float *lse, float *dq, float *dk, float *dv, int64_t gb,
-                           int64_t gh, int64_t gt) {
+                           int64_t gh, int64_t gt, int64_t window) {
 #if defined(ATTENTION_BF16)
     const int64_t Tp = (T + COLS - 1) / COLS * COLS;
     const size_t bytes = 2 * (size_t)(8 * Tp * d + 3 * Tp * Tp) + 4 * (size_t)(2 * ROWS * Tp + 2 * Tp + ROWS * d);
@@ -265,7 +266,7 @@ int64_t attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t 
             if (work)
                 backward_head(q + at, k + at, v + at, st, T, d, 1.0f / sqrtf((float)d), o + out,
                               dout + out, ot, lse + n * T, dq + grad, dk + grad, dv + grad, gt,
-                              work);
+                              work, window);
         }
         free(work);
     }
@@ -273,7 +274,7 @@ int64_t attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t 
 #else
     (void)q, (void)k, (void)v, (void)B, (void)H, (void)T, (void)d, (void)sb, (void)sh, (void)st;
     (void)o, (void)dout, (void)ob, (void)oh, (void)ot, (void)lse, (void)dq, (void)dk, (void)dv;
-    (void)gb, (void)gh, (void)gt;
+    (void)gb, (void)gh, (void)gt, (void)window;
     return -1;
 #endif
 }

@@ -88,7 +88,7 @@ static void transpose(const float *x, int64_t stride, int64_t T, int64_t Tp, int
 
 /* The forward pass of one head: o [T][d] (rows `so` apart) and lse [T] from q, k, v. */
 static void forward_head(const float *q, const float *k, const float *v, int64_t sq, int64_t T,
-                         int64_t d, float scale, float *o, int64_t so, float *lse, float *work) {
+                         int64_t d, float scale, float *o, int64_t so, float *lse, float *work, int64_t window) {
     const int64_t Tp = (T + COLS - 1) / COLS * COLS;
     float *Kt = work, *S = Kt + Tp * d, *O = S + ROWS * Tp; /* K^T: S = Q K^T */
     int64_t lq, lv;
@@ -101,7 +101,8 @@ static void forward_head(const float *q, const float *k, const float *v, int64_t
             tile(Q + i0 * lq, lq, 1, Kt + j0, Tp, 0, d, S + j0, Tp);
         for (int64_t m = 0; m < ROWS; m++) { /* P = softmax(S / sqrt(d)) over j <= i (eq. 9.12) */
             const int64_t i = i0 + m;
-            const float logsum = softmax_row(S + m * Tp, i < T ? i + 1 : 1, width, scale);
+            const float logsum = softmax_row(S + m * Tp, i < T ? first_key(i, window) : 0,
+                                               i < T ? i + 1 : 1, width, scale);
             if (i < T) lse[i] = logsum;
         }
         for (int64_t c0 = 0; c0 < d; c0 += COLS) /* O = P V (eq. 9.13) */
@@ -116,7 +117,7 @@ static void forward_head(const float *q, const float *k, const float *v, int64_t
 static void backward_head(const float *q, const float *k, const float *v, int64_t sq, int64_t T,
                           int64_t d, float scale, const float *o, const float *dout, int64_t so,
                           const float *lse, float *dq, float *dk, float *dv, int64_t sg,
-                          float *work) {
+                          float *work, int64_t window) {
     const int64_t Tp = (T + COLS - 1) / COLS * COLS;
     float *Qt = work, *Gt = Qt + Tp * d, *dST = Gt + Tp * d, *ST = dST + Tp * Tp; /* G = dO */
     float *dPT = ST + ROWS * Tp, *L = dPT + ROWS * Tp, *D = L + Tp, *rows = D + Tp;
@@ -146,7 +147,7 @@ static void backward_head(const float *q, const float *k, const float *v, int64_
         for (int64_t m = 0; m < ROWS; m++) {
             const int64_t j = j0 + m;
             float *p = ST + m * Tp, *ds = dPT + m * Tp;
-            gradient_row(p, ds, L, D, j, first, Tp, T, scale); /* P^T, dS^T */
+            gradient_row(p, ds, L, D, j, first, Tp, T, window, scale); /* P^T, dS^T */
             memset(dST + j * Tp, 0, sizeof(float) * (size_t)first);
             memcpy(dST + j * Tp + first, ds + first, sizeof(float) * (size_t)(Tp - first));
         }
@@ -175,7 +176,7 @@ static void backward_head(const float *q, const float *k, const float *v, int64_
  * memory. */
 int64_t attention32_forward(const float *q, const float *k, const float *v, int64_t B, int64_t H,
                             int64_t T, int64_t d, int64_t sb, int64_t sh, int64_t st, float *o,
-                            int64_t ob, int64_t oh, int64_t ot, float *lse) {
+                            int64_t ob, int64_t oh, int64_t ot, float *lse, int64_t window) {
     const int64_t Tp = (T + COLS - 1) / COLS * COLS;
     const size_t floats = (size_t)(3 * Tp * d + ROWS * Tp + ROWS * d);
     int64_t failed = 0;
@@ -188,7 +189,7 @@ int64_t attention32_forward(const float *q, const float *k, const float *v, int6
             const int64_t b = n / H, h = n % H, at = b * sb + h * sh;
             if (work)
                 forward_head(q + at, k + at, v + at, st, T, d, 1.0f / sqrtf((float)d),
-                             o + b * ob + h * oh, ot, lse + n * T, work);
+                             o + b * ob + h * oh, ot, lse + n * T, work, window);
         }
         free(work);
     }
@@ -202,7 +203,7 @@ int64_t attention32_backward(const float *q, const float *k, const float *v, int
                              int64_t H, int64_t T, int64_t d, int64_t sb, int64_t sh, int64_t st,
                              const float *o, const float *dout, int64_t ob, int64_t oh,
                              int64_t ot, const float *lse, float *dq, float *dk, float *dv,
-                             int64_t gb, int64_t gh, int64_t gt) {
+                             int64_t gb, int64_t gh, int64_t gt, int64_t window) {
     const int64_t Tp = (T + COLS - 1) / COLS * COLS;
     const size_t floats = (size_t)(6 * Tp * d + Tp * Tp + 2 * ROWS * Tp + 2 * Tp + ROWS * d);
     int64_t failed = 0;
@@ -217,7 +218,7 @@ int64_t attention32_backward(const float *q, const float *k, const float *v, int
             if (work)
                 backward_head(q + at, k + at, v + at, st, T, d, 1.0f / sqrtf((float)d), o + out,
                               dout + out, ot, lse + n * T, dq + grad, dk + grad, dv + grad, gt,
-                              work);
+                              work, window);
         }
         free(work);
     }
