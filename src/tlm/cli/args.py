@@ -99,7 +99,8 @@ def add_long_context_flags(parser: argparse.ArgumentParser, context: bool = True
         "--attention-window",
         type=int,
         metavar="W",
-        help="each query sees at most W keys; the cache holds W positions, however long the text",
+        help="each query sees at most W keys; the cache keeps the last W + 64 positions, "
+        "however long the text",
     )
     if context:  # `tlm score` has a --context of its own: the text before the choices
         parser.add_argument(
