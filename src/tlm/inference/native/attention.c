@@ -131,7 +131,8 @@ static void forward_head(const uint16_t *q, const uint16_t *k, const uint16_t *v
     pair_rows(plain, Tp / 2, d, 0, V); /* V paired along t: O = P V */
     for (int64_t i0 = 0; i0 < T; i0 += ROWS) {
         const int64_t width = (i0 + ROWS + COLS - 1) / COLS * COLS; /* keys the rows may see */
-        for (int64_t j0 = 0; j0 < width; j0 += COLS) /* S = Q K^T (eq. 9.11) */
+        const int64_t low = first_key(i0, window) / COLS * COLS; /* none left of it (a window) */
+        for (int64_t j0 = low; j0 < width; j0 += COLS) /* S = Q K^T (eq. 9.11) */
             tile(Q + i0 * d, d, 2, K + 2 * j0, Tp, 0, d / 2, S + j0, Tp);
         for (int64_t m = 0; m < ROWS; m++) { /* P = softmax(S / sqrt(d)) over j <= i (eq. 9.12) */
             const int64_t i = i0 + m;
@@ -141,7 +142,7 @@ static void forward_head(const uint16_t *q, const uint16_t *k, const uint16_t *v
             if (i < T) lse[i] = logsum;
         }
         for (int64_t c0 = 0; c0 < d; c0 += COLS) /* O = P V (eq. 9.13) */
-            tile(P, Tp, 2, V + 2 * c0, d, 0, width / 2, O + c0, d);
+            tile(P, Tp, 2, V + 2 * c0, d, low / 2, width / 2, O + c0, d);
         for (int64_t m = 0; m < ROWS && i0 + m < T; m++)
             memcpy(o + (i0 + m) * so, O + m * d, sizeof(float) * (size_t)d);
     }
@@ -179,31 +180,34 @@ static void backward_head(const uint16_t *q, const uint16_t *k, const uint16_t *
     pair_columns(plain, Tp, d, Gd);
     pair_rows(plain, Tp / 2, d, 0, Gt);
     for (int64_t j0 = 0; j0 < T; j0 += ROWS) { /* 8 keys j at a time, every query i >= j */
-        const int64_t first = j0 / COLS * COLS;
-        for (int64_t i0 = first; i0 < Tp; i0 += COLS) {
+        const int64_t first = j0 / COLS * COLS, last = last_query(j0, ROWS, window, COLS, Tp);
+        for (int64_t i0 = first; i0 < last; i0 += COLS) {
             tile(Kr + j0 * d, d, 2, Qd + 2 * i0, Tp, 0, d / 2, ST + i0, Tp); /* S^T = K Q^T */
             tile(Vr + j0 * d, d, 2, Gd + 2 * i0, Tp, 0, d / 2, dPT + i0, Tp); /* dP^T = V dO^T */
         }
         for (int64_t m = 0; m < ROWS; m++) {
             const int64_t j = j0 + m;
             float *p = ST + m * Tp, *ds = dPT + m * Tp;
-            gradient_row(p, ds, L, D, j, first, Tp, T, window, scale); /* P^T, dS^T */
-            round_row(PT + j * Tp + first, p + first, Tp - first);
-            round_row(dST + j * Tp + first, ds + first, Tp - first);
+            gradient_row(p, ds, L, D, j, first, last, T, window, scale); /* P^T, dS^T */
+            round_row(PT + j * Tp + first, p + first, last - first);
+            round_row(dST + j * Tp + first, ds + first, last - first);
+            memset(PT + j * Tp + last, 0, 2 * (size_t)(Tp - last)); /* past the window */
+            memset(dST + j * Tp + last, 0, 2 * (size_t)(Tp - last));
         }
         for (int64_t pass = 0; pass < 2; pass++) { /* dV = P^T dO, then dK = dS^T Q */
             const uint16_t *A = (pass ? dST : PT) + j0 * Tp, *Bp = pass ? Qt : Gt;
             float *grad = pass ? dk : dv;
             for (int64_t c0 = 0; c0 < d; c0 += COLS)
-                tile(A, Tp, 2, Bp + 2 * c0, d, first / 2, Tp / 2, rows + c0, d);
+                tile(A, Tp, 2, Bp + 2 * c0, d, first / 2, last / 2, rows + c0, d);
             for (int64_t m = 0; m < ROWS && j0 + m < T; m++)
                 memcpy(grad + (j0 + m) * sg, rows + m * d, sizeof(float) * (size_t)d);
         }
     }
     pair_rows(dST, T8 / 2, Tp, 1, dSp); /* dS paired along j: its rows i are A's rows */
     for (int64_t i0 = 0; i0 < T; i0 += ROWS) { /* dQ = dS K, over the keys j < i0 + 8 */
+        const int64_t low = first_key(i0, window) / 2; /* the first pair of keys it sees */
         for (int64_t c0 = 0; c0 < d; c0 += COLS)
-            tile(dSp + 2 * i0, 2, 2 * Tp, Kj + 2 * c0, d, 0, (i0 + ROWS) / 2, rows + c0, d);
+            tile(dSp + 2 * i0, 2, 2 * Tp, Kj + 2 * c0, d, low, (i0 + ROWS) / 2, rows + c0, d);
         for (int64_t m = 0; m < ROWS && i0 + m < T; m++)
             memcpy(dq + (i0 + m) * sg, rows + m * d, sizeof(float) * (size_t)d);
     }

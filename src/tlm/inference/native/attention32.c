@@ -88,7 +88,8 @@ static void transpose(const float *x, int64_t stride, int64_t T, int64_t Tp, int
 
 /* The forward pass of one head: o [T][d] (rows `so` apart) and lse [T] from q, k, v. */
 static void forward_head(const float *q, const float *k, const float *v, int64_t sq, int64_t T,
-                         int64_t d, float scale, float *o, int64_t so, float *lse, float *work, int64_t window) {
+                         int64_t d, float scale, float *o, int64_t so, float *lse, float *work,
+                         int64_t window) {
     const int64_t Tp = (T + COLS - 1) / COLS * COLS;
     float *Kt = work, *S = Kt + Tp * d, *O = S + ROWS * Tp; /* K^T: S = Q K^T */
     int64_t lq, lv;
@@ -97,7 +98,8 @@ static void forward_head(const float *q, const float *k, const float *v, int64_t
     transpose(k, sq, T, Tp, d, Kt);
     for (int64_t i0 = 0; i0 < T; i0 += ROWS) {
         const int64_t width = (i0 + ROWS + COLS - 1) / COLS * COLS; /* keys the rows may see */
-        for (int64_t j0 = 0; j0 < width; j0 += COLS) /* S = Q K^T (eq. 9.11) */
+        const int64_t low = first_key(i0, window) / COLS * COLS; /* none left of it (a window) */
+        for (int64_t j0 = low; j0 < width; j0 += COLS) /* S = Q K^T (eq. 9.11) */
             tile(Q + i0 * lq, lq, 1, Kt + j0, Tp, 0, d, S + j0, Tp);
         for (int64_t m = 0; m < ROWS; m++) { /* P = softmax(S / sqrt(d)) over j <= i (eq. 9.12) */
             const int64_t i = i0 + m;
@@ -106,7 +108,7 @@ static void forward_head(const float *q, const float *k, const float *v, int64_t
             if (i < T) lse[i] = logsum;
         }
         for (int64_t c0 = 0; c0 < d; c0 += COLS) /* O = P V (eq. 9.13) */
-            tile(S, Tp, 1, V + c0, lv, 0, width, O + c0, d);
+            tile(S, Tp, 1, V + c0, lv, low, width, O + c0, d);
         for (int64_t m = 0; m < ROWS && i0 + m < T; m++)
             memcpy(o + (i0 + m) * so, O + m * d, sizeof(float) * (size_t)d);
     }
@@ -139,24 +141,25 @@ static void backward_head(const float *q, const float *k, const float *v, int64_
         L[t] = t < T ? lse[t] : 0.0f;
     }
     for (int64_t j0 = 0; j0 < T; j0 += ROWS) { /* ROWS keys j at a time, every query i >= j */
-        const int64_t first = j0 / COLS * COLS;
-        for (int64_t i0 = first; i0 < Tp; i0 += COLS) {
+        const int64_t first = j0 / COLS * COLS, last = last_query(j0, ROWS, window, COLS, Tp);
+        for (int64_t i0 = first; i0 < last; i0 += COLS) {
             tile(K + j0 * lk, lk, 1, Qt + i0, Tp, 0, d, ST + i0, Tp); /* S^T = K Q^T */
             tile(V + j0 * lv, lv, 1, Gt + i0, Tp, 0, d, dPT + i0, Tp); /* dP^T = V dO^T */
         }
         for (int64_t m = 0; m < ROWS; m++) {
             const int64_t j = j0 + m;
             float *p = ST + m * Tp, *ds = dPT + m * Tp;
-            gradient_row(p, ds, L, D, j, first, Tp, T, window, scale); /* P^T, dS^T */
+            gradient_row(p, ds, L, D, j, first, last, T, window, scale); /* P^T, dS^T */
             memset(dST + j * Tp, 0, sizeof(float) * (size_t)first);
-            memcpy(dST + j * Tp + first, ds + first, sizeof(float) * (size_t)(Tp - first));
+            memcpy(dST + j * Tp + first, ds + first, sizeof(float) * (size_t)(last - first));
+            memset(dST + j * Tp + last, 0, sizeof(float) * (size_t)(Tp - last)); /* past W */
         }
         for (int64_t pass = 0; pass < 2; pass++) { /* dV = P^T dO, then dK = dS^T Q */
             const float *A = pass ? dPT : ST, *Bm = pass ? Q : G;
             const int64_t ldb = pass ? lq : lg;
             float *grad = pass ? dk : dv;
             for (int64_t c0 = 0; c0 < d; c0 += COLS)
-                tile(A, Tp, 1, Bm + c0, ldb, first, Tp, rows + c0, d);
+                tile(A, Tp, 1, Bm + c0, ldb, first, last, rows + c0, d);
             for (int64_t m = 0; m < ROWS && j0 + m < T; m++)
                 memcpy(grad + (j0 + m) * sg, rows + m * d, sizeof(float) * (size_t)d);
         }
@@ -164,7 +167,7 @@ static void backward_head(const float *q, const float *k, const float *v, int64_
     for (int64_t i0 = 0; i0 < T; i0 += ROWS) { /* dQ = dS K, over the keys j < i0 + ROWS */
         const int64_t keys = i0 + ROWS < T ? i0 + ROWS : T;
         for (int64_t c0 = 0; c0 < d; c0 += COLS)
-            tile(dST + i0, 1, Tp, K + c0, lk, 0, keys, rows + c0, d);
+            tile(dST + i0, 1, Tp, K + c0, lk, first_key(i0, window), keys, rows + c0, d);
         for (int64_t m = 0; m < ROWS && i0 + m < T; m++)
             memcpy(dq + (i0 + m) * sg, rows + m * d, sizeof(float) * (size_t)d);
     }

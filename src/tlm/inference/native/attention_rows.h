@@ -28,6 +28,15 @@ static inline int64_t first_key(int64_t i, int64_t window) {
     return window > 0 && i >= window ? i - window + 1 : 0;
 }
 
+/* Past the queries that keys j0..j0+rows-1 reach, rounded up to `cols` and at most Tp: with
+ * an attention window W > 0, query i sees key j only while i < j + W. */
+static inline int64_t last_query(int64_t j0, int64_t rows, int64_t window, int64_t cols,
+                                 int64_t Tp) {
+    if (window <= 0) return Tp;
+    const int64_t end = (j0 + rows - 1 + window + cols - 1) / cols * cols;
+    return end < Tp ? end : Tp;
+}
+
 /* One key j's rows of S^T (p) and dP^T (ds) over the queries i in [first, Tp), in place:
  * P^T = exp(S^T * scale - L_i) where query i sees key j (j <= i < T, and i - j < W with an
  * attention window W > 0), else 0, and dS^T = P^T o (dP^T - D_i) * scale (dS = P o (dP -
