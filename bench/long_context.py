@@ -252,9 +252,7 @@ def generation_memory(run: Path, new: int, window: int | None, context: int | No
 
 def part_window(work: Path, steps: int) -> None:
     T, W = 64, 16
-    data = data_folder(work)
-    base = work / "runs" / f"base-{T}-{steps}"
-    seconds = train(data, base, {**MODEL, "context_length": T}, {**TRAIN, "max_steps": steps})
+    data, base, seconds = base_run(work, T, steps)
     windowed = work / "runs" / f"window-{W}-{T}-{steps}"
     shape = {**MODEL, "context_length": T, "attention_window": W}
     spent = train(data, windowed, shape, {**TRAIN, "max_steps": steps})
@@ -263,9 +261,7 @@ def part_window(work: Path, steps: int) -> None:
         f"{W} ({spent:.0f} s; 0 s: read from --work); validation perplexity (ratio to the "
         "model without a window at T)"
     )
-    lengths = [T, 2 * T, 4 * T, 8 * T]
-    print("  " + " " * 22 + "  ".join(f"{f'{k}T':>15s}" for k in (1, 2, 4, 8)))
-    plain = [perplexity(base, data, n) for n in lengths]
+    lengths, plain = unscaled(base, data, T)
     row("no window", plain, plain[0])
     row(f"window W = {W}", [perplexity(windowed, data, n) for n in lengths], plain[0])
     T, W = 256, 64
@@ -300,6 +296,22 @@ def part_window(work: Path, steps: int) -> None:
         )
 
 
+def base_run(work: Path, T: int, steps: int) -> tuple[Path, Path, float]:
+    """python-stdlib's data, the rotary model trained `steps` steps at T on it (kept in
+    --work), and the seconds its training took (0: read from --work)."""
+    data = data_folder(work)
+    base = work / "runs" / f"base-{T}-{steps}"
+    seconds = train(data, base, {**MODEL, "context_length": T}, {**TRAIN, "max_steps": steps})
+    return data, base, seconds
+
+
+def unscaled(run: Path, data: Path, T: int) -> tuple[list[int], list[float]]:
+    """The lengths T…8T, the table's header printed, and `run`'s perplexity at each."""
+    lengths = [T, 2 * T, 4 * T, 8 * T]
+    print("  " + " " * 22 + "  ".join(f"{f'{k}T':>15s}" for k in (1, 2, 4, 8)))
+    return lengths, [perplexity(run, data, n) for n in lengths]
+
+
 def row(label: str, values: list[float], first: float) -> None:
     cells = "  ".join(f"{v:8.2f} ({v / first:4.2f})" for v in values)
     print(f"  {label:22s} {cells}")
@@ -332,16 +344,12 @@ def main() -> None:
     torch.set_num_threads(2)
     print(host())
     work = Path(args.work)
-    data = data_folder(work)
-    base = work / "runs" / f"base-{T}-{steps}"
-    seconds = train(data, base, {**MODEL, "context_length": T}, {**TRAIN, "max_steps": steps})
+    data, base, seconds = base_run(work, T, steps)
     print(
         f"rotary model, 4 layers of d 128, trained {steps} steps at T = {T} ({seconds:.0f} s; "
         "0 s: read from --work); validation perplexity, and its ratio to the model's at T"
     )
-    lengths = [T, 2 * T, 4 * T, 8 * T]
-    print("  " + " " * 22 + "  ".join(f"{f'{k}T':>15s}" for k in (1, 2, 4, 8)))
-    plain = [perplexity(base, data, n) for n in lengths]
+    lengths, plain = unscaled(base, data, T)
     row("no scaling", plain, plain[0])
     for method in METHODS:
         values = [plain[0]]

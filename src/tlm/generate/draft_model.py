@@ -55,9 +55,8 @@ class DraftModel:
                 f"{vocab_size}: a draft must share the target's tokenizer"
             )
         self.decoder = Decoder(model)
-        self.bounded = model.config.attention_window is None  # else it reads on (a ring)
-        self.capacity = cache_size(model.config, capacity) if self.bounded else capacity
         self.cache = SlotCache(model.config, 1, cache_size(model.config, capacity))
+        self.bounded = model.config.attention_window is None  # else it reads on (a ring)
         self.held: list[int] = []  # the tokens whose keys and values the cache holds
         self.caught_up = 0.0  # seconds the last proposal spent feeding the text it missed
 
@@ -68,7 +67,7 @@ class DraftModel:
         not fit its cache): its greedy ones, or with `choice` (a sampled row's `fork`) each
         drawn from the draft's distribution as the row processes it, returned with those
         distributions q [V] for the acceptance rule (`Slots._speculate`)."""
-        if self.bounded and len(text) + count > self.capacity:
+        if self.bounded and len(text) + count > self.cache.capacity:
             return [], None
         shared = 0
         for held, token in zip(self.held, text[:-1], strict=False):

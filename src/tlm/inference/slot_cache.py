@@ -151,11 +151,12 @@ class Ragged:
         S = min(max(at) + 1, capacity)
         mask = torch.zeros(self.hi - self.lo, 1, 1, S, dtype=torch.bool, device=device)
         mask[:, :, :, 0] = True
+        lengths = torch.tensor(at, device=device)[:, None]  # [rows,1]
         if cache.window is None:
-            seen = torch.arange(S, device=device) <= torch.tensor(at, device=device)[:, None]
+            seen = torch.arange(S, device=device) <= lengths
         else:  # each row's window of the positions its ring holds
-            keys = torch.stack([held(n + 1, capacity, device)[:S] for n in at])  # [rows,S]
-            seen = window_mask(torch.tensor(at, device=device)[:, None], keys, cache.window)
+            keys = held(lengths + 1, capacity, device)[:, :S]  # [rows,S]
+            seen = window_mask(lengths, keys, cache.window)
         mask[self.rows] = seen.reshape(len(at), 1, 1, S)
         self.mask = mask  # [hi-lo,1,1,S]
 

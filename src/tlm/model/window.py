@@ -46,9 +46,10 @@ def ring_size(window: int, longest: int | None = None) -> int:
     return size if longest is None else max(1, min(size, longest))
 
 
-def held(end: int, size: int, device: torch.device | None = None) -> Tensor:
+def held(end: int | Tensor, size: int, device: torch.device | None = None) -> Tensor:
     """[size]: the position each entry of a ring holds once positions [0, end) were
-    written in order (p at entry p mod size), -1 for an entry not written yet."""
+    written in order (p at entry p mod size), -1 for an entry not written yet; for ends
+    [R,1] (rows at their own lengths), [R,size]."""
     entries = torch.arange(size, device=device)
     positions = (end - 1) - ((end - 1 - entries) % size)
     return positions.masked_fill(positions < 0, -1)
