@@ -13,7 +13,7 @@ import torch
 from tlm.cli import main
 from tlm.config import ConfigError
 from tlm.model.attention import attention_fused, attention_reference, causal_mask
-from tlm.train import new_run_configs, open_run
+from tlm.train import attention_kernel, new_run_configs, open_run
 from tlm.train import precision as precisions
 from tlm.train.attention_kernel import causal_attention
 from tlm.train.precision import bf16_units, pick_precision
@@ -113,13 +113,18 @@ def test_muon_orthogonalizes_in_the_training_precision(docs_chars, tmp_path, wit
 
 @pytest.mark.slow
 @pytest.mark.skipif(not NATIVE, reason="a host without bf16 units emulates it: too slow")
-def test_bf16_training_follows_fp32_and_scores_the_same_either_way(docs_chars, tmp_path):
+def test_bf16_training_follows_fp32_and_scores_the_same_either_way(
+    docs_chars, tmp_path, monkeypatch
+):
     """50 steps each way, same seed: the logged losses agree (bf16 rounds the products, so
     the curves drift apart a little, never by 0.02 nats); the bf16 model's validation loss
     under bf16 autocast (as training scores it) and in fp32 agree within 0.01 nats. One head
     of 32: bf16 runs tlm's attention kernel, as a real run's heads of 32 or 64 do."""
-    trainers = {}
+    trainers, seen = {}, []  # the precision attention ran in, call by call (a mark of the path)
+    real = attention_kernel._precision
+    monkeypatch.setattr(attention_kernel, "_precision", lambda q: seen.append(real(q)) or seen[-1])
     for name in ("bfloat16", "float32"):
+        seen.clear()
         values = {"data": str(docs_chars), "out": str(tmp_path / name), "max_steps": 50}
         values |= {"precision": name, "lr": 3e-3, "batch_size": 8, "log_interval": 5}
         shape = {"n_layers": 2, "d_model": 32, "n_heads": 1, "context_length": 32}
@@ -127,10 +132,10 @@ def test_bf16_training_follows_fp32_and_scores_the_same_either_way(docs_chars, t
         tokenizer = (docs_chars / "tokenizer.json").read_text()
         trainers[name] = open_run(model_config, train_config, data, tokenizer, progress_bar=False)
         trainers[name].fit()
+        assert seen and set(seen) == {getattr(torch, name)}  # every step ran in that precision
     assert trainers["bfloat16"].model.blocks[0].attn.fused is causal_attention
     bf16, fp32 = losses(tmp_path / "bfloat16"), losses(tmp_path / "float32")
     assert fp32[-1] < fp32[0] - 0.5  # it learned
-    assert bf16 != fp32  # bf16 really ran (its rounding shows: 2.3e-4 apart here, 1 or 2 threads)
     assert max(abs(a - b) for a, b in zip(bf16, fp32, strict=True)) < 0.02, (bf16, fp32)
     trainer = trainers["bfloat16"]
     in_bf16 = trainer.validation_loss()
