@@ -5,6 +5,7 @@ import pytest
 
 from tlm.chat import END, JINJA, ChatError, chat_tokenizer, check, parse, render, speaks
 from tlm.data.corpus import Source
+from tlm.generate.chat import chat_prompt
 from tlm.interop.export import write_tokenizer_files
 from tlm.tokenizer import EOT, load_tokenizer, train_tokenizer, with_specials
 
@@ -138,3 +139,14 @@ def test_content_given_as_text_parts_is_their_text(tok):
     assert render(as_parts, tok) == render(CONVERSATIONS[0], tok)
     with pytest.raises(ChatError, match="not text"):
         check([{"role": "user", "content": [{"type": "image_url"}]}], generation=True)
+
+
+def test_a_prompt_that_drops_the_oldest_turns_returns_the_messages_it_kept(tok):
+    """`chat_prompt` keeps the system message and the newest turns that fit and returns
+    them: what a conversation that goes on continues from (`tlm chat`'s history)."""
+    asked = CONVERSATIONS[1][:-1]  # system, user, assistant, user
+    whole, _ = render(asked, tok, generation=True)
+    assert chat_prompt(asked, tok, len(whole), 0).messages == asked  # it fits: all kept
+    prompt = chat_prompt(asked, tok, len(whole) - 1, 0)  # one short: the oldest exchange goes
+    assert prompt.dropped == 2 and prompt.messages == [asked[0], asked[3]]
+    assert prompt.ids == render(prompt.messages, tok, generation=True)[0]

@@ -21,10 +21,11 @@ from tlm.chat import END, render
 from tlm.cli import main
 from tlm.config import TrainConfig
 from tlm.data import ChatData, prepare_chat
+from tlm.data.packing import best_fit, fitted
 from tlm.tasks.chat import chat_loss, evaluate_chat
 from tlm.tokenizer import load_tokenizer, train_tokenizer
 from tlm.train import Runtime
-from tlm.train.chat import ChatWindows, best_fit, fitted
+from tlm.train.chat import ChatWindows
 from tlm.train.loop import Trainer
 from tlm.train.opening import _initial_weights
 
@@ -128,12 +129,10 @@ def test_the_step_is_normalised_over_all_its_answer_tokens_not_per_micro_batch(b
     for a, b in zip(one, accum, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     rows = windows.step_windows(0)  # the direct mean over the step's answer tokens
-    x, y, d = windows.train.batch(rows)
+    x, y, learned, d = windows.train.batch(rows)
     model.zero_grad()
     logits = model(x, documents=d)
-    loss = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100
-    )  # noqa: E501
+    loss = torch.nn.functional.cross_entropy(logits[learned], y[learned])
     loss.backward()
     assert one_loss == pytest.approx(loss.item(), abs=1e-6)
     torch.testing.assert_close(one[0], next(model.parameters()).grad, atol=1e-6, rtol=1e-5)
@@ -199,6 +198,45 @@ def test_a_chat_run_interrupted_resumes_to_the_weights_of_an_uninterrupted_one(
     whole, half = (load_model(tmp_path / n).state_dict() for n in ("whole", "half"))
     for name in whole:
         torch.testing.assert_close(whole[name], half[name], atol=1e-6, rtol=0)
+
+
+def test_a_resumed_run_counts_the_steps_with_nothing_to_learn_before_and_after(
+    base_and_data, tmp_path, monkeypatch
+):
+    """The count of steps without a learned token is saved with the checkpoint: a run
+    stopped at step 2 and resumed to 4 has the card of one run straight to 4, and a
+    checkpoint saved before the count was kept resumes from 0."""
+    base, data = base_and_data
+    shutil.copytree(data.folder, tmp_path / "data")  # no answer token: every step is empty
+    np.zeros(len(data.mask("train")), dtype=np.uint8).tofile(tmp_path / "data" / "train.mask")
+    monkeypatch.setattr("tlm.train.loop.plot_losses", lambda *a: None)  # (cheaper: not read)
+    args = ["train", "--init-from", str(base), "--data", str(tmp_path / "data"), "--quiet"]
+    args += ["--max-steps", "4", "--eval-interval", "4", "--batch-size", "2"]
+    args += ["--precision", "float32"]
+
+    def counted(run):
+        card = (tmp_path / run / "MODEL_CARD.md").read_text()
+        return int(card.split("Steps with no learned token: ")[1].split(".")[0])
+
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0 and counted("whole") == 4
+    step = Trainer.train_step
+
+    def ctrl_c_at_step_2(self, s):  # Ctrl-C during step 2: it completes, is saved, stops
+        if s == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return step(self, s)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "train_step", ctrl_c_at_step_2)
+        for run in ("half", "old"):
+            assert main([*args, "--out", str(tmp_path / run)]) == 130
+    state = next((tmp_path / "old" / "train_state").glob("step-*")) / "state.json"
+    saved = json.loads(state.read_text())
+    assert saved.pop("batches") == {"empty_steps": 2}
+    state.write_text(json.dumps(saved))  # as a checkpoint from before the count was saved
+    for run in ("half", "old"):
+        assert main(["train", "--out", str(tmp_path / run), "--resume", "--quiet"]) == 0
+    assert counted("half") == counted("whole") and counted("old") == 2
 
 
 @pytest.mark.slow

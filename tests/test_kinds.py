@@ -124,3 +124,19 @@ def test_each_export_command_picks_its_writer_by_the_config():
     }
     for (config, command), name in picks.items():
         assert writer_of(config, command).name == name
+
+
+def test_a_draft_path_is_decided_once(paths, monkeypatch):
+    """`tlm generate --draft PATH` reads the draft's tokenizer and its model through one
+    decision of its kind (`load.source_of`), not one each."""
+    import tlm.load
+    from tlm.cli.generate import load_draft
+
+    run = tlm.load.source_of(paths["tlm run"])
+    asked = []
+    for name in ("kind_of", "detected"):  # the two questions load asks of the table
+        real = getattr(tlm.load, name)
+        monkeypatch.setattr(tlm.load, name, lambda path, f=real, n=name: asked.append(n) or f(path))
+    draft = load_draft(str(paths["GPT-2"]), run, "float32", "latest", load_tokenizer(run))
+    assert isinstance(draft, TransformerLM)
+    assert asked == ["kind_of"]

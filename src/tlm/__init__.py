@@ -1,5 +1,6 @@
 """tlm: transformer language models as the textbook describes them."""
 
+from tlm import upcalls
 from tlm._version import __version__
 from tlm.config import ModelConfig, TrainConfig
 from tlm.errors import UserError
@@ -29,3 +30,14 @@ def __getattr__(name: str):
 
         return getattr(tlm.load, name)
     raise AttributeError(f"module 'tlm' has no attribute {name!r}")
+
+
+def _generate_sequences(model, input_ids, attention_mask=None, **settings):
+    """`TransformerLM.generate`'s decoding policy (`tlm/upcalls.py`), imported at its first
+    call: a model exists by then, so PyTorch is loaded already."""
+    from tlm.generate.sequences import generate_sequences
+
+    return generate_sequences(model, input_ids, attention_mask, **settings)
+
+
+upcalls.provide(generate_sequences=_generate_sequences)  # before any module can call it

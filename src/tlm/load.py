@@ -2,11 +2,15 @@
 directory, or llama.cpp's GGUF file.
 
 `tlm.kinds.kind_of` decides once which kind a path is; everything here then reads through
-that kind's reader and builds the model (or, with a `dtype`, packs it part by part).
+that kind's reader and builds the model (or, with a `dtype`, packs it part by part). A
+command that reads a path's tokenizer and its model (and perhaps its config) asks once:
+`source_of(path)` is the path with its kind, and each function here takes it wherever it
+takes a path, reading through the reader it carries without asking the kind again.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,30 +25,50 @@ from tlm.tokenizer import Tokenizer
 from tlm.tokenizer import load_tokenizer as load_tokenizer_file
 
 __all__ = [
+    "Source",
     "load_language_model",
     "load_model",
     "load_tokenizer",
     "load_translation_model",
     "model_config",
+    "source_of",
 ]
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+@dataclass(frozen=True)
+class Source:
+    """A path of a kind tlm reads, its kind decided (`source_of`): its tokenizer, config and
+    weights are read through `kind.reader`."""
+
+    path: Path
+    kind: Kind
+
+
+def source_of(path: str | Path | Source) -> Source:
+    """`path` with its kind, decided here once (`kind_of`: a one-line error for a path of
+    no kind tlm reads); a `Source` is decided already and comes back as it is."""
+    return path if isinstance(path, Source) else Source(Path(path), kind_of(path))
+
+
+def load_tokenizer(path: str | Path | Source) -> Tokenizer:
     """The tokenizer of a run, a prepared data folder, a Hugging Face directory, a
     tokenizer.json, or a GGUF file (its `tokenizer.ggml.*` vocabulary)."""
+    if isinstance(path, Source):  # decided already
+        return path.kind.reader.tokenizer(path.path)
     kind = detected(path)  # none for a data folder or a tokenizer.json
     reader = kind.reader if kind is not None else None
     return load_tokenizer_file(path) if reader is None else reader.tokenizer(Path(path))
 
 
-def model_config(path: str | Path) -> ModelConfig:
+def model_config(path: str | Path | Source) -> ModelConfig:
     """The ModelConfig of a run directory, a Hugging Face GPT-2 or GPT-NeoX directory or a
     GGUF file."""
-    return kind_of(path).reader.config(Path(path))
+    source = source_of(path)
+    return source.kind.reader.config(source.path)
 
 
 def load_model(
-    path: str | Path,
+    path: str | Path | Source,
     device: str | torch.device = "cpu",
     weights: str = "latest",
     dtype: str | None = None,
@@ -70,8 +94,8 @@ def load_model(
     without a scaling); `attention_window` W lets each query see at most W keys
     (`model/window.py`: decoding then keeps W positions, however long the text).
     """
-    path, device = Path(path), torch.device(device)
-    kind = kind_of(path)
+    source, device = source_of(path), torch.device(device)
+    path, kind = source.path, source.kind
     if weights != "latest" and not kind.best:
         raise CheckpointError(f"{path} is {kind.called}: it has one set of weights")
     if dtype is not None:
@@ -113,21 +137,22 @@ WRONG_MODEL = {
 
 
 def _load_one(
-    path: str | Path,
+    path: str | Path | Source,
     device: str | torch.device,
     wanted: type,
     weights: str,
     dtype: str | None,
     **scaling: Any,
 ) -> Any:
-    model = load_model(path, device, weights, dtype, **scaling)
+    source = source_of(path)
+    model = load_model(source, device, weights, dtype, **scaling)
     if not isinstance(model, wanted):
-        raise CheckpointError(f"{path} is {WRONG_MODEL[wanted]}")
+        raise CheckpointError(f"{source.path} is {WRONG_MODEL[wanted]}")
     return model
 
 
 def load_language_model(
-    path: str | Path,
+    path: str | Path | Source,
     device: str | torch.device = "cpu",
     weights: str = "latest",
     dtype: str | None = None,
@@ -143,7 +168,7 @@ def load_language_model(
 
 
 def load_translation_model(
-    path: str | Path, device: str | torch.device = "cpu", weights: str = "latest"
+    path: str | Path | Source, device: str | torch.device = "cpu", weights: str = "latest"
 ) -> EncoderDecoder:
     """`load_model` for the commands that translate: a language model is refused."""
     return _load_one(path, device, EncoderDecoder, weights, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tlm.cli.args import add_command, add_weights_flag, read_text_file
-from tlm.load import load_language_model, load_tokenizer
+from tlm.load import load_language_model, load_tokenizer, source_of
 from tlm.tasks import answer, summarize
 
 ASK = """examples:
@@ -40,15 +40,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_ask(args: argparse.Namespace) -> int:
     context = read_text_file(args.context_file) if args.context_file else None
-    model = load_language_model(args.run, weights=args.weights, dtype="float32")
-    tokenizer = load_tokenizer(args.run)
+    source = source_of(args.run)
+    model = load_language_model(source, weights=args.weights, dtype="float32")
+    tokenizer = load_tokenizer(source)
     print(answer(model, tokenizer, args.question, context, args.max_new_tokens))
     return 0
 
 
 def run_summarize(args: argparse.Namespace) -> int:
     text = read_text_file(args.file)
-    model = load_language_model(args.run, weights=args.weights, dtype="float32")
-    tokenizer = load_tokenizer(args.run)
+    source = source_of(args.run)
+    model = load_language_model(source, weights=args.weights, dtype="float32")
+    tokenizer = load_tokenizer(source)
     print(summarize(model, tokenizer, text, args.max_new_tokens))
     return 0

@@ -8,7 +8,7 @@ import json
 from tlm.audit import audit, passes, record
 from tlm.cli.args import add_command, add_weights_flag, fail
 from tlm.data.tokens import TokenData
-from tlm.load import load_language_model, load_tokenizer
+from tlm.load import load_language_model, load_tokenizer, source_of
 
 EXAMPLE = """examples:
   tlm audit runs/demo --data data/demo
@@ -40,13 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.samples < 1 or args.batch_size < 1:
         fail("--samples and --batch-size must be at least 1")
-    data, tokenizer = TokenData(args.data), load_tokenizer(args.run)
+    source = source_of(args.run)
+    data, tokenizer = TokenData(args.data), load_tokenizer(source)
     if load_tokenizer(data.folder).to_json() != tokenizer.to_json():
         fail(f"{args.data} was not tokenized with the tokenizer of {args.run}")
     for split in ("train", "val"):
         if len(data.split(split)) == 0:
             fail(f"the {split} split of {args.data} is empty: nothing to audit")
-    model = load_language_model(args.run, weights=args.weights)
+    model = load_language_model(source, weights=args.weights)
     epochs = passes(args.run, len(data.split("train")))
     report = audit(
         model, tokenizer, data, args.samples, args.prefix, args.suffix, args.batch_size,

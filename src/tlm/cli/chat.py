@@ -88,20 +88,19 @@ def run(args: argparse.Namespace) -> int:
             continue
         asked = [*history, {"role": "user", "content": message}]
         try:
-            reply, dropped = say(model, tokenizer, asked, config)
+            reply, kept = say(model, tokenizer, asked, config)
         except ChatError as exc:  # a message too long for the context: say so, go on
             print(f"tlm: {exc}", file=sys.stderr)
             continue
         if not reply.strip():  # an empty turn cannot be rendered: the exchange is forgotten
             print("(no reply)", file=sys.stderr)
             continue
-        if dropped:
-            asked = asked[: len(opening)] + asked[len(opening) + dropped :]
-        history = [*asked, {"role": "assistant", "content": reply}]
+        history = [*kept, {"role": "assistant", "content": reply}]  # the turns that fit go on
 
 
 def say(model, tokenizer, messages: list[dict[str, str]], config: GenerationConfig):
-    """Stream the reply to `messages` to stdout; returns (its text, turns dropped)."""
+    """Stream the reply to `messages` to stdout; returns (its text, the messages its prompt
+    kept: `chat_prompt` drops the oldest turns that do not fit)."""
     T = model.config.context_length
     prompt = chat_prompt(messages, tokenizer, T, reply_room(config.max_new_tokens, T))
     if prompt.dropped:
@@ -116,4 +115,4 @@ def say(model, tokenizer, messages: list[dict[str, str]], config: GenerationConf
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    return "".join(pieces), prompt.dropped
+    return "".join(pieces), prompt.messages

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from tlm.cli.args import add_command, add_weights_flag
-from tlm.load import load_language_model, load_tokenizer
+from tlm.load import load_language_model, load_tokenizer, source_of
 from tlm.tasks import accuracy, classify, confusion_matrix
 from tlm.tasks.inputs import read_examples
 
@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     labels = [label.strip() for label in args.labels.split(",")]
     examples = read_examples(args.input, args.text_field, args.gold_field)
-    model, tokenizer = load_language_model(args.run, weights=args.weights), load_tokenizer(args.run)
+    source = source_of(args.run)
+    model, tokenizer = load_language_model(source, weights=args.weights), load_tokenizer(source)
     results = classify(model, tokenizer, [text for text, _ in examples], labels, args.template)
     rows = [
         {

@@ -15,7 +15,7 @@ from tlm.cli.args import (
 )
 from tlm.data import ChatData, TokenData, documents, open_data, resolve_sources
 from tlm.evaluate import evaluate_text, evaluate_tokens
-from tlm.load import load_language_model, load_tokenizer, load_translation_model
+from tlm.load import load_language_model, load_tokenizer, load_translation_model, source_of
 from tlm.tasks.chat import evaluate_chat
 from tlm.tasks.translation import evaluate_translation
 
@@ -109,8 +109,9 @@ def run_translation(args: argparse.Namespace) -> int:
         fail("--task translate needs --src FILE and --ref FILE (the test set)")
     if args.data or args.text:
         fail("--task translate reads --src and --ref, not --data or --text")
-    model = load_translation_model(args.run, weights=args.weights)
-    tokenizer = load_tokenizer(args.run)
+    source = source_of(args.run)
+    model = load_translation_model(source, weights=args.weights)
+    tokenizer = load_tokenizer(source)
     results = evaluate_translation(
         model, tokenizer, args.src, args.ref, args.beams, args.alpha, args.batch_size, args.examples
     )
@@ -138,8 +139,9 @@ def run(args: argparse.Namespace) -> int:
         fail("--src and --ref go with --task translate")
     if bool(args.data) == bool(args.text):
         fail("give either --data DIR (with --split) or --text FILE...")
-    model = load_language_model(args.run, weights=args.weights, **long_context_flags(args))
-    tokenizer = load_tokenizer(args.run)
+    source = source_of(args.run)
+    model = load_language_model(source, weights=args.weights, **long_context_flags(args))
+    tokenizer = load_tokenizer(source)
     if args.data:
         data = TokenData(args.data)
         if load_tokenizer(data.folder).to_json() != tokenizer.to_json():

@@ -9,7 +9,7 @@ from pathlib import Path
 from tlm.cli.args import add_command, add_long_context_flags, add_weights_flag, long_context_flags
 from tlm.interop.gguf import TYPES
 from tlm.kinds import writer_of
-from tlm.load import load_model, load_tokenizer
+from tlm.load import load_model, load_tokenizer, source_of
 
 EXAMPLE = """example:
   tlm export-hf runs/shakespeare_char out/shakespeare_hf
@@ -58,17 +58,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     card = Path(args.run) / "MODEL_CARD.md"
-    model = load_model(args.run, weights=args.weights, **long_context_flags(args))
+    source = source_of(args.run)
+    model = load_model(source, weights=args.weights, **long_context_flags(args))
     writer = writer_of(model.config, "export-hf").writer  # GPT-2, GPT-NeoX or Marian
-    out = writer.write(model, load_tokenizer(args.run), args.out, card=card)
+    out = writer.write(model, load_tokenizer(source), args.out, card=card)
     print(f"wrote {out}: load it with {writer.opens_with}.from_pretrained({str(out)!r})")
     return 0
 
 
 def run_gguf(args: argparse.Namespace) -> int:
-    model = load_model(args.run, weights=args.weights, **long_context_flags(args))
+    source = source_of(args.run)
+    model = load_model(source, weights=args.weights, **long_context_flags(args))
     writer = writer_of(model.config, "export-gguf").writer
-    out = writer.write(model, load_tokenizer(args.run), args.out, args.type)
+    out = writer.write(model, load_tokenizer(source), args.out, args.type)
     size = out.stat().st_size / 2**20
     print(
         f"wrote {out} ({args.type}, {size:.1f} MiB): run it with {writer.opens_with}, "

@@ -18,7 +18,7 @@ from tlm.cli.args import (
 from tlm.generate import GenerationConfig, complete, stream_completion
 from tlm.generate.constrain import Grammar
 from tlm.inference import FORMATS
-from tlm.load import load_language_model, load_tokenizer
+from tlm.load import Source, load_language_model, load_tokenizer, source_of
 
 EXAMPLE = """examples:
   tlm generate runs/shakespeare_char --prompt "ROMEO:" --do-sample --temperature 0.8 --stream
@@ -122,10 +122,11 @@ def run(args: argparse.Namespace) -> int:
         or (config.best_of or 1) > 1
     ):
         fail("--stream shows one completion: one prompt, -n 1, --num-beams 1, --best-of 1")
+    run = source_of(args.run)  # its kind decided once; the model and tokenizer read it
     model = load_language_model(
-        args.run, weights=args.weights, dtype=args.dtype, **long_context_flags(args)
+        run, weights=args.weights, dtype=args.dtype, **long_context_flags(args)
     )
-    tokenizer = load_tokenizer(args.run)
+    tokenizer = load_tokenizer(run)
     if not args.no_eos:
         config = replace(config, eos_token_id=tokenizer.eot_id)
     grammar = _grammar(args, tokenizer)
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         config = replace(config, grammar=grammar)
     if args.draft is not None:
         draft = load_draft(
-            args.draft, args.run, args.dtype, args.weights, tokenizer, **long_context_flags(args)
+            args.draft, run, args.dtype, args.weights, tokenizer, **long_context_flags(args)
         )
         config = replace(config, draft=draft)
     stop = tuple(_unescape(s) for s in args.stop)
@@ -155,17 +156,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_draft(draft: str, run: str, dtype: str, weights: str, tokenizer, **rope):
-    """--draft: "int8" (packed from the model's own parameters, or read from its run in int8
-    where --dtype has packed them already, with the model's `rope` scaling), or a run or
-    directory with the same tokenizer (read in int8 when the model is)."""
+def load_draft(draft: str, run: Source, dtype: str, weights: str, tokenizer, **rope):
+    """--draft: "int8" (packed from the model's own parameters, or read from its `run` in
+    int8 where --dtype has packed them already, with the model's `rope` scaling), or a run
+    or directory with the same tokenizer (read in int8 when the model is). Each path's kind
+    is decided once (`source_of`), and its tokenizer and model read through it."""
     if draft == "int8" and dtype == "float32":
         return "int8"
     if draft == "int8":
         return load_language_model(run, weights=weights, dtype="int8", **rope)
-    if load_tokenizer(draft).pieces() != tokenizer.pieces():
+    source = source_of(draft)
+    if load_tokenizer(source).pieces() != tokenizer.pieces():
         fail(f"--draft {draft} has another tokenizer: a draft must share this model's")
-    return load_language_model(draft, dtype="int8" if dtype == "int8" else None)
+    return load_language_model(source, dtype="int8" if dtype == "int8" else None)
 
 
 def _grammar(args: argparse.Namespace, tokenizer) -> Grammar | None:

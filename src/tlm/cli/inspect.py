@@ -17,7 +17,7 @@ from tlm.interpret.attention import cross_attention_of
 from tlm.interpret.hooks import check_head
 from tlm.interpret.plots import plot_attention, plot_attention_grid
 from tlm.interpret.report import inspect_prompt, write_report
-from tlm.load import load_model, load_tokenizer
+from tlm.load import load_model, load_tokenizer, source_of
 from tlm.model import EncoderDecoder
 
 EXAMPLE = """examples:
@@ -53,8 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(args.run, weights=args.weights, **long_context_flags(args))
-    tokenizer = load_tokenizer(args.run)
+    source = source_of(args.run)
+    model = load_model(source, weights=args.weights, **long_context_flags(args))
+    tokenizer = load_tokenizer(source)
     if isinstance(model, EncoderDecoder):
         return inspect_translation(args, model, tokenizer)
     check_head(model, args.layer, args.head)

@@ -12,7 +12,7 @@ from tlm.cli.args import (
     fail,
     long_context_flags,
 )
-from tlm.load import load_language_model, load_tokenizer
+from tlm.load import load_language_model, load_tokenizer, source_of
 from tlm.tasks import multiple_choice, score
 from tlm.tasks.inputs import read_choices
 
@@ -42,8 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if bool(args.choices) == bool(args.continuation):
         fail("give --continuation (with --context) or --choices FILE.jsonl")
-    model = load_language_model(args.run, weights=args.weights, **long_context_flags(args))
-    tokenizer = load_tokenizer(args.run)
+    source = source_of(args.run)
+    model = load_language_model(source, weights=args.weights, **long_context_flags(args))
+    tokenizer = load_tokenizer(source)
     if args.choices:
         results = multiple_choice(model, tokenizer, read_choices(args.choices))
         if args.json:

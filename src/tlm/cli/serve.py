@@ -15,7 +15,7 @@ from tlm.cli.args import (
 from tlm.cli.generate import load_draft
 from tlm.generate import GenerationConfig
 from tlm.inference import FORMATS
-from tlm.load import load_language_model, load_tokenizer
+from tlm.load import load_language_model, load_tokenizer, source_of
 
 EXAMPLE = """examples:
   tlm serve runs/demo                                 # http://127.0.0.1:8000
@@ -65,23 +65,24 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         fail(f"--port {args.port} is not a port")
     metrics = Metrics()
+    source = source_of(args.run)  # its kind decided once; the model and tokenizer read it
 
     def load():  # in the engine thread: the one thread that runs torch's parallel work
         return load_language_model(
-            args.run, weights=args.weights, dtype=args.dtype, **long_context_flags(args)
+            source, weights=args.weights, dtype=args.dtype, **long_context_flags(args)
         )
 
     speculate = {"prompt_lookup": args.prompt_lookup, "draft_tokens": args.draft_tokens}
     tokenizer = None  # read after the model, whose errors say more, unless a draft needs it
     if args.draft is not None:
-        tokenizer = load_tokenizer(args.run)
+        tokenizer = load_tokenizer(source)
         speculate["draft"] = load_draft(
-            args.draft, args.run, args.dtype, args.weights, tokenizer, **long_context_flags(args)
+            args.draft, source, args.dtype, args.weights, tokenizer, **long_context_flags(args)
         )
     speculate = {name: value for name, value in speculate.items() if value is not None}
     GenerationConfig(**speculate)  # a bad setting: one line, before the model loads
     engine = Engine(load, None, args.slots, args.max_queue, metrics.on_token, speculate)
-    engine.tokenizer = tokenizer or load_tokenizer(args.run)
+    engine.tokenizer = tokenizer or load_tokenizer(source)
     metrics.watch(engine)
     name = args.name or Path(args.run).resolve().name
     app = create_app(engine, name, args.api_key, metrics)

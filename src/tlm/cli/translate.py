@@ -8,7 +8,7 @@ import sys
 from tlm.cli.args import add_command, add_weights_flag, fail
 from tlm.data.pairs import read_lines
 from tlm.generate.translate import translate
-from tlm.load import load_tokenizer, load_translation_model
+from tlm.load import load_tokenizer, load_translation_model, source_of
 
 EXAMPLE = """examples:
   tlm translate runs/multi30k "A man rides a bike." "Two dogs play in the snow."
@@ -37,8 +37,9 @@ def run(args: argparse.Namespace) -> int:
     empty = [n for n, s in enumerate(sentences, start=1) if not s]
     if empty:
         fail(f"line {empty[0]} of {args.file} is empty ({len(empty)} empty lines in all)")
-    model = load_translation_model(args.run, weights=args.weights)
-    tokenizer = load_tokenizer(args.run)
+    source = source_of(args.run)
+    model = load_translation_model(source, weights=args.weights)
+    tokenizer = load_tokenizer(source)
     outputs = translate(
         model, tokenizer, sentences, args.beams, args.alpha, args.batch_size, args.max_new_tokens
     )

@@ -14,7 +14,7 @@ written. Conversations are rendered by `chat.render` and written back to back, p
 
 The validation split is the last `val_fraction` of the conversations, or the built-in
 `python-qa`'s own held-out split. `tokens.ChatData` reads the folder; packing into windows
-happens when training makes batches (`train/chat.py`).
+happens when training or evaluation reads it (`packing.py`).
 """
 
 from __future__ import annotations

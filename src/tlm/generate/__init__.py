@@ -9,8 +9,8 @@ strings, and `beam.search` is the one beam search (language model and translatio
 from tlm.generate.beam import BeamResult, beam_search
 from tlm.generate.config import GenerationConfig
 from tlm.generate.decode import DecodeState, Step, best_rows, generate
+from tlm.generate.errors import GenerationError
 from tlm.generate.sampling import (
-    GenerationError,
     adjust_logits,
     apply_frequency_presence,
     apply_logit_bias,

@@ -5,8 +5,9 @@ Everything that answers a conversation (`tlm chat`, the server's `/v1/chat/compl
 ends with `<|assistant|>`, and decodes with `<|end|>` (and `<|endoftext|>`) as end tokens.
 A conversation longer than the context loses its oldest turns first, a user turn and the
 answer to it at a time, the system message kept, until the prompt leaves `room` tokens for
-the reply; the caller is told how many were dropped. A last user turn that does not fit on
-its own is refused in one line.
+the reply; the caller gets the messages kept and how many were dropped (a conversation that
+goes on continues from those: the rule is applied here only). A last user turn that does
+not fit on its own is refused in one line.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from tlm.tokenizer import Tokenizer
 
 @dataclass
 class Prompt:
-    """A conversation's prompt: its ids, and how many of its oldest turns did not fit."""
+    """A conversation's prompt: its ids, the messages they render (checked, the system
+    message and the newest turns that fit), and how many of its oldest turns did not fit."""
 
     ids: list[int]
+    messages: list[dict[str, str]]
     dropped: int = 0
 
 
@@ -42,15 +45,17 @@ def chat_prompt(
     messages: Sequence[Any], tokenizer: Tokenizer, context_length: int, room: int
 ) -> Prompt:
     """The ids a reply to `messages` continues, with the oldest turns dropped (a user turn
-    and its answer at a time; the system message stays) until `room` positions are left."""
+    and its answer at a time; the system message stays) until `room` positions are left,
+    and the messages kept."""
     messages = check(messages, generation=True)
     system = messages[:1] if messages[0]["role"] == "system" else []
     turns = messages[len(system) :]
     dropped = 0
     while True:
-        ids, _ = render([*system, *turns], tokenizer, generation=True)
+        kept = [*system, *turns]
+        ids, _ = render(kept, tokenizer, generation=True)
         if len(ids) + room <= context_length:
-            return Prompt(ids, dropped)
+            return Prompt(ids, kept, dropped)
         if len(turns) == 1:
             raise ChatError(
                 f"the conversation's last turn needs {len(ids)} tokens with the template; the "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from tlm.generate.constrain import Grammar
-from tlm.generate.sampling import GenerationError
+from tlm.generate.errors import GenerationError
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tlm.generate.sampling import GenerationError
+from tlm.generate.errors import GenerationError
 from tlm.tokenizer import Tokenizer
 
 KINDS = ("json_schema", "regex", "lark")

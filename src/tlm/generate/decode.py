@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from tlm.generate.config import GenerationConfig
 from tlm.generate.constrain import allowed_rows
-from tlm.generate.sampling import GenerationError, choose
+from tlm.generate.errors import GenerationError
+from tlm.generate.sampling import choose
 from tlm.generate.slots import Slots, random_seed, row_generator, window_start
 from tlm.inference import Decoder
 from tlm.inference.devices.cuda_graph import GraphedDecoder

@@ -20,7 +20,8 @@ import time
 import torch
 from torch import Tensor, nn
 
-from tlm.generate.sampling import GenerationError, RowChoice, draw, greedy_logprob
+from tlm.generate.errors import GenerationError
+from tlm.generate.sampling import RowChoice, draw, greedy_logprob
 from tlm.inference import Decoder, SlotCache, in_parts, load_prepared
 from tlm.model.kv_cache import cache_size
 from tlm.model.transformer import TransformerLM

@@ -26,15 +26,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from tlm.errors import UserError
+from tlm.generate.errors import GenerationError
 from tlm.inference import native
 
 if TYPE_CHECKING:
     from tlm.generate.constrain import Matcher
-
-
-class GenerationError(UserError):
-    """A decoding setting that cannot be used; the message names the value."""
 
 
 def apply_temperature(logits: Tensor, temperature: float) -> Tensor:

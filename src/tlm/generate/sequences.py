@@ -3,7 +3,8 @@
 The decoding loop (`decode.generate`) yields the tokens step by step; this collects them
 into [B*n, T + new], rows that end early padded with their end token, and with `best_of`
 keeps each prompt's n likeliest candidates (`GenerationConfig.candidates`, `best_rows`).
-Beam search returns its own sequences.
+Beam search returns its own sequences. The model's method reaches this function without
+importing it: the package's root provides it (`tlm/upcalls.py`).
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ from torch import Tensor, nn
 from tlm.generate.config import GenerationConfig
 from tlm.generate.draft_model import DraftModel, self_draft
 from tlm.generate.drafts import NgramIndex
+from tlm.generate.errors import GenerationError
 from tlm.generate.pace import Pace
-from tlm.generate.sampling import GenerationError, RowChoice, draw
+from tlm.generate.sampling import RowChoice, draw
 from tlm.inference import Decoder, SlotCache
 from tlm.model.kv_cache import cache_size
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from tlm.generate.beam import search
-from tlm.generate.sampling import GenerationError
+from tlm.generate.errors import GenerationError
 from tlm.model.encoder_decoder import EncoderDecoder
 from tlm.model.kv_cache import KVCache
 from tlm.tokenizer import Tokenizer, within

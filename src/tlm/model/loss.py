@@ -2,10 +2,15 @@
 
 L_CE = -log ŷ_t[w_{t+1}]: the negative log probability the model gives the true next token,
 averaged over the positions of a window (teacher forcing: the input at every position is
-the true prefix, never the model's own guess).
+the true prefix, never the model's own guess). Instruction tuning (J&M ch. 12) takes the same
+loss over the learned targets only, the assistant's turns (`supervised_loss`); `packed_nll`
+scores packed conversations for chat training's validation and `tlm eval --task chat` alike.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,3 +65,40 @@ def window_nll(model: nn.Module, windows: Tensor, batch_size: int = 32) -> Tenso
         logits = model(batch[:, :-1])
         out.append(cross_entropy(logits, batch[:, 1:], reduction="none").cpu())
     return torch.cat(out)
+
+
+def supervised_loss(logits: Tensor, targets: Tensor, learned: Tensor) -> Tensor:
+    """logits [B,T,V], targets [B,T], learned [B,T] bool -> the SUM of eq. 10.51 over the
+    learned targets only (the chat mask's 1s): the caller divides by the count it means."""
+    V = logits.shape[-1]
+    flat = logits.reshape(-1, V).float()  # [B*T, V]
+    labels = torch.where(learned, targets, IGNORE).reshape(-1)  # [B*T]
+    return F.cross_entropy(flat, labels, ignore_index=IGNORE, reduction="sum")
+
+
+@torch.no_grad()
+def packed_nll(
+    forward: Callable[..., Tensor],
+    windows: Any,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+    batch_size: int = 32,
+) -> tuple[float, int]:
+    """(summed -log p, count) over the learned targets of packed windows: `windows` has a
+    length and `batch(rows)` -> inputs, targets, learned, documents [B,T]
+    (`data/packing.py: Packed`), scored `batch_size` windows a forward pass. Under torchrun
+    rank r scores batches r, r + K, ...; a rank whose batches ran out scores the first
+    again and drops it, so every rank runs as many forward passes (FSDP gathers each
+    block's shards in step across the ranks)."""
+    W = len(windows)
+    batches = [range(i, min(i + batch_size, W)) for i in range(0, W, batch_size)]
+    rounds = -(-len(batches) // world_size)  # forward passes on every rank
+    total, count = 0.0, 0
+    for i in range(rank, rounds * world_size, world_size):
+        mine = i < len(batches)
+        x, y, learned, d = (t.to(device) for t in windows.batch(batches[i if mine else 0]))
+        loss = supervised_loss(forward(x, documents=d), y, learned)
+        if mine:
+            total, count = total + loss.item(), count + int(learned.sum())
+    return total, count

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from tlm import upcalls
 from tlm.config import ModelConfig
 from tlm.model.attention import document_mask, padding_mask
 from tlm.model.counts import flops_per_token, parameter_counts
@@ -152,11 +153,10 @@ class TransformerLM(nn.Module):
         logit_bias, best_of) pass through `settings`; with `best_of` m, m samples are drawn
         per prompt and the n of highest total log-probability returned, best first; a
         `tlm.inference.Decoder` of this model to decode with, as `decoder`. The decoding
-        policy is `tlm.generate`'s (`generate/sequences.py`).
+        policy is `tlm.generate`'s (`generate/sequences.py`), which the math does not
+        import: the package's root provides it (`tlm/upcalls.py`).
         """
-        from tlm.generate.sequences import generate_sequences
-
-        return generate_sequences(
+        return upcalls.generate_sequences(
             self, input_ids, attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
             temperature=temperature, top_k=top_k, top_p=top_p, num_beams=num_beams,
             eos_token_id=eos_token_id, seed=seed, use_cache=use_cache, **settings,

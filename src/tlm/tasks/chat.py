@@ -27,13 +27,13 @@ import torch
 from torch import nn
 
 from tlm.chat import END, PLAIN_STOP, ChatError, parse, plain_prompt, speaks
+from tlm.data.packing import pack
 from tlm.data.tokens import ChatData
 from tlm.generate import GenerationConfig
 from tlm.generate.chat import Prompt, chat_prompt, replies, reply_room
 from tlm.generate.text import complete_tokens
-from tlm.model.loss import IGNORE
+from tlm.model.loss import packed_nll
 from tlm.tokenizer import Tokenizer, document_ids, load_tokenizer
-from tlm.train.chat import VAL_BATCH, pack, supervised_loss
 
 EXAMPLES = 3  # the base model's examples
 
@@ -54,17 +54,12 @@ def asked(conversation: list[dict[str, str]]) -> tuple[list[dict[str, str]], str
 
 @torch.no_grad()
 def chat_loss(model: nn.Module, data: ChatData, split: str) -> float:
-    """Mean loss per learned token of the split, each conversation as training packs it."""
+    """Mean loss per learned token of the split, its conversations packed as training packs
+    them and scored as training's validation scores them (`packed_nll`)."""
     tokenizer = load_tokenizer(data.folder)
     T = model.config.context_length
     packed = pack(data, split, T, tokenizer.special_id(END), tokenizer.eot_id)
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for i in range(0, len(packed), VAL_BATCH):
-        rows = range(i, min(i + VAL_BATCH, len(packed)))
-        x, y, d = (t.to(device) for t in packed.batch(rows))
-        total += supervised_loss(model(x, documents=d), y).item()
-        count += int((y != IGNORE).sum())
+    total, count = packed_nll(model, packed, next(model.parameters()).device)
     return total / max(count, 1)
 
 

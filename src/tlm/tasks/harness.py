@@ -28,7 +28,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tlm.errors import UserError
 from tlm.generate import GenerationConfig
 from tlm.generate.text import complete_tokens
-from tlm.load import load_language_model, load_tokenizer
+from tlm.load import load_language_model, load_tokenizer, source_of
 from tlm.tasks.score import score_tokens, split_at_context
 from tlm.tokenizer import CharTokenizer
 
@@ -44,8 +44,9 @@ class TlmLM(LM):
         **_: object,  # lm-eval's own settings (max_batch_size, ...) that tlm does not need
     ) -> None:
         super().__init__()
-        self.model = load_language_model(pretrained, device or "cpu", weights=weights)
-        self.tokenizer = load_tokenizer(pretrained)
+        source = source_of(pretrained)  # its kind decided once
+        self.model = load_language_model(source, device or "cpu", weights=weights)
+        self.tokenizer = load_tokenizer(source)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 16
         self.context = self.model.config.context_length
         chars = isinstance(self.tokenizer, CharTokenizer)

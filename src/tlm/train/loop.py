@@ -233,9 +233,11 @@ class Trainer:
         s.best_step, s.best_loss = s.step, loss
 
     def save(self) -> None:
-        """The main rank writes the checkpoint."""
+        """The main rank writes the checkpoint: with the progress, the batch source's state
+        (`open_run` hands it back on --resume)."""
         weights, optimizer = self.runtime.full_state(self.model, self.optimizer)
-        self._main_writes(lambda: save_checkpoint(self.run, weights, optimizer, asdict(self.state)))
+        state = {**asdict(self.state), "batches": self.batches.state_dict()}
+        self._main_writes(lambda: save_checkpoint(self.run, weights, optimizer, state))
 
     def _main_writes(self, write) -> None:
         """The main rank calls `write`; if it refuses (non-finite weights), every rank stops."""
@@ -273,7 +275,8 @@ class Trainer:
 
 
 class Batches(Protocol):
-    """What a step trains on (`windows.TokenWindows`, `translate.PairBatches`)."""
+    """What a step trains on (`windows.TokenWindows`, `translate.PairBatches`,
+    `chat.ChatWindows`)."""
 
     tokens_per_step: int  # tokens the last step trained on, for the counts and tok/s
 
@@ -284,3 +287,11 @@ class Batches(Protocol):
     def validation_loss(self, trainer: Trainer) -> float | None: ...
 
     def write_card(self, trainer: Trainer, results: dict[str, Any]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the source counts across steps, as JSON, saved with each checkpoint."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back a checkpoint's `state_dict` (`{}` from one saved before it existed)."""
+        ...

@@ -61,6 +61,7 @@ def open_run(
         saved = load_checkpoint(latest_checkpoint(run), model, None)
         fields = Progress.__dataclass_fields__  # runs saved before a field existed lack it
         state = Progress(**{k: saved[k] for k in fields if k in saved})
+        batches.load_state_dict(saved.get("batches", {}))  # the source's counts go on
     elif config.init_from:  # fine-tuning: start from a trained model's weights
         model.load_state_dict(_initial_weights(config.init_from, model_config))
     if not resume and rt.is_main:

@@ -135,6 +135,12 @@ class PairBatches:
                 count += n
         return total / count
 
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # a step's batch follows from (seed, step): nothing to keep
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
     def write_card(self, trainer: Trainer, results: dict[str, Any]) -> None:
         run = trainer.run
         meta, splits = self.data.meta, self.data.meta["splits"]

@@ -92,6 +92,12 @@ class TokenWindows:
                     total, count = total + nll.double().sum().item(), count + nll.numel()
         return rt.all_reduce_mean(total) / rt.all_reduce_mean(count)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # a step's batch follows from (seed, step): nothing to keep
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
     def write_card(self, trainer: Trainer, results: dict[str, Any]) -> None:
         meta = self.data.meta
         write_model_card(trainer.run, trainer.model_config, self.config, meta, results)
