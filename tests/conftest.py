@@ -11,6 +11,8 @@ import torch
 from tlm import ModelConfig, TransformerLM
 from tlm.inference import native
 
+pytest_plugins = ["budget"]  # the suite's time, reported against its budget (budget.py)
+
 POSITIONS = ["learned", "sinusoidal", "rope", "none"]
 NORMS = ["pre", "post"]
 V = 300  # the vocabulary of the Hugging Face interop fixtures

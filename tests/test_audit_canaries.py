@@ -1,6 +1,7 @@
 """Canaries (J&M §10.10; Carlini et al. 2019): planted by tlm prepare, measured by tlm audit."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -50,13 +51,36 @@ def test_a_planted_canary_is_exposed_and_one_never_planted_is_not(planted_model)
     assert extracted(model, tokenizer, PLANTED) and not extracted(model, tokenizer, NEVER)
 
 
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """The two-sided tail of Binomial(n, p) at k: 2·min(P(K <= k), P(K >= k)), at most 1."""
+    log_choose = [
+        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in range(n + 1)
+    ]
+    pmf = [
+        math.exp(c + i * math.log(p) + (n - i) * math.log1p(-p)) for i, c in enumerate(log_choose)
+    ]
+    return min(1.0, 2 * min(sum(pmf[: k + 1]), sum(pmf[k:])))
+
+
 def test_the_sampled_exposure_agrees_with_the_exact_one(planted_model):
+    """The sampled rank counts the drawn candidates that beat the canary: that count is a
+    draw of Binomial(samples, (exact rank - 1) / (|R| - 1)), so it is held to that law at
+    the 1e-4 level (a canary of rank 17 of 10,000 expects 4.8 of 3,000 to beat it, ±2.2:
+    a fixed tolerance in bits would be under one standard deviation there). Where nothing
+    beats the canary the estimate extrapolates a normal tail: within 0.5 bits of the exact."""
     model, tokenizer = planted_model
+    samples = 3000
     for canary in ("my PIN is 4938", "my PIN is 1234"):  # one near the planted secret
         exact = exposure(model, tokenizer, canary)
-        sampled = exposure(model, tokenizer, canary, samples=3000, enumerate_up_to=0)
+        sampled = exposure(model, tokenizer, canary, samples=samples, enumerate_up_to=0)
         assert exact.enumerated and not sampled.enumerated
-        assert abs(sampled.exposure - exact.exposure) < 0.5, (exact, sampled)
+        space = 2**exact.max_exposure
+        if exact.rank == 1:
+            assert abs(sampled.exposure - exact.exposure) < 0.5, (exact, sampled)
+            continue
+        beaten = round((sampled.rank - 1) / (space - 1) * samples)  # the count drawn
+        law = (exact.rank - 1) / (space - 1)
+        assert binomial_tail(beaten, samples, law) > 1e-4, (exact, sampled, beaten)
 
 
 def test_text_logprobs_are_the_sums_of_the_tokens_logprobs(planted_model):
@@ -71,8 +95,9 @@ def test_text_logprobs_are_the_sums_of_the_tokens_logprobs(planted_model):
 
 
 def count(stream: np.ndarray, ids: list[int]) -> int:
-    n = len(ids)
-    return sum(bool((stream[i : i + n] == ids).all()) for i in range(len(stream) - n + 1))
+    """How many times `ids` occurs in `stream`, at every offset (overlaps too)."""
+    windows = np.lib.stride_tricks.sliding_window_view(stream, len(ids))  # [len - n + 1, n]
+    return int((windows == np.asarray(ids)).all(axis=1).sum())
 
 
 def test_prepare_plants_each_canary_as_often_as_asked_in_train_only(tmp_path):

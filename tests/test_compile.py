@@ -15,8 +15,9 @@ def rows(run) -> list[dict]:
 
 @pytest.mark.slow
 def test_compiled_training_has_no_graph_break_through_validations(docs_chars, tmp_path):
-    """Validation scores the whole split in batches of 32 windows, the last one shorter than
-    the context: each shape gets its own graph. Compiled with dynamic shapes, the shorter
+    """Validation scores its tokens in batches of 32 windows, then fewer, then one window
+    shorter than the context (every shape scoring the whole split meets; 35 windows and 5
+    tokens here): each shape gets its own graph. Compiled with dynamic shapes, the shorter
     window made SDPA's is_causal symbolic, the forward broke into pieces, and training ran
     them from the first validation on."""
     torch._dynamo.reset()
@@ -25,7 +26,8 @@ def test_compiled_training_has_no_graph_break_through_validations(docs_chars, tm
     for compiled in (True, False):
         run = tmp_path / str(compiled)
         values = {"data": str(docs_chars), "out": str(run), "max_steps": 9, "compile": compiled}
-        values |= {"eval_interval": 3, "eval_tokens": 0, "batch_size": 8, "log_interval": 3}
+        values |= {"eval_interval": 3, "eval_tokens": 35 * 16 + 5, "batch_size": 8}
+        values |= {"log_interval": 3}  # validation: [32, 17], [3, 17] and [1, 6] windows
         shape = {"n_layers": 1, "d_model": 16, "n_heads": 2, "context_length": 16}
         model_config, train_config, data = new_run_configs(shape, values)
         tokenizer = (docs_chars / "tokenizer.json").read_text()

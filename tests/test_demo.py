@@ -11,7 +11,7 @@ from tlm.cli import main
 @pytest.mark.slow
 def test_demo_runs_end_to_end_and_replaces_only_its_own_folders(tmp_path, capsys):
     data, out = tmp_path / "data", tmp_path / "run"
-    args = ["demo", "--data", str(data), "--out", str(out), "--max-steps", "20", "--quiet"]
+    args = ["demo", "--data", str(data), "--out", str(out), "--max-steps", "4", "--quiet"]
     args += ["--vocab-size", "300"]
     assert main(args) == 0
     printed = capsys.readouterr().out
@@ -57,7 +57,7 @@ def test_demo_chat_fine_tunes_the_base_and_measures_both(tmp_path, capsys):
     assert main([*pretrain, "--max-steps", "5", "--vocab-size", "300", "--quiet"]) == 0
     data, out = tmp_path / "chat-data", tmp_path / "chat"
     args = ["demo", "chat", "--base", str(base), "--data", str(data), "--out", str(out)]
-    assert main([*args, "--max-steps", "20", "--quiet"]) == 0
+    assert main([*args, "--max-steps", "4", "--quiet"]) == 0
     printed = capsys.readouterr().out
     for step in ("[1/4] base model", "[2/4] prepare python-qa", "[3/4] fine-tune", "[4/4] answer"):
         assert step in printed

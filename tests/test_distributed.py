@@ -24,11 +24,11 @@ from tlm.train import RunError, Runtime
 
 pytestmark = pytest.mark.slow  # every test here starts processes or a server
 
-STEPS = 120
+STEPS = 60
 ARGS = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--context-length", "32"]
 ARGS += ["--batch-size", "2", "--grad-accum", "4"]  # a global batch of 8: 2 x 2 a rank
 ARGS += ["--warmup-steps", "10", "--lr", "3e-3"]
-ARGS += ["--checkpoint-interval", "10", "--eval-interval", "60", "--log-interval", "10"]
+ARGS += ["--checkpoint-interval", "10", "--eval-interval", "20", "--log-interval", "10"]
 ARGS += ["--max-steps", str(STEPS), "--dropout", "0", "--quiet"]
 ARGS += ["--precision", "float32"]  # bf16's rounding would tell the all-reduce's order apart
 EVAL_TOKENS = 2 * 32 * 32 + 5  # validation: 3 batches (32, 32, 1 windows), uneven over 2 ranks

@@ -3,6 +3,7 @@ multiple-choice, rolling and generation requests it sends (token ids, echo with 
 one token or none) come back as OpenAI's completions API answers them, and its per-sample
 log-likelihoods are tlm's own."""
 
+import inspect
 import json
 
 import pytest
@@ -75,9 +76,33 @@ def tasks(tmp_path_factory, served_run):
     return folder
 
 
-def evaluate(server, name, tasks, monkeypatch):
-    import lm_eval
+@pytest.fixture(scope="module")
+def task_manager(tasks):
+    """lm-eval's index of its tasks and of `tasks`: seconds to build (it reads thousands of
+    task files), so built once for every evaluation in this file."""
     from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(tasks))
+
+
+@pytest.fixture
+def shared_index(monkeypatch, tasks, task_manager):
+    """tlm's own `TaskManager(include_path=...)` gets `task_manager` when it asks for the
+    index of `tasks` (anything else builds its own, as before)."""
+    import lm_eval.tasks
+
+    build = lm_eval.tasks.TaskManager
+
+    def made(*args, **kwargs):
+        if not args and kwargs == {"include_path": str(tasks)}:
+            return task_manager
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", made)
+
+
+def evaluate(server, name, tasks, task_manager, monkeypatch):
+    import lm_eval
 
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -88,7 +113,7 @@ def evaluate(server, name, tasks, monkeypatch):
         model="local-completions",
         model_args=args,
         tasks=list(TASKS),
-        task_manager=TaskManager(include_path=str(tasks)),
+        task_manager=task_manager,
         log_samples=True,
     )
 
@@ -108,9 +133,9 @@ def rolling(model, seq, N):
 
 
 @pytest.fixture(scope="module")
-def through_serve(server, served_run, tasks):
+def through_serve(server, served_run, tasks, task_manager):
     with pytest.MonkeyPatch.context() as monkeypatch:
-        return evaluate(server, served_run.name, tasks, monkeypatch)
+        return evaluate(server, served_run.name, tasks, task_manager, monkeypatch)
 
 
 def test_lm_eval_scores_tlm_serve_as_tlm_scores(server, served_run, through_serve):
@@ -201,12 +226,21 @@ def assert_same(a, b, skip=()):
 
 
 def test_tlm_lm_eval_and_the_hf_backend_agree_with_serve(
-    served_run, tasks, through_serve, tmp_path, capsys, monkeypatch
+    served_run, tasks, task_manager, shared_index, through_serve, tmp_path, capsys, monkeypatch
 ):
     import lm_eval
-    from lm_eval.tasks import TaskManager
+
+    from tlm.tasks import harness
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    runs, real = [], harness.harness_evaluate
+
+    def recorded(*args, **kwargs):  # the command's results are tlm's: one evaluation, not two
+        asked = inspect.signature(real).bind(*args, **kwargs).arguments
+        runs.append((asked, real(*args, **kwargs)))
+        return runs[-1][1]
+
+    monkeypatch.setattr(harness, "harness_evaluate", recorded)
     out = tmp_path / "out"
     args = ["lm-eval", str(served_run), "--tasks", ",".join(TASKS), "--include-path", str(tasks)]
     assert main([*args, "--batch-size", "2", "--output-path", str(out)]) == 0
@@ -214,17 +248,15 @@ def test_tlm_lm_eval_and_the_hf_backend_agree_with_serve(
     assert all(task in table for task in TASKS) and "acc" in table  # lm-eval's own table
     written = sorted(p.name.split("_20")[0] for p in out.rglob("*.json*"))
     assert written == ["results", *(f"samples_{task}" for task in sorted(TASKS))]
+    [(asked, ours)] = runs
+    assert asked["run"] == str(served_run) and asked["batch_size"] == 2
 
-    from tlm.tasks.harness import harness_evaluate
-
-    ours = harness_evaluate(str(served_run), list(TASKS), str(tasks), output_path=str(tmp_path))
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
     hf_lm = HFLM(pretrained=str(tasks / "hf"), dtype="float32", batch_size=1, device="cpu")
     hf = lm_eval.simple_evaluate(
-        model=hf_lm, tasks=list(TASKS), task_manager=TaskManager(include_path=str(tasks)),
-        log_samples=True,
+        model=hf_lm, tasks=list(TASKS), task_manager=task_manager, log_samples=True,
     )  # fmt: skip
     longer = {("tlm_rolling", 2)}  # windowed by 64 here and in hf, by 63 through an API
     assert_same(per_sample(ours), per_sample(through_serve), skip=longer)
@@ -250,7 +282,7 @@ def test_tlm_lm_eval_and_the_hf_backend_agree_with_serve(
             assert mine[key] == close, (task, key)
 
 
-def test_tlm_lm_eval_refuses_in_one_line(served_run, tasks, capsys, monkeypatch):
+def test_tlm_lm_eval_refuses_in_one_line(served_run, tasks, shared_index, capsys, monkeypatch):
     args = ["lm-eval", str(served_run), "--tasks", "no_such_task", "--include-path", str(tasks)]
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -281,11 +313,10 @@ def test_registering_tlm_keeps_lm_evals_own_models():
     assert done.returncode == 0 and done.stdout.split() == ["TlmLM", "HFLM"], done.stderr
 
 
-def test_lm_eval_reads_the_servers_own_tokenizer(server, served_run, tasks, through_serve):
+def test_lm_eval_reads_the_servers_own_tokenizer(server, served_run, task_manager, through_serve):
     """With tokenizer_backend auto, lm-eval finds /tokenizer_info, /tokenize and /detokenize
     and needs no exported tokenizer: the same per-sample results."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     args = f"base_url={server}/v1/completions,tokenizer_backend=auto,auth_token={KEY},"
     args += f"model={served_run.name},num_concurrent=1,max_retries=1,max_length=65"
@@ -294,7 +325,7 @@ def test_lm_eval_reads_the_servers_own_tokenizer(server, served_run, tasks, thro
         monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
         remote = lm_eval.simple_evaluate(
             model="local-completions", model_args=args, tasks=list(TASKS),
-            task_manager=TaskManager(include_path=str(tasks)), log_samples=True,
+            task_manager=task_manager, log_samples=True,
         )  # fmt: skip
     assert_same(per_sample(remote), per_sample(through_serve))
     status, answer, _ = post(server + "/tokenize", {"prompt": "The", "add_special_tokens": False})

@@ -10,6 +10,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -49,35 +50,61 @@ def test_every_file_the_library_is_compiled_from_ships_with_the_package():
         assert any(fnmatch.fnmatch(path.name, pattern) for pattern in shipped), path.name
 
 
-@needs_native
+def fake_compiler(folder: Path) -> tuple[Path, Path]:
+    """A C compiler that writes an empty file where -o says, and a line per call to a log:
+    what `_compiled` decides (compile or not, and where) without a real compile's seconds."""
+    log, script = folder / "compiler-calls", folder / "fake-cc"
+    script.write_text(
+        f'#!/bin/sh\necho "$@" >> "{log}"\n'
+        'while [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n'
+    )
+    script.chmod(0o755)
+    return script, log
+
+
+def calls(log: Path) -> int:
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
 def test_a_changed_header_compiles_anew(tmp_path, monkeypatch):
-    monkeypatch.setenv("TLM_CACHE", str(tmp_path))
+    cc, log = fake_compiler(tmp_path)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("TLM_CACHE", str(tmp_path / "cache"))
     flags = [*native.FLAGS, "-march=native", "-fopenmp-simd"]
+    first = len(native.SOURCES) + 1  # each source, then the link
     before = native._compiled(flags)
-    header = tmp_path / "attention_rows.h"
+    assert calls(log) == first and before.is_file()
+    assert native._compiled(flags) == before and calls(log) == first  # found: no compiler
+    header = tmp_path / "attention_rows.h"  # the same headers, one of them one line longer
     header.write_text(native.HEADERS[0].read_text() + "/* changed */\n")
-    monkeypatch.setattr(native, "HEADERS", [header])
-    assert native._compiled(flags) != before
+    monkeypatch.setattr(native, "HEADERS", [header, *native.HEADERS[1:]])
+    native._compiled(flags)
+    assert calls(log) == 2 * first  # compiled anew
+    assert len(list((tmp_path / "cache" / "native").glob("step-*.so"))) == 2
 
 
-@needs_native
-def test_an_unusable_cache_folder_builds_in_the_temporary_one(tmp_path):
+def test_an_unusable_cache_folder_builds_in_the_temporary_one(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")  # a cache path below a file cannot be made, even by root
-    script = "from tlm.inference import native; print(native.library() is not None)"
-    env = os.environ | {"TLM_CACHE": str(blocker / "cache"), "TMPDIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
-    assert run.stdout.strip() == "True", run.stderr
-    assert list(tmp_path.glob("tlm-*/native/step-*.so"))
+    cc, log = fake_compiler(tmp_path)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("TLM_CACHE", str(blocker / "cache"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # gettempdir()'s answer
+    built = native._compiled([*native.FLAGS, "-march=native", native.THREADS[0]])
+    assert built.parent == tmp_path / "tmp" / f"tlm-{os.getuid()}" / "native"
+    assert built.is_file() and calls(log) == len(native.SOURCES) + 1
 
 
-GOMP_SCRIPT = """
-import torch
+FRESH_SCRIPT = """
+import os, numpy as np, torch
 from tlm import ModelConfig, TransformerLM
 from tlm.inference import native
 
-def openmp():
-    return sorted({l.split()[-1] for l in open("/proc/self/maps") if "libgomp" in l})
+def openmp():  # how many OpenMP runtimes are loaded (None: no /proc to tell)
+    if not os.path.exists("/proc/self/maps"):
+        return None
+    return len({l.split()[-1] for l in open("/proc/self/maps") if "libgomp" in l})
 
 before = openmp()
 assert native.library() is not None
@@ -85,25 +112,32 @@ torch.manual_seed(0)
 model = TransformerLM(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=4,
                                   context_length=16)).eval()
 model.generate(torch.tensor([[1, 2]]), max_new_tokens=3)
-print(len(before), len(openmp()))
+print(before, openmp())
+print(np.float32(1e-38) / np.float32(10), float(torch.tensor(1e-38) / 10) > 0)
 """
 
 
+@pytest.fixture(scope="module")
+def fresh_process(tmp_path_factory):
+    """One new process that builds the library into an empty cache, loads it and decodes
+    with it: what loading it did to a process (read by the two tests below)."""
+    env = os.environ | {"TLM_CACHE": str(tmp_path_factory.mktemp("native-cache"))}
+    command = [sys.executable, "-c", FRESH_SCRIPT]
+    return subprocess.run(command, capture_output=True, text=True, env=env)
+
+
 @needs_native
-def test_attention_threads_are_torchs_own(tmp_path):
+def test_attention_threads_are_torchs_own(fresh_process):
     """The library built with OpenMP uses the OpenMP runtime torch has loaded (one thread
     pool for both), not a second copy of it."""
-    if not os.path.exists("/proc/self/maps"):
-        pytest.skip("needs Linux's /proc to list the loaded libraries")
-    env = os.environ | {"TLM_CACHE": str(tmp_path)}
-    run = subprocess.run(
-        [sys.executable, "-c", GOMP_SCRIPT], capture_output=True, text=True, env=env
-    )
+    run = fresh_process
     assert run.returncode == 0, run.stderr
-    before, after = map(int, run.stdout.split())
-    if before == 0:
+    before, after = run.stdout.splitlines()[0].split()
+    if before == "None":
+        pytest.skip("needs Linux's /proc to list the loaded libraries")
+    if before == "0":
         pytest.skip("this torch runs without libgomp")
-    assert before == after == 1
+    assert before == after == "1"
     assert not run.stderr
 
 
@@ -131,29 +165,24 @@ def test_each_build_this_host_runs_has_its_own_instruction_set(monkeypatch):
 
 
 @needs_native
-def test_a_compiler_without_openmp_still_builds_the_step(tmp_path):
-    script = (
-        "from tlm.inference import native; native.THREADS = ('-fno-such-openmp-flag',"
-        " *native.THREADS[1:]); print(native.library() is not None)"
-    )
-    env = os.environ | {"TLM_CACHE": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
-    assert run.stdout.strip() == "True" and not run.stderr, run.stderr
+def test_a_compiler_without_openmp_still_builds_the_step(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("TLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "THREADS", ("-fno-such-openmp-flag", *native.THREADS[1:]))
+    monkeypatch.setattr(native, "_library", functools.cache(native._library.__wrapped__))
+    lib = native.library()
+    assert lib is not None and not lib.products_here() & 4  # built without OpenMP (`threaded`)
+    assert capfd.readouterr().err == ""
     assert len(list(tmp_path.glob("native/step-*.so"))) == 1
 
 
 @needs_native
-def test_loading_the_c_step_leaves_the_processs_arithmetic_alone():
+def test_loading_the_c_step_leaves_the_processs_arithmetic_alone(fresh_process):
     """The library is built with -ffast-math's parts, not -ffast-math: gcc links that into a
     shared library with a loader that sets flush-to-zero for the whole process, and numpy's
     and torch's subnormal results became 0 after the first decoding step."""
-    code = (
-        "import numpy as np, torch; from tlm.inference import native; "
-        "assert native.library() is not None; "
-        "print(np.float32(1e-38) / np.float32(10), float(torch.tensor(1e-38) / 10) > 0)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["1e-39", "True"], out.stdout
+    run = fresh_process
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[1].split() == ["1e-39", "True"], run.stdout
 
 
 @pytest.mark.skipif(

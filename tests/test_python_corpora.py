@@ -3,7 +3,6 @@
 import ast
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import sysconfig
@@ -60,18 +59,42 @@ def test_stdlib_holds_a_module_docstring_read_from_its_file():
     assert "\n\nSerialize ``obj`` to a JSON formatted ``str``." in text  # json.dumps's
 
 
+FRESH_READ = """
+import json, os, sys, sysconfig
+from tlm.data.python_corpora import stdlib_documents
+walk = os.walk  # the disk's order of names, reversed: the text must not change
+
+def reversed_walk(root):
+    for folder, subfolders, files in walk(root):
+        subfolders.reverse()  # what is left after pruning is walked in this order
+        yield folder, subfolders, files[::-1]
+
+os.walk = reversed_walk
+stdlib = sysconfig.get_paths()["stdlib"]
+before = set(sys.modules)
+text = "\\0".join(stdlib_documents(stdlib))
+new = sorted(set(sys.modules) - before)
+assert text
+import hashlib
+print(json.dumps({"imported": new, "sha256": hashlib.sha256(text.encode()).hexdigest()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_read():
+    """The stdlib read once in a new process (no cache to find) whose os.walk gives the
+    names in reverse: the modules the read imported, and its text's sha256."""
+    run = subprocess.run(
+        [sys.executable, "-c", FRESH_READ], capture_output=True, text=True, check=True
+    )
+    return json.loads(run.stdout)
+
+
 @pytest.mark.slow
-def test_two_reads_are_equal_and_in_sorted_path_order(monkeypatch):
+def test_two_reads_are_equal_and_in_sorted_path_order(fresh_read):
     first = pc.stdlib_documents(STDLIB)  # read once per session, then cached
-    walk = os.walk  # the disk's order of names, reversed: the text must not change
-
-    def reversed_walk(root):
-        for folder, subfolders, files in walk(root):
-            subfolders.reverse()  # what is left after pruning is walked in this order
-            yield folder, subfolders, files[::-1]
-
-    monkeypatch.setattr(pc.os, "walk", reversed_walk)
-    assert pc.stdlib_documents.__wrapped__(STDLIB) == first  # read again, not the cache
+    digest = hashlib.sha256("\0".join(first).encode()).hexdigest()
+    assert fresh_read["sha256"] == digest  # read again, in the reverse order of the disk's
     json, json_decoder, xml_dom = (
         pc.module_text(Path(STDLIB, *name.split("/")))
         for name in ("json/__init__.py", "json/decoder.py", "xml/dom/__init__.py")
@@ -122,17 +145,8 @@ def test_docstrings_come_cleaned_in_source_order(tmp_path):
 
 
 @pytest.mark.slow
-def test_reading_the_stdlib_imports_none_of_its_modules():
+def test_reading_the_stdlib_imports_none_of_its_modules(fresh_read):
     """Importing runs a module (`antigravity` opens a browser); reading must not import."""
-    code = (
-        "import json, sys, sysconfig\n"
-        "from tlm.data.python_corpora import stdlib_documents\n"
-        "stdlib = sysconfig.get_paths()['stdlib']\n"
-        "before = set(sys.modules)\n"
-        "assert stdlib_documents(stdlib)\n"
-        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
-    )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    new = json.loads(run.stdout)
+    new = fresh_read["imported"]
     # the only ones: codecs that decode files declaring `# -*- coding: ... -*-`
     assert [name for name in new if not name.startswith("encodings.")] == []

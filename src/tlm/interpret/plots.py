@@ -65,7 +65,9 @@ def plot_attention(
     keys: list[str] | None = None,
 ) -> None:
     """The overview: one small grid per layer (rows) and head (columns), α [L, H, T, S];
-    `keys` labels the columns when they are other tokens than the rows (cross-attention)."""
+    `keys` labels the columns when they are other tokens than the rows (cross-attention).
+    The tokens label the outer grids only (keys along the bottom row, queries down the left
+    column): every grid shares them, and each label is text matplotlib lays out."""
     plt = _pyplot()
     L, H, T, S = patterns.shape
     keys = tokens if keys is None else keys
@@ -76,8 +78,9 @@ def plot_attention(
             ax = axes[layer][head]
             ax.imshow(patterns[layer, head].cpu().numpy(), cmap="Blues", vmin=0, vmax=1)
             ax.set_title(f"layer {layer}, head {head}", fontsize=8)
-            ax.set_xticks(range(S) if small else [], labels_of(keys) if small else [])
-            ax.set_yticks(range(T) if small else [], labels_of(tokens) if small else [])
+            x_labels, y_labels = small and layer == L - 1, small and head == 0
+            ax.set_xticks(range(S) if small else [], labels_of(keys) if x_labels else [])
+            ax.set_yticks(range(T) if small else [], labels_of(tokens) if y_labels else [])
             ax.tick_params(axis="x", labelrotation=90, labelsize=6)
             ax.tick_params(axis="y", labelsize=6)
     fig.suptitle(title or "attention patterns α (eq. 9.12): row = query, column = key")

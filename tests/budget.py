@@ -1,0 +1,50 @@
+"""The suite's time budget, reported at the end of every run (a pytest plugin: conftest.py
+names it).
+
+`make test` must stay under BUDGET seconds on the slower host kind (2 cores, AVX2 only),
+far inside CI's 90 minutes. Speed is never a test's verdict (a test that fails on a slow
+host is wrong), so the budget is a report: the seconds spent, the share of the budget, the
+host's kernels beside them, and the files that cost the most. Past WARN of the budget it
+says so in a line that names the first files to make cheaper.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+BUDGET = 600.0  # seconds of tests on the slower host kind (issue 61)
+WARN = 0.75  # the share of BUDGET past which the report asks for cheaper tests
+SHOWN = 8  # the costliest files listed
+
+_spent: dict[str, float] = defaultdict(float)  # test file -> seconds (setup + call + teardown)
+_started = time.perf_counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _spent[report.nodeid.split("::")[0]] += report.duration
+
+
+def host() -> str:
+    """The kernels this host runs: PyTorch's CPU capability and its thread count."""
+    return f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if not _spent:
+        return
+    tests, wall = sum(_spent.values()), time.perf_counter() - _started
+    share = wall / BUDGET
+    write = terminalreporter.write_line
+    terminalreporter.section("time budget")
+    write(
+        f"{wall:.0f} s in all ({tests:.0f} s in tests) of the suite's {BUDGET:.0f} s "
+        f"budget on the slower host kind: {share:.0%} (this host: {host()})"
+    )
+    costliest = sorted(_spent.items(), key=lambda item: -item[1])[:SHOWN]
+    write("costliest files: " + ", ".join(f"{name} {s:.0f} s" for name, s in costliest))
+    if share > WARN and len(_spent) > SHOWN:  # a whole run, not a file or two
+        write(f"past {WARN:.0%} of the budget: make the costliest files cheaper (issue 61)")
