@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test test-gpu gpu-wheels lint format bench clean
 
 install: $(STAMP)
 
@@ -21,6 +21,26 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# The CUDA tier (tests marked `cuda`), on a machine with a GPU and its own CUDA build of
+# PyTorch (`GPU_PYTHON`), which .venv's CPU build must not replace: tlm runs from src/, and
+# what the tier needs beyond such a machine's image comes from wheels/ (`make gpu-wheels`,
+# run where the package registries are reachable) into .gpu-site/.
+GPU_PYTHON ?= python3
+GPU_SITE := .gpu-site
+GPU_WHEELS := annotated-doc annotated-types datasketch fastapi gguf h11 llguidance phonenumbers \
+	pydantic pydantic_core starlette typing-inspection uvicorn
+
+test-gpu:
+	if [ -d wheels ]; then $(GPU_PYTHON) -m pip install --quiet --disable-pip-version-check \
+		--no-index --no-deps --upgrade --target $(GPU_SITE) wheels/*.whl; fi
+	PYTHONPATH=src:$(GPU_SITE) $(GPU_PYTHON) -m pytest -m cuda
+
+gpu-wheels: $(STAMP)
+	rm -rf wheels && $(PIP) download --dest wheels --no-deps --only-binary=:all: \
+		--python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 \
+		$$(for name in $(GPU_WHEELS); do grep -i "^$$name==" requirements.lock; done)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -33,4 +53,4 @@ bench: $(STAMP)
 	for script in bench/[!_]*.py; do $(BIN)/python $$script || exit 1; done
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(GPU_SITE) wheels build src/*.egg-info .pytest_cache

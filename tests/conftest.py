@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -67,6 +68,19 @@ def kernel_build(request, monkeypatch):
     instruction set, wherever `native.library()` is asked (subprocesses inherit it)."""
     monkeypatch.setenv("TLM_NATIVE_ARCH", request.param)
     return request.param
+
+
+@pytest.fixture(scope="session")
+def gpu() -> torch.device:
+    """The device of the CUDA tier (tests marked `cuda`, `make test-gpu`): the first GPU, the
+    test skipped without one. TLM_TIER_DEVICE=cpu runs the tier on the CPU instead, to check
+    the tier itself on a host without a GPU."""
+    name = os.environ.get("TLM_TIER_DEVICE")
+    if name:
+        return torch.device(name)
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (the CUDA tier: make test-gpu)")
+    return torch.device("cuda")
 
 
 @pytest.fixture

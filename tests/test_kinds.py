@@ -137,6 +137,6 @@ def test_a_draft_path_is_decided_once(paths, monkeypatch):
     for name in ("kind_of", "detected"):  # the two questions load asks of the table
         real = getattr(tlm.load, name)
         monkeypatch.setattr(tlm.load, name, lambda path, f=real, n=name: asked.append(n) or f(path))
-    draft = load_draft(str(paths["GPT-2"]), run, "float32", "latest", load_tokenizer(run))
+    draft = load_draft(str(paths["GPT-2"]), run, "float32", "latest", load_tokenizer(run), "cpu")
     assert isinstance(draft, TransformerLM)
     assert asked == ["kind_of"]

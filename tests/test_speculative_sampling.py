@@ -19,7 +19,8 @@ import torch
 from scipy.stats import chisquare
 
 from tlm.generate import GenerationConfig
-from tlm.generate.sampling import RowChoice, draw
+from tlm.generate.choice import RowChoice
+from tlm.generate.sampling import draw
 from tlm.generate.slots import Slots
 from tlm.inference import for_decoding
 

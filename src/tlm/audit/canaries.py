@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlm.audit.extraction import AuditError
+from tlm.device import placement
 from tlm.generate import GenerationConfig, generate
 from tlm.tokenizer import Tokenizer, document_ids
 
@@ -54,7 +55,7 @@ def text_logprobs(
     model: nn.Module, tokenizer: Tokenizer, texts: list[str], batch_size: int = 256
 ) -> np.ndarray:
     """log P(text) of each text as a document, Σ_i log P(w_i | <|endoftext|> w_<i): [n]."""
-    device = next(model.parameters()).device
+    device = placement(model)[0]
     out = []
     for lo in range(0, len(texts), batch_size):
         rows = [document_ids(tokenizer, text) for text in texts[lo : lo + batch_size]]
@@ -122,7 +123,7 @@ def extracted(model: nn.Module, tokenizer: Tokenizer, canary: str) -> bool:
     without the space that begins the secret's token) gives the secret back."""
     prefix, secret = secret_of(canary)
     start = prefix.rstrip()
-    ids = torch.tensor([document_ids(tokenizer, start)], device=next(model.parameters()).device)
+    ids = torch.tensor([document_ids(tokenizer, start)], device=placement(model)[0])
     wanted = prefix[len(start) :] + secret
     config = GenerationConfig(max_new_tokens=len(wanted) + 1, eos_token_id=())
     tokens = [step.lists()[0][0] for step in generate(model, ids, config)]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from tlm.device import placement
 from tlm.errors import UserError
 from tlm.generate import GenerationConfig, generate
 
@@ -94,7 +95,7 @@ def extraction(
         )
     starts = window_starts(len(tokens), prefix + suffix, samples, seed)
     config = GenerationConfig(max_new_tokens=suffix, eos_token_id=())
-    device = next(model.parameters()).device
+    device = placement(model)[0]
     exact, matched = [], []
     bar = tqdm(total=len(starts), desc="extraction", unit="window", disable=not progress)
     for lo in range(0, len(starts), batch_size):

@@ -72,14 +72,43 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> 
         )
 
 
-def add_weights_flag(parser: argparse.ArgumentParser) -> None:
-    """--weights latest|best: which of a run's weights a command reads."""
+def add_model_flags(parser: argparse.ArgumentParser, device: bool = True) -> None:
+    """The flags of a command that reads a model: --weights latest|best (which of a run's
+    weights) and, for one that runs it, --device auto|cpu|cuda[:N] (where)."""
     parser.add_argument(
         "--weights",
         choices=("latest", "best"),  # checkpoint.WEIGHTS (not imported: it loads PyTorch)
         default="latest",
         help="latest (default), or best: the lowest validation loss (a run trained --keep-best)",
     )
+    if device:
+        add_device_flag(parser)
+
+
+def add_device_flag(parser: argparse.ArgumentParser) -> None:
+    """--device auto|cpu|cuda[:N]: where the model runs (`tlm.device.pick_device`)."""
+    parser.add_argument(
+        "--device",
+        default="auto",
+        metavar="auto|cpu|cuda[:N]",
+        help="where the model runs: auto (default) is a CUDA GPU where there is one, else the CPU",
+    )
+
+
+def model_device(args: argparse.Namespace, dtype: str | None = None, say: bool = True) -> Any:
+    """The torch device of --device for a model read in weight format `dtype`
+    (`tlm.device.pick_device` decides). On a machine with a GPU, where the choice matters,
+    the command's first line names it on stderr (`say`: unless the command names it in a
+    first line of its own); on one without, the CPU goes without saying, and an error stays
+    the one line it is."""
+    import torch
+
+    from tlm.device import describe, pick_device
+
+    device = pick_device(getattr(args, "device", "auto"), dtype)
+    if say and torch.cuda.is_available():
+        print(f"tlm {args.command}: on {describe(device)}", file=sys.stderr, flush=True)
+    return device
 
 
 def add_long_context_flags(parser: argparse.ArgumentParser, context: bool = True) -> None:

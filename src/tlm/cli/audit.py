@@ -6,7 +6,7 @@ import argparse
 import json
 
 from tlm.audit import audit, passes, record
-from tlm.cli.args import add_command, add_weights_flag, fail
+from tlm.cli.args import add_command, add_model_flags, fail, model_device
 from tlm.data.tokens import TokenData
 from tlm.load import load_language_model, load_tokenizer, source_of
 
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="which windows are drawn (0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_weights_flag(parser)
+    add_model_flags(parser)
     parser.set_defaults(handler=run)
 
 
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     for split in ("train", "val"):
         if len(data.split(split)) == 0:
             fail(f"the {split} split of {args.data} is empty: nothing to audit")
-    model = load_language_model(source, weights=args.weights)
+    model = load_language_model(source, model_device(args), args.weights)
     epochs = passes(args.run, len(data.split("train")))
     report = audit(
         model, tokenizer, data, args.samples, args.prefix, args.suffix, args.batch_size,

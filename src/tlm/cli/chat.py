@@ -9,9 +9,10 @@ from tlm.chat import ChatError, speaks
 from tlm.cli.args import (
     add_command,
     add_long_context_flags,
-    add_weights_flag,
+    add_model_flags,
     fail,
     long_context_flags,
+    model_device,
 )
 from tlm.generate import GenerationConfig
 from tlm.generate.chat import chat_prompt, reply_room, stream_reply
@@ -39,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, help="with --do-sample: nucleus of mass p")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--dtype", default="float32", choices=FORMATS, help="weights (float32)")
-    add_weights_flag(parser)
+    add_model_flags(parser)
     add_long_context_flags(parser)
     parser.set_defaults(handler=run)
 
@@ -54,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
             f"{args.run} has no chat template (a base model continues text): fine-tune it with "
             f"tlm train --init-from {args.run} --data CHATDIR, or use tlm generate"
         )
+    device = model_device(args, args.dtype)
     model = load_language_model(
-        args.run, weights=args.weights, dtype=args.dtype, **long_context_flags(args)
+        args.run, device, args.weights, args.dtype, **long_context_flags(args)
     )
     config = GenerationConfig.of(
         max_new_tokens=args.max_new_tokens,

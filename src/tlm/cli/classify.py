@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tlm.cli.args import add_command, add_weights_flag
+from tlm.cli.args import add_command, add_model_flags, model_device
 from tlm.load import load_language_model, load_tokenizer, source_of
 from tlm.tasks import accuracy, classify, confusion_matrix
 from tlm.tasks.inputs import read_examples
@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--text-field", default="text", help="JSONL field of the text")
     parser.add_argument("--gold-field", help="JSONL field of the gold label (.tsv: 2nd column)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    add_weights_flag(parser)
+    add_model_flags(parser)
     parser.set_defaults(handler=run)
 
 
@@ -40,7 +40,10 @@ def run(args: argparse.Namespace) -> int:
     labels = [label.strip() for label in args.labels.split(",")]
     examples = read_examples(args.input, args.text_field, args.gold_field)
     source = source_of(args.run)
-    model, tokenizer = load_language_model(source, weights=args.weights), load_tokenizer(source)
+    model, tokenizer = (
+        load_language_model(source, model_device(args), args.weights),
+        load_tokenizer(source),
+    )
     results = classify(model, tokenizer, [text for text, _ in examples], labels, args.template)
     rows = [
         {

@@ -11,7 +11,7 @@ import torch
 
 from tlm.checkpoint import FILES as RUN
 from tlm.checkpoint import check_unlocked, lock_run
-from tlm.cli.args import add_command, fail
+from tlm.cli.args import add_command, add_device_flag, fail
 from tlm.cli.demo_chat import STEPS, chat_demo
 from tlm.data import TokenData, prepare
 from tlm.data.prepare import FILES as PREPARED
@@ -49,13 +49,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--base", default="runs/demo", help="chat: the base run (runs/demo)")
     parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary (1024)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_device_flag(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.inputs == ["chat"]:
         args.max_steps = args.max_steps or STEPS
-        return chat_demo(args, _claim, lambda base: pretrain(base, args.quiet))
+        return chat_demo(args, _claim, lambda base: pretrain(base, args.quiet, args.device))
     args.max_steps = args.max_steps or 800
     started = time.perf_counter()
     data_dir, out = Path(args.data or "data/demo"), Path(args.out or "runs/demo")
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     train_values = {**TRAIN, "data": str(data_dir), "out": str(out), "max_steps": args.max_steps}
+    train_values["device"] = args.device
     model_config, train_config, data = new_run_configs(MODEL, train_values)
     tokenizer = load_tokenizer(data_dir)
     with lock_run(out):
@@ -124,10 +126,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def pretrain(out: Path, quiet: bool) -> None:
-    """The main demo's run at `out` (the chat demo's base)."""
+def pretrain(out: Path, quiet: bool, device: str) -> None:
+    """The main demo's run at `out` (the chat demo's base), on `device`."""
     defaults = {"inputs": ["python-stdlib"], "data": "data/demo", "max_steps": 800}
-    run(argparse.Namespace(**defaults, out=str(out), vocab_size=1024, quiet=quiet))
+    run(argparse.Namespace(**defaults, out=str(out), vocab_size=1024, quiet=quiet, device=device))
 
 
 def _claim(folders: list[tuple[Path, tuple[str, ...], str]]) -> None:
@@ -146,6 +148,6 @@ def _claim(folders: list[tuple[Path, tuple[str, ...], str]]) -> None:
 
 def _plot_attention(model, tokenizer, path: Path) -> None:
     ids = document_ids(tokenizer, "for item in items:\n    print(item)")[:24]
-    patterns = attention_patterns(model, torch.tensor([ids]))
+    patterns = attention_patterns(model, torch.tensor([ids]))  # moved to the model's device
     tokens = [tokenizer.decode([i]) for i in ids]
     plot_attention(patterns, tokens, path)

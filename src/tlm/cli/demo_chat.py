@@ -49,7 +49,7 @@ def chat_demo(args: argparse.Namespace, claim, pretrain) -> int:
         f"      {train['conversations']:,} conversations to learn from, {val['conversations']:,} "
         f"held out (questions about other functions, classes, modules and topics)"
     )
-    values = {"data": str(data_dir), "out": str(out), "init_from": str(base)}
+    values = {"data": str(data_dir), "out": str(out), "init_from": str(base), "device": args.device}
     model_config, train_config, data = new_run_configs({}, values | {"max_steps": args.max_steps})
     with lock_run(out):
         trainer = open_run(
@@ -62,7 +62,7 @@ def chat_demo(args: argparse.Namespace, claim, pretrain) -> int:
         results = trainer.fit()
     print(f"      {results['elapsed']:.0f} s: validation loss {results['val_loss']:.3f}")
     print("[4/4] answer the held-out questions (greedy): the base model, then the assistant")
-    figures, shown = measure(base, out, ChatData(data_dir))
+    figures, shown = measure(base, out, ChatData(data_dir), trainer.device)
     for item in shown:
         print(f"      Q: {item['question']}")
         print(f"         base:      {item['base'][:100]!r}")
@@ -74,11 +74,12 @@ def chat_demo(args: argparse.Namespace, claim, pretrain) -> int:
     return 0
 
 
-def measure(base: Path, assistant: Path, data: ChatData) -> tuple[dict, list[dict]]:
-    """chat_eval.json's figures for both models, and the first held-out answers of each."""
+def measure(base: Path, assistant: Path, data: ChatData, device) -> tuple[dict, list[dict]]:
+    """chat_eval.json's figures for both models (on `device`, where the assistant trained),
+    and the first held-out answers of each."""
     figures, answers = {}, {}
     for name, run in (("base", base), ("assistant", assistant)):
-        model, tokenizer = load_language_model(run), load_tokenizer(run)
+        model, tokenizer = load_language_model(run, device), load_tokenizer(run)
         got = evaluate_chat(model.eval(), tokenizer, data, examples=SHOWN)
         keys = ("stop_rate", "chrf") + (("loss",) if name == "assistant" else ())
         figures[name] = {key: round(got[key], 4) for key in keys}

@@ -9,9 +9,10 @@ from tlm.chat import chat_tokenizer, speaks
 from tlm.cli.args import (
     add_command,
     add_long_context_flags,
-    add_weights_flag,
+    add_model_flags,
     fail,
     long_context_flags,
+    model_device,
 )
 from tlm.data import ChatData, TokenData, documents, open_data, resolve_sources
 from tlm.evaluate import evaluate_text, evaluate_tokens
@@ -47,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    add_weights_flag(parser)
+    add_model_flags(parser)
     add_long_context_flags(parser)
     pairs = parser.add_argument_group("translation (--task translate): BLEU and chrF")
     pairs.add_argument(
@@ -72,7 +73,9 @@ def run_chat(args: argparse.Namespace) -> int:
     data = open_data(args.data)
     if not isinstance(data, ChatData):
         fail(f"{args.data} holds no conversations; prepare them with tlm prepare --task chat")
-    model = load_language_model(args.run, weights=args.weights, **long_context_flags(args))
+    model = load_language_model(
+        args.run, model_device(args), args.weights, **long_context_flags(args)
+    )
     tokenizer = load_tokenizer(args.run)
     theirs = load_tokenizer(data.folder)
     if speaks(tokenizer) and tokenizer.to_json() != theirs.to_json():
@@ -110,7 +113,7 @@ def run_translation(args: argparse.Namespace) -> int:
     if args.data or args.text:
         fail("--task translate reads --src and --ref, not --data or --text")
     source = source_of(args.run)
-    model = load_translation_model(source, weights=args.weights)
+    model = load_translation_model(source, model_device(args), args.weights)
     tokenizer = load_tokenizer(source)
     results = evaluate_translation(
         model, tokenizer, args.src, args.ref, args.beams, args.alpha, args.batch_size, args.examples
@@ -140,7 +143,9 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.data) == bool(args.text):
         fail("give either --data DIR (with --split) or --text FILE...")
     source = source_of(args.run)
-    model = load_language_model(source, weights=args.weights, **long_context_flags(args))
+    model = load_language_model(
+        source, model_device(args), args.weights, **long_context_flags(args)
+    )
     tokenizer = load_tokenizer(source)
     if args.data:
         data = TokenData(args.data)

@@ -6,7 +6,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tlm.cli.args import add_command, add_long_context_flags, add_weights_flag, long_context_flags
+from tlm.cli.args import (
+    add_command,
+    add_long_context_flags,
+    add_model_flags,
+    long_context_flags,
+)
 from tlm.interop.gguf import TYPES
 from tlm.kinds import writer_of
 from tlm.load import load_model, load_tokenizer, source_of
@@ -44,14 +49,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = add_command(sub, "export-hf", "write a run as a Hugging Face model directory", EXAMPLE)
     parser.add_argument("run", help="run directory (or a Hugging Face directory)")
     parser.add_argument("out", help="the folder to create (must not exist or be empty)")
-    add_weights_flag(parser)
+    add_model_flags(parser, device=False)  # written, never run: read on the CPU
     add_long_context_flags(parser)
     parser.set_defaults(handler=run)
     parser = add_command(sub, "export-gguf", "write a run as a GGUF file (llama.cpp)", GGUF_EXAMPLE)
     parser.add_argument("run", help="run directory (or a Hugging Face directory)")
     parser.add_argument("out", help="the .gguf file to write (must not exist)")
     parser.add_argument("--type", choices=TYPES, default="f32", help="the matrices' type")
-    add_weights_flag(parser)
+    add_model_flags(parser, device=False)  # written, never run: read on the CPU
     add_long_context_flags(parser)
     parser.set_defaults(handler=run_gguf)
 

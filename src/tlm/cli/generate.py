@@ -10,9 +10,10 @@ from dataclasses import replace
 from tlm.cli.args import (
     add_command,
     add_long_context_flags,
-    add_weights_flag,
+    add_model_flags,
     fail,
     long_context_flags,
+    model_device,
     read_text_file,
 )
 from tlm.generate import GenerationConfig, complete, stream_completion
@@ -99,7 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--dtype", default="float32", choices=FORMATS, help="weights (float32)")
     parser.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
-    add_weights_flag(parser)
+    add_model_flags(parser)
     add_long_context_flags(parser)
     parser.set_defaults(handler=run)
 
@@ -123,9 +124,8 @@ def run(args: argparse.Namespace) -> int:
     ):
         fail("--stream shows one completion: one prompt, -n 1, --num-beams 1, --best-of 1")
     run = source_of(args.run)  # its kind decided once; the model and tokenizer read it
-    model = load_language_model(
-        run, weights=args.weights, dtype=args.dtype, **long_context_flags(args)
-    )
+    device = model_device(args, args.dtype)
+    model = load_language_model(run, device, args.weights, args.dtype, **long_context_flags(args))
     tokenizer = load_tokenizer(run)
     if not args.no_eos:
         config = replace(config, eos_token_id=tokenizer.eot_id)
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         config = replace(config, grammar=grammar)
     if args.draft is not None:
         draft = load_draft(
-            args.draft, run, args.dtype, args.weights, tokenizer, **long_context_flags(args)
+            args.draft, run, args.dtype, args.weights, tokenizer, device, **long_context_flags(args)
         )
         config = replace(config, draft=draft)
     stop = tuple(_unescape(s) for s in args.stop)
@@ -156,19 +156,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_draft(draft: str, run: Source, dtype: str, weights: str, tokenizer, **rope):
+def load_draft(draft: str, run: Source, dtype: str, weights: str, tokenizer, device, **rope):
     """--draft: "int8" (packed from the model's own parameters, or read from its `run` in
     int8 where --dtype has packed them already, with the model's `rope` scaling), or a run
-    or directory with the same tokenizer (read in int8 when the model is). Each path's kind
-    is decided once (`source_of`), and its tokenizer and model read through it."""
+    or directory with the same tokenizer (read in int8 when the model is), on the model's
+    `device`. Each path's kind is decided once (`source_of`), and its tokenizer and model
+    read through it."""
     if draft == "int8" and dtype == "float32":
         return "int8"
     if draft == "int8":
-        return load_language_model(run, weights=weights, dtype="int8", **rope)
+        return load_language_model(run, device, weights, "int8", **rope)
     source = source_of(draft)
     if load_tokenizer(source).pieces() != tokenizer.pieces():
         fail(f"--draft {draft} has another tokenizer: a draft must share this model's")
-    return load_language_model(source, dtype="int8" if dtype == "int8" else None)
+    return load_language_model(source, device, dtype="int8" if dtype == "int8" else None)
 
 
 def _grammar(args: argparse.Namespace, tokenizer) -> Grammar | None:

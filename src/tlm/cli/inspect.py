@@ -8,9 +8,10 @@ from pathlib import Path
 from tlm.cli.args import (
     add_command,
     add_long_context_flags,
-    add_weights_flag,
+    add_model_flags,
     fail,
     long_context_flags,
+    model_device,
 )
 from tlm.generate.translate import translate
 from tlm.interpret.attention import cross_attention_of
@@ -47,14 +48,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--layer", type=int, default=0, help="the head to draw alone: its layer")
     parser.add_argument("--head", type=int, default=0, help="... and its index (0)")
     parser.add_argument("--top-k", type=int, default=5, help="tokens per depth in the lens (5)")
-    add_weights_flag(parser)
+    add_model_flags(parser)
     add_long_context_flags(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     source = source_of(args.run)
-    model = load_model(source, weights=args.weights, **long_context_flags(args))
+    model = load_model(source, model_device(args), args.weights, **long_context_flags(args))
     tokenizer = load_tokenizer(source)
     if isinstance(model, EncoderDecoder):
         return inspect_translation(args, model, tokenizer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tlm.cli.args import add_command, add_weights_flag, fail
+from tlm.cli.args import add_command, add_model_flags, fail, model_device
 
 EXAMPLE = """examples:
   tlm lm-eval runs/demo --tasks my_choice --include-path my_tasks
@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-fewshot", type=int, help="examples put before each (task's own)")
     parser.add_argument("--batch-size", type=int, default=16, help="requests at once (16)")
     parser.add_argument("--output-path", help="a folder for the results and samples")
-    add_weights_flag(parser)
+    add_model_flags(parser)
     parser.set_defaults(handler=run)
 
 
@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     results = harness_evaluate(
         args.run, [t.strip() for t in args.tasks.split(",") if t.strip()], args.include_path,
         limit, args.num_fewshot, args.batch_size, args.output_path, args.weights,
+        str(model_device(args)),
     )  # fmt: skip
     print(make_table(results))
     if "groups" in results:

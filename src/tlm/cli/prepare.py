@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tlm.cli.args import add_command, fail
-from tlm.data import prepare, prepare_chat, prepare_pairs
+from tlm.data import prepare, prepare_chat, prepare_pairs, prepare_preference
 from tlm.data.canaries import parse_repeats
 from tlm.data.chat import BUILTIN_CHAT
 from tlm.data.clean import REASONS, CleanConfig
@@ -38,9 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     pairs = parser.add_argument_group("translation (--task translate): two aligned files")
     pairs.add_argument(
         "--task",
-        choices=("lm", "chat", "translate"),
+        choices=("lm", "chat", "preference", "translate"),
         default="lm",
-        help="lm (default), chat (conversations for instruction tuning), translate",
+        help="lm (default), chat (conversations for instruction tuning), preference (pairs "
+        "for DPO: prompt, chosen, rejected), translate",
     )
     pairs.add_argument("--src", help="source sentences, one a line (.txt or .gz)")
     pairs.add_argument("--tgt", help="their translations, line for line")
@@ -116,7 +117,7 @@ def clean_config(args: argparse.Namespace) -> CleanConfig | None:
 def run(args: argparse.Namespace) -> int:
     if args.task == "translate":
         return run_pairs(args)
-    if args.task == "chat":
+    if args.task in ("chat", "preference"):
         return run_chat(args)
     if args.src or args.tgt:
         fail("--src and --tgt go with --task translate")
@@ -193,9 +194,13 @@ def run_pairs(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    """--task chat (conversations) and --task preference (pairs of answers to prefer)."""
     if args.src or args.tgt or args.pii or args.canary_repeats or clean_config(args):
-        fail("--task chat reads conversations as they are: no --src/--tgt, cleaning or canaries")
-    meta = prepare_chat(
+        fail(
+            f"--task {args.task} reads its files as they are: no --src/--tgt, cleaning or canaries"
+        )
+    prepare_task = prepare_chat if args.task == "chat" else prepare_preference
+    meta = prepare_task(
         args.inputs,
         args.out,
         tokenizer=args.tokenizer,
@@ -204,10 +209,11 @@ def run_chat(args: argparse.Namespace) -> int:
         force=args.force,
     )
     train, val = meta["splits"]["train"], meta["splits"]["val"]
+    unit = "conversations" if args.task == "chat" else "pairs"
     print(
         f"{args.out}: {meta['tokenizer']} tokenizer with the chat template's tokens, vocabulary "
-        f"{meta['vocab_size']}, {train['conversations']:,} train + {val['conversations']:,} "
-        f"val conversations ({train['tokens']:,} + {val['tokens']:,} tokens, "
+        f"{meta['vocab_size']}, {train[unit]:,} train + {val[unit]:,} val {unit} "
+        f"({train['tokens']:,} + {val['tokens']:,} tokens, "
         f"{train['supervised']:,} + {val['supervised']:,} learned)"
     )
     return 0

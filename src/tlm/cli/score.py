@@ -8,9 +8,10 @@ import json
 from tlm.cli.args import (
     add_command,
     add_long_context_flags,
-    add_weights_flag,
+    add_model_flags,
     fail,
     long_context_flags,
+    model_device,
 )
 from tlm.load import load_language_model, load_tokenizer, source_of
 from tlm.tasks import multiple_choice, score
@@ -34,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--continuation", action="append", default=[], help="(repeat)")
     parser.add_argument("--choices", metavar="FILE.jsonl", help="multiple-choice items")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    add_weights_flag(parser)
+    add_model_flags(parser)
     add_long_context_flags(parser, context=False)
     parser.set_defaults(handler=run)
 
@@ -43,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.choices) == bool(args.continuation):
         fail("give --continuation (with --context) or --choices FILE.jsonl")
     source = source_of(args.run)
-    model = load_language_model(source, weights=args.weights, **long_context_flags(args))
+    model = load_language_model(
+        source, model_device(args), args.weights, **long_context_flags(args)
+    )
     tokenizer = load_tokenizer(source)
     if args.choices:
         results = multiple_choice(model, tokenizer, read_choices(args.choices))

@@ -8,11 +8,13 @@ from pathlib import Path
 from tlm.cli.args import (
     add_command,
     add_long_context_flags,
-    add_weights_flag,
+    add_model_flags,
     fail,
     long_context_flags,
+    model_device,
 )
 from tlm.cli.generate import load_draft
+from tlm.device import describe
 from tlm.generate import GenerationConfig
 from tlm.inference import FORMATS
 from tlm.load import load_language_model, load_tokenizer, source_of
@@ -50,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a request decoding alone drafts with RUN (same tokenizer) or int8 (own weights)",
     )
     parser.add_argument("--draft-tokens", type=int, help="most tokens a draft proposes (5)")
-    add_weights_flag(parser)
+    add_model_flags(parser)
     add_long_context_flags(parser)
     parser.set_defaults(handler=run)
 
@@ -65,11 +67,12 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         fail(f"--port {args.port} is not a port")
     metrics = Metrics()
+    device = model_device(args, args.dtype, say=False)  # named in the first line below
     source = source_of(args.run)  # its kind decided once; the model and tokenizer read it
 
     def load():  # in the engine thread: the one thread that runs torch's parallel work
         return load_language_model(
-            source, weights=args.weights, dtype=args.dtype, **long_context_flags(args)
+            source, device, args.weights, args.dtype, **long_context_flags(args)
         )
 
     speculate = {"prompt_lookup": args.prompt_lookup, "draft_tokens": args.draft_tokens}
@@ -77,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
     if args.draft is not None:
         tokenizer = load_tokenizer(source)
         speculate["draft"] = load_draft(
-            args.draft, source, args.dtype, args.weights, tokenizer, **long_context_flags(args)
-        )
+            args.draft, source, args.dtype, args.weights, tokenizer, device,
+            **long_context_flags(args),
+        )  # fmt: skip
     speculate = {name: value for name, value in speculate.items() if value is not None}
     GenerationConfig(**speculate)  # a bad setting: one line, before the model loads
     engine = Engine(load, None, args.slots, args.max_queue, metrics.on_token, speculate)
@@ -86,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     metrics.watch(engine)
     name = args.name or Path(args.run).resolve().name
     app = create_app(engine, name, args.api_key, metrics)
-    print(f"tlm serve: {name} on http://{args.host}:{args.port} ({args.slots} slots)", flush=True)
+    where = f"{args.slots} slots, {describe(device)}"
+    print(f"tlm serve: {name} on http://{args.host}:{args.port} ({where})", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tlm.cli.args import add_command, add_weights_flag, fail
+from tlm.cli.args import add_command, add_model_flags, fail, model_device
 from tlm.data.pairs import read_lines
 from tlm.generate.translate import translate
 from tlm.load import load_tokenizer, load_translation_model, source_of
@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--alpha", type=float, default=0.6, help="length penalty α (0.6)")
     parser.add_argument("--batch-size", type=int, default=64, help="sentences decoded at once")
     parser.add_argument("--max-new-tokens", type=int, help="(default: source length + 50)")
-    add_weights_flag(parser)
+    add_model_flags(parser)
     parser.set_defaults(handler=run)
 
 
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     if empty:
         fail(f"line {empty[0]} of {args.file} is empty ({len(empty)} empty lines in all)")
     source = source_of(args.run)
-    model = load_translation_model(source, weights=args.weights)
+    model = load_translation_model(source, model_device(args), args.weights)
     tokenizer = load_tokenizer(source)
     outputs = translate(
         model, tokenizer, sentences, args.beams, args.alpha, args.batch_size, args.max_new_tokens

@@ -16,6 +16,8 @@ BAD_GRADIENT = ("skip", "stop")
 SCHEDULES = ("cosine", "inverse-sqrt")
 OPTIMIZERS = ("adamw", "muon")
 WINDOWS = ("random", "documents")  # where a training window starts (`data/batches.py`)
+OBJECTIVES = ("lm", "dpo")  # what a step minimises (`train/dpo.py` for preference pairs)
+DPO_LOSSES = ("sigmoid", "ipo", "cdpo")  # `model/loss.py: dpo_loss`
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,12 @@ class TrainConfig:
     lr · d_model^-0.5 · min(step^-0.5, step · warmup_steps^-1.5) (Vaswani et al. §5.3;
     `lr` 1 is the paper's exactly). `label_smoothing` ε spreads ε of each target's
     probability over the vocabulary (§5.4).
+
+    `objective="dpo"` aligns a chat run with preference pairs (`tlm prepare --task
+    preference`, J&M ch. 12): direct preference optimization against the frozen
+    `init_from` run, with `beta` β, the strength of the pull towards that reference, and
+    `dpo_loss` "sigmoid" (DPO), "ipo" or "cdpo" (whose ε is `label_smoothing`);
+    `batch_size` then counts pairs.
     """
 
     data: str = ""
@@ -85,6 +93,9 @@ class TrainConfig:
     batch_tokens: int | None = None
     keep_best: bool = False
     windows: str = "random"
+    objective: str = "lm"
+    beta: float = 0.1
+    dpo_loss: str = "sigmoid"
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_interval"):
@@ -120,9 +131,17 @@ class TrainConfig:
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
         if self.batch_tokens is not None:
             check_positive("batch_tokens", self.batch_tokens)
-        check_choice("device", self.device, DEVICES)
+        if not self.device.removeprefix("cuda:").isdigit():  # cuda:N names one GPU
+            check_choice("device", self.device, DEVICES)
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("windows", self.windows, WINDOWS)
+        check_choice("objective", self.objective, OBJECTIVES)
+        check_choice("dpo_loss", self.dpo_loss, DPO_LOSSES)
+        if not self.beta > 0:
+            raise ConfigError(f"beta must be > 0, got {self.beta!r}")
+        if self.objective == "dpo" and not self.init_from:
+            raise ConfigError("objective dpo starts from a run and holds it as its reference: "
+                              "give --init-from RUN")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -6,13 +6,15 @@ from pathlib import Path
 from tlm.data.chat import prepare_chat
 from tlm.data.corpus import CorpusError, Source, documents, resolve_sources
 from tlm.data.pairs import prepare_pairs
+from tlm.data.preference import prepare_preference
 from tlm.data.prepare import prepare
-from tlm.data.tokens import ChatData, PairData, TokenData, read_meta
+from tlm.data.tokens import ChatData, PairData, PreferenceData, TokenData, read_meta
 
 __all__ = [
     "ChatData",
     "CorpusError",
     "PairData",
+    "PreferenceData",
     "Source",
     "TokenData",
     "batch_generator",
@@ -24,6 +26,7 @@ __all__ = [
     "prepare",
     "prepare_chat",
     "prepare_pairs",
+    "prepare_preference",
     "random_windows",
     "resolve_sources",
     "step_starts",
@@ -34,11 +37,13 @@ __all__ = [
 
 def open_data(folder: str | Path) -> TokenData | PairData:
     """A prepared folder: a token stream (`TokenData`), conversations (`ChatData`, a token
-    stream with its loss mask) or translation pairs (`PairData`)."""
+    stream with its loss mask), preference pairs (`PreferenceData`: conversations in twos)
+    or translation pairs (`PairData`)."""
     meta = read_meta(Path(folder))
     if meta.get("task") == "translate":
         return PairData(folder, meta)
-    return ChatData(folder) if meta.get("task") == "chat" else TokenData(folder)
+    kinds = {"chat": ChatData, "preference": PreferenceData}
+    return kinds.get(meta.get("task"), TokenData)(folder)
 
 
 BATCHES = (  # tlm.data.batches needs PyTorch: imported when one of these is first asked for

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,13 @@ def read_conversations(path: Path) -> Iterator[Conversation]:
         for row, turns in enumerate(rows, start=1):
             yield _checked(turns, f"{path} row {row}")
         return
+    for where, record in jsonl_records(path):
+        yield _checked(record, where)
+
+
+def jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """Each non-empty line of a JSONL file as (where it was read, "file:line"; its value);
+    a line that is not JSON, or a file that is not UTF-8, is one line naming it."""
     with open(path, encoding="utf-8") as f:
         try:
             for n, line in enumerate(f, start=1):
@@ -85,7 +92,7 @@ def read_conversations(path: Path) -> Iterator[Conversation]:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise CorpusError(f"{path}:{n}: not JSON ({exc.msg})") from None
-                yield _checked(record, f"{path}:{n}")
+                yield f"{path}:{n}", record
         except UnicodeDecodeError as exc:
             raise CorpusError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
 
@@ -114,13 +121,8 @@ def prepare_chat(
         raise CorpusError(f"{out} already exists; pass --force to replace it")
     check_replaceable(out, FILES, "meta.json", "a folder written by tlm prepare")
     train, val, sources = _split(inputs, val_fraction)
-    if tokenizer in KINDS:
-        texts = (m["content"] for _, messages in train for m in messages)
-        tok = chat_tokenizer(train_tokenizer(tokenizer, texts, vocab_size))
-    else:
-        if vocab_size is not None:
-            raise CorpusError("--vocab-size trains a new tokenizer; this one is reused as it is")
-        tok = chat_tokenizer(load_tokenizer(tokenizer))
+    texts = (m["content"] for _, messages in train for m in messages)
+    tok = template_tokenizer(tokenizer, texts, vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         tmp.mkdir()
@@ -143,6 +145,28 @@ def prepare_chat(
     return meta
 
 
+def template_tokenizer(tokenizer: str, texts: Iterable[str], vocab_size: int | None) -> Tokenizer:
+    """A tokenizer of kind `tokenizer` trained on `texts`, or the one at `tokenizer` (a
+    run, a data folder, a tokenizer.json) reused; either way with the chat template's
+    special tokens added."""
+    if tokenizer in KINDS:
+        return chat_tokenizer(train_tokenizer(tokenizer, texts, vocab_size))
+    if vocab_size is not None:
+        raise CorpusError("--vocab-size trains a new tokenizer; this one is reused as it is")
+    return chat_tokenizer(load_tokenizer(tokenizer))
+
+
+def held_out(count: int, val_fraction: float) -> int:
+    """Where the held-out split starts among `count` items: the last `val_fraction` of
+    them, at least one when a fraction is asked and there are two or more."""
+    if not 0 <= val_fraction < 1:
+        raise CorpusError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    cut = count - (round(count * val_fraction) if val_fraction else 0)
+    if val_fraction and cut == count and count > 1:
+        cut -= 1
+    return cut
+
+
 def _split(
     inputs: list[str], val_fraction: float
 ) -> tuple[list[Conversation], list[Conversation], list[dict[str, Any]]]:
@@ -155,39 +179,22 @@ def _split(
         if len(inputs) > 1:
             raise CorpusError(f"{builtin[0]} is a whole corpus with its own split; give it alone")
         train, val, text = BUILTIN_CHAT[builtin[0]]()
-        return train, val, [_described(builtin[0], text.encode())]
+        return train, val, [described(builtin[0], text.encode())]
     conversations, sources = [], []
     for name in inputs:
         path = Path(name)
         conversations += read_conversations(path)
-        sources.append(_described(name, path.read_bytes()))
+        sources.append(described(name, path.read_bytes()))
     if not conversations:
         raise CorpusError(f"{', '.join(inputs)}: no conversations")
-    if not 0 <= val_fraction < 1:
-        raise CorpusError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    cut = len(conversations) - (round(len(conversations) * val_fraction) if val_fraction else 0)
-    if val_fraction and cut == len(conversations) and len(conversations) > 1:
-        cut -= 1  # a held-out split of at least one conversation
+    cut = held_out(len(conversations), val_fraction)
     return conversations[:cut], conversations[cut:], sources
 
 
 def _write_split(folder: Path, split: str, conversations: list[Conversation], tok: Tokenizer):
     """Render and write one split, a conversation at a time; returns its counts."""
-    dtype, tokens, supervised, offsets = id_dtype(tok.vocab_size), 0, 0, [0]
-    with (
-        open(folder / f"{split}.bin", "wb") as ids_file,
-        open(folder / f"{split}.mask", "wb") as mask_file,
-    ):
-        for where, messages in conversations:
-            try:
-                ids, mask = render(messages, tok)
-            except (ChatError, TokenizerError) as exc:
-                raise CorpusError(f"{where}: {exc}") from None
-            ids_file.write(np.asarray(ids, dtype=dtype).tobytes())
-            mask_file.write(np.asarray(mask, dtype=np.uint8).tobytes())
-            tokens, supervised = tokens + len(ids), supervised + sum(mask)
-            offsets.append(tokens)
-    np.asarray(offsets, dtype=np.int64).tofile(folder / f"{split}.idx")
+    rendering = ((where, lambda m=messages: render(m, tok)) for where, messages in conversations)
+    tokens, supervised = write_sequences(folder, split, rendering, tok.vocab_size)
     return {
         "file": f"{split}.bin",
         "conversations": len(conversations),
@@ -196,5 +203,32 @@ def _write_split(folder: Path, split: str, conversations: list[Conversation], to
     }
 
 
-def _described(name: str, data: bytes) -> dict[str, Any]:
+def write_sequences(
+    folder: Path,
+    split: str,
+    sequences: Iterable[tuple[str, Callable[[], tuple[list[int], list[int]]]]],
+    vocab_size: int,
+) -> tuple[int, int]:
+    """Write rendered sequences back to back as {split}.bin, .mask and .idx: each is (where
+    it was read, a call that renders it to (ids, mask)); a rendering that fails stops with
+    one line naming where. Returns (tokens, learned tokens)."""
+    dtype, tokens, supervised, offsets = id_dtype(vocab_size), 0, 0, [0]
+    with (
+        open(folder / f"{split}.bin", "wb") as ids_file,
+        open(folder / f"{split}.mask", "wb") as mask_file,
+    ):
+        for where, rendering in sequences:
+            try:
+                ids, mask = rendering()
+            except (ChatError, TokenizerError) as exc:
+                raise CorpusError(f"{where}: {exc}") from None
+            ids_file.write(np.asarray(ids, dtype=dtype).tobytes())
+            mask_file.write(np.asarray(mask, dtype=np.uint8).tobytes())
+            tokens, supervised = tokens + len(ids), supervised + sum(mask)
+            offsets.append(tokens)
+    np.asarray(offsets, dtype=np.int64).tofile(folder / f"{split}.idx")
+    return tokens, supervised
+
+
+def described(name: str, data: bytes) -> dict[str, Any]:
     return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}

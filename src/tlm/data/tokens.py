@@ -170,6 +170,14 @@ class ChatData(TokenData):
         return offsets
 
 
+class PreferenceData(ChatData):
+    """A folder written by `prepare_preference` (`preference.py`): sequences in twos, 2i
+    pair i's chosen answer and 2i + 1 its rejected one, each with its loss mask."""
+
+    def pairs(self, name: str) -> int:
+        return self.meta["splits"][name]["pairs"]
+
+
 class PairData:
     """A folder written by `prepare_pairs`: its meta, tokenizer and splits."""
 

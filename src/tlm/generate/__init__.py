@@ -1,9 +1,10 @@
 """Decoding (J&M §10.8): pure functions on logits, the decoding loop, beam search, text.
 
 The model never sees text: `generate` takes token ids and yields token ids, step by step.
-One core serves every entry point: `GenerationConfig.of` builds the settings, `choose`
-picks the next token, `window_start` slides the context, `StopText` holds back stop
-strings, and `beam.search` is the one beam search (language model and translation).
+One core serves every entry point: `GenerationConfig.of` builds the settings,
+`choose_rows` picks every row's next token (its steps composed by `sampling.choose`),
+`window_start` slides the context, `StopText` holds back stop strings, and `beam.search`
+is the one beam search (language model and translation).
 """
 
 from tlm.generate.beam import BeamResult, beam_search

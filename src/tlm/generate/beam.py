@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from tlm.device import placement
 from tlm.generate.config import GenerationConfig
 
 
@@ -67,7 +68,8 @@ def search(
     penalty: Callable[[int], float],
 ) -> list[Hypothesis]:
     """The best hypothesis of each of B prompts, K beams each, at most `limit` tokens."""
-    totals = torch.full((B, K), float("-inf"))  # each beam's summed log P
+    cpu = torch.device("cpu")  # the search's bookkeeping, in Python lists and on the CPU
+    totals = torch.full((B, K), float("-inf"), device=cpu)  # each beam's summed log P
     totals[:, 0] = 0.0  # the K beams start equal: only one of them may grow at first
     tokens: list[list[int]] = [[] for _ in range(B * K)]
     logprobs: list[list[float]] = [[] for _ in range(B * K)]
@@ -96,10 +98,11 @@ def search(
             done[b] = done[b] or finished[b].done(live[0][2] / penalty(t))
         logprobs = [[*logprobs[row], float(step[row, token])] for row, token, _ in kept]
         tokens = [[*tokens[row], token] for row, token, _ in kept]
-        totals = torch.tensor([total for _, _, total in kept]).view(B, K)
+        totals = torch.tensor([total for _, _, total in kept], device=cpu).view(B, K)
         if all(done):
             break
-        state.keep(torch.tensor([row for row, _, _ in kept]), torch.tensor([t for _, t, _ in kept]))
+        rows = torch.tensor([row for row, _, _ in kept], device=cpu)
+        state.keep(rows, torch.tensor([t for _, t, _ in kept], device=cpu))
     for b in range(B):  # beams still running at the limit are hypotheses too
         for k in range(K):
             if not done[b] and totals[b, k] > float("-inf"):
@@ -130,6 +133,8 @@ def beam_search(
     from tlm.generate.decode import DecodeState
 
     c = config or GenerationConfig(**settings)
+    input_ids = input_ids.to(placement(model)[0])  # the sequences come back there too
+    attention_mask = None if attention_mask is None else attention_mask.to(input_ids.device)
     B, K = input_ids.shape[0], c.num_beams
     with torch.no_grad():
         state = DecodeState(
@@ -151,14 +156,13 @@ def beam_search(
 
 
 def _result(input_ids: Tensor, best: list[Hypothesis]) -> BeamResult:
-    width = max(len(h.tokens) for h in best)
-    new = torch.zeros((len(best), width), dtype=torch.long)
-    for b, h in enumerate(best):
-        new[b, : len(h.tokens)] = torch.tensor(h.tokens, dtype=torch.long)
-        new[b, len(h.tokens) :] = h.tokens[-1] if h.tokens else 0  # an ended row repeats its end
+    """The hypotheses as tensors on the prompts' device."""
+    width, device = max(len(h.tokens) for h in best), input_ids.device
+    rows = [h.tokens + [h.tokens[-1] if h.tokens else 0] * (width - len(h.tokens)) for h in best]
+    new = torch.tensor(rows, dtype=torch.long, device=device)  # an ended row repeats its end
     return BeamResult(
-        sequences=torch.cat([input_ids.cpu(), new], dim=1),
-        logprobs=torch.tensor([sum(h.logprobs) for h in best]),
-        scores=torch.tensor([h.score for h in best]),
+        sequences=torch.cat([input_ids, new.view(len(best), width)], dim=1),
+        logprobs=torch.tensor([sum(h.logprobs) for h in best], device=device),
+        scores=torch.tensor([h.score for h in best], device=device),
         token_logprobs=[h.logprobs for h in best],
     )

@@ -128,15 +128,6 @@ class Matcher:
             raise GenerationError(_failed(self.matcher))
 
 
-def allowed_rows(matchers: list[Matcher | None], size: int, device) -> Tensor | None:
-    """[B,size] bool, each row its matcher's tokens (all for a row without one), or None
-    when no row has a matcher."""
-    if all(m is None for m in matchers):
-        return None
-    rows = [torch.ones(size, dtype=torch.bool) if m is None else m.allowed(size) for m in matchers]
-    return torch.stack(rows).to(device)
-
-
 NO_TOKEN = "structured output: no token of this vocabulary can continue the output"
 
 

@@ -7,7 +7,15 @@ at its own length, as the server's rows); on a GPU, where the generation allows 
 `GraphedDecoder` (each step one replay of a CUDA graph, `inference/devices/cuda_graph.py`). With
 `use_cache=False` every step runs the whole window again (`DecodeState`): the slow reference
 that the tests hold the cached path equal to. All choose the next token with
-`sampling.choose` and slide the window by `window_start`.
+`choice.choose_rows` (one `RowChoice` per row: the same tokens for the same seed on every
+path) and slide the window by `window_start`.
+
+Which path runs is decided in `generate` alone: the graphed one on a GPU when the whole
+generation fits the context and no draft is asked for (its recorded step feeds one token;
+a draft's check of k tokens runs on the slots), the slots otherwise; a setting a path
+cannot honour is refused in one line, never dropped. The device and dtype come from the
+model's `Decoder`: `generate` moves the ids there once, and every tensor it makes and
+yields is there.
 """
 
 from __future__ import annotations
@@ -18,11 +26,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from tlm.device import placement
+from tlm.generate.choice import RowChoice, choose_rows, random_seed
 from tlm.generate.config import GenerationConfig
-from tlm.generate.constrain import allowed_rows
 from tlm.generate.errors import GenerationError
-from tlm.generate.sampling import choose
-from tlm.generate.slots import Slots, random_seed, row_generator, window_start
+from tlm.generate.slots import Slots, window_start
 from tlm.inference import Decoder
 from tlm.inference.devices.cuda_graph import GraphedDecoder
 from tlm.model.kv_cache import KVCache, cache_size
@@ -92,10 +100,11 @@ class DecodeState:
         config = model.config
         self.N = config.context_length if config.attention_window is None else None  # or all
         self.cache, self.start = None, 0
+        self.device, dtype = placement(self.model)
         if use_cache:
             longest = None if max_new_tokens is None else ids.shape[1] + max_new_tokens
-            capacity, dtype = cache_size(config, longest), next(model.parameters()).dtype
-            self.cache = KVCache(config, len(ids), capacity, dtype, ids.device)
+            capacity = cache_size(config, longest)
+            self.cache = KVCache(config, len(ids), capacity, dtype, self.device)
 
     def next_logits(self) -> Tensor:
         """Logits [B,V] for the token after the last one of every row."""
@@ -139,6 +148,7 @@ class GraphedState:
 
     def __init__(self, decoder: GraphedDecoder, ids: Tensor, mask: Tensor | None) -> None:
         self.model, self.decoder, self.ids, self.mask = decoder.model, decoder, ids, mask
+        self.device = ids.device
         self.new: Tensor | None = None  # the tokens appended since the last step
 
     def next_logits(self) -> Tensor:
@@ -165,7 +175,8 @@ def generate(
     which other prompts share the batch. Stops when every row has ended or after
     `max_new_tokens` steps. A row that has ended repeats its end token. The cached steps
     run on `decoder` (a `Decoder` of `model`; a new one if not given: a caller that
-    generates again and again may keep one, with what it learnt and prepared).
+    generates again and again may keep one, with what it learnt and prepared). The ids may
+    be on any device: they are moved to the model's once, and the steps' tensors are there.
     """
     config = config or GenerationConfig(**settings)
     if config.num_beams > 1:
@@ -174,18 +185,36 @@ def generate(
         raise GenerationError(
             "best_of chooses among whole samples: use model.generate or tlm.generate.complete"
         )
-    n = config.num_return_sequences
-    ids = input_ids.repeat_interleave(n, dim=0)
-    mask = None if attention_mask is None else attention_mask.repeat_interleave(n, dim=0)
+    drafting = bool(config.prompt_lookup) or config.draft is not None
+    if drafting and not config.use_cache:
+        raise GenerationError(
+            "prompt_lookup and draft speed up the cached loop: use_cache=False runs the whole "
+            "window every step, without a draft"
+        )
     if config.use_cache:
         decoder = decoder or Decoder(model)
-        if config.cuda_graph and decoder.graphable(ids.shape[1], config.max_new_tokens):
-            graphed = decoder.graphed(len(ids), ids.shape[1] + config.max_new_tokens)
-            yield from _decode(GraphedState(graphed, ids, mask), config)
-        else:
-            yield from _decode_slots(decoder, ids, mask, config)
+        device = decoder.device
     else:
+        device = placement(model)[0]
+    n = config.num_return_sequences
+    ids = input_ids.to(device).repeat_interleave(n, dim=0)
+    mask = None if attention_mask is None else attention_mask.to(device)
+    mask = None if mask is None else mask.repeat_interleave(n, dim=0)
+    new = config.max_new_tokens
+    if not config.use_cache:
         yield from _decode(DecodeState(model, ids, mask, use_cache=False), config)
+    elif not drafting and config.cuda_graph and decoder.graphable(ids.shape[1], new):
+        graphed = decoder.graphed(len(ids), ids.shape[1] + new)
+        yield from _decode(GraphedState(graphed, ids, mask), config)
+    else:
+        yield from _decode_slots(decoder, ids, mask, config)
+
+
+def _prompts(ids: Tensor, mask: Tensor | None) -> list[list[int]]:
+    """Each row's tokens, its left padding dropped."""
+    if mask is None:
+        return ids.tolist()
+    return [row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True)]
 
 
 def _decode_slots(decoder: Decoder, ids: Tensor, mask: Tensor | None, c: GenerationConfig):
@@ -195,13 +224,10 @@ def _decode_slots(decoder: Decoder, ids: Tensor, mask: Tensor | None, c: Generat
     B, n = ids.shape[0], c.num_return_sequences
     seed = random_seed() if c.seed is None else c.seed
     slots = Slots(decoder.model, B, ids.shape[1] + c.max_new_tokens, decoder)
-    prompts = [
-        row.tolist() if mask is None else row[mask[r].bool()].tolist() for r, row in enumerate(ids)
-    ]
-    rows = {slots.add(prompt, c, r % n, seed): r for r, prompt in enumerate(prompts)}
+    rows = {slots.add(prompt, c, r % n, seed): r for r, prompt in enumerate(_prompts(ids, mask))}
     tokens, finished = [0] * B, [False] * B  # an ended row keeps its last token
     drafts = [(0, 0, 0)] * B if c.prompt_lookup or c.draft is not None else None
-    device = ids.device  # a Step's tensors are made from these lists, when read
+    device = decoder.device  # a Step's tensors are made from these lists, when read
     while not slots.idle():
         logprobs, stepped = [0.0] * B, set()  # 0 for a row that has ended
         for emitted in slots.step():
@@ -223,58 +249,41 @@ def _copy(values: list | None) -> list | None:
 
 
 def _decode(state: DecodeState | GraphedState, c: GenerationConfig) -> Iterator[Step]:
-    """The reference loop (`DecodeState`), and the graphed one's (`GraphedState`). Grad
-    mode is switched off inside each step only: between steps the caller's code runs in its
-    own mode, never in one this generator left on."""
-    B, V = state.ids.shape[0], state.model.config.vocab_size
-    device = state.ids.device
-    eos = torch.tensor(c.eos_ids, device=device, dtype=torch.long)
-    generators = _row_generators(c, B, device)
-    seen = counts = None
-    if c.repetition_penalty != 1.0:
-        real = torch.ones_like(state.ids) if state.mask is None else state.mask.long()
-        in_prompt = torch.zeros(B, V, dtype=torch.long, device=device)
-        seen = in_prompt.scatter_add_(1, state.ids, real) > 0  # [B,V]: padding counts 0
-    if c.counts_output:
-        counts = torch.zeros(B, V, device=device)  # the output's tokens, none yet
-    matchers = [c.grammar.start() if c.grammar else None for _ in range(B)]
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    last = torch.zeros(B, dtype=torch.long, device=device)
-    for _ in range(c.max_new_tokens):
-        logits = state.next_logits().float()  # [B,V]
-        going = [None if done else m for m, done in zip(matchers, finished.tolist(), strict=True)]
-        allowed = allowed_rows(going, logits.shape[-1], device)
-        with torch.no_grad():
-            chosen = choose(logits, c, generators, seen, counts, allowed)
-            tokens = torch.where(finished, last, chosen)
-            logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
-        logprobs = torch.where(finished, 0.0, logprobs)
-        for matcher, token in zip(going, tokens.tolist(), strict=True):
-            if matcher is not None:
-                matcher.accept(token)
-        finished = finished | torch.isin(tokens, eos)
-        last = tokens
-        yield Step(tokens, logprobs, finished)
-        if bool(finished.all()):
-            return
-        state.append(tokens)
-        if seen is not None:
-            seen[torch.arange(B, device=device), tokens] = True
-        if counts is not None:
-            counts[torch.arange(B, device=device), tokens] += 1
-
-
-def _row_generators(c: GenerationConfig, rows: int, device: torch.device) -> list | None:
-    """Row r is sample r % n of its prompt; it draws from a generator of (seed, r % n)."""
-    if c.greedy:
-        return None
+    """The reference loop (`DecodeState`), and the graphed one's (`GraphedState`): every
+    row not ended chooses with its own `RowChoice`, as the slots' rows do. Grad mode is
+    switched off inside each step only: between steps the caller's code runs in its own
+    mode, never in one this generator left on."""
+    B, V, n, device = (
+        len(state.ids),
+        state.model.config.vocab_size,
+        c.num_return_sequences,
+        state.device,
+    )
     seed = random_seed() if c.seed is None else c.seed
-    return [row_generator(seed, row % c.num_return_sequences, device) for row in range(rows)]
+    prompts = _prompts(state.ids, state.mask)  # read before the first step appends
+    choices = [RowChoice.of_row(p, c, V, device, r % n, seed) for r, p in enumerate(prompts)]
+    tokens, finished, ends = [0] * B, [False] * B, set(c.eos_ids)
+    for _ in range(c.max_new_tokens):
+        logits = state.next_logits()  # [B,V]
+        going = [r for r in range(B) if not finished[r]]
+        if len(going) < B:
+            logits = logits.index_select(0, torch.tensor(going, device=logits.device))
+        logprobs = [0.0] * B  # 0 for a row that has ended
+        with torch.no_grad():
+            chosen = choose_rows([choices[r] for r in going], logits)
+        for r, (token, logprob, _) in zip(going, chosen, strict=True):
+            tokens[r], logprobs[r], finished[r] = token, logprob, token in ends
+        yield Step(list(tokens), logprobs, list(finished), device)
+        if all(finished):
+            return
+        state.append(torch.tensor(tokens, dtype=torch.long, device=device))
 
 
 def best_rows(totals: Tensor, candidates: int, keep: int) -> Tensor:
     """`best_of`: of each prompt's `candidates` consecutive rows, the `keep` whose total
-    log-probability is highest, best first (ties: the earlier sample) -> row indices."""
+    log-probability is highest, best first (ties: the earlier sample) -> row indices, on
+    the totals' device."""
     per_prompt = totals.reshape(-1, candidates)
     order = per_prompt.argsort(dim=1, descending=True, stable=True)[:, :keep]
-    return (order + torch.arange(len(per_prompt))[:, None] * candidates).flatten()
+    first = torch.arange(len(per_prompt), device=totals.device)[:, None] * candidates
+    return (order + first).flatten()

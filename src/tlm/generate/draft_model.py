@@ -20,8 +20,9 @@ import time
 import torch
 from torch import Tensor, nn
 
+from tlm.generate.choice import RowChoice
 from tlm.generate.errors import GenerationError
-from tlm.generate.sampling import RowChoice, draw, greedy_logprob
+from tlm.generate.sampling import draw, greedy_logprob
 from tlm.inference import Decoder, SlotCache, in_parts, load_prepared
 from tlm.model.kv_cache import cache_size
 from tlm.model.transformer import TransformerLM
@@ -49,14 +50,22 @@ class DraftModel:
     """Proposes tokens for one sequence at a time from `model`, a language model with the
     target's vocabulary, keeping its own cache of `capacity` positions."""
 
-    def __init__(self, model: nn.Module, vocab_size: int, capacity: int) -> None:
+    def __init__(
+        self, model: nn.Module, vocab_size: int, capacity: int, device: torch.device
+    ) -> None:
         if model.config.vocab_size != vocab_size:
             raise GenerationError(
                 f"the draft's vocabulary has {model.config.vocab_size} tokens, the target's "
                 f"{vocab_size}: a draft must share the target's tokenizer"
             )
         self.decoder = Decoder(model)
-        self.cache = SlotCache(model.config, 1, cache_size(model.config, capacity))
+        if self.decoder.device != device:
+            raise GenerationError(
+                f"the draft is on {self.decoder.device}, the target on {device}: load both on "
+                "one device"
+            )
+        size = cache_size(model.config, capacity)
+        self.cache = SlotCache(model.config, 1, size, self.decoder.dtype, device)
         self.bounded = model.config.attention_window is None  # else it reads on (a ring)
         self.held: list[int] = []  # the tokens whose keys and values the cache holds
         self.caught_up = 0.0  # seconds the last proposal spent feeding the text it missed

@@ -19,18 +19,14 @@ of these.
 
 from __future__ import annotations
 
-import copy
 import ctypes
-from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from tlm.generate.errors import GenerationError
 from tlm.inference import native
-
-if TYPE_CHECKING:
-    from tlm.generate.constrain import Matcher
 
 
 def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
@@ -156,7 +152,7 @@ def greedy(logits: Tensor) -> Tensor:
     first of equal maxima (and a NaN as the maximum); over a GPT-2 vocabulary on a CPU
     numpy's argmax takes a tenth of torch's time, so fp32 CPU logits go through it."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return torch.as_tensor(logits.detach().numpy().argmax(axis=-1))
+        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(axis=-1)))
     return logits.argmax(dim=-1)
 
 
@@ -209,7 +205,9 @@ def choose(
     if config.greedy:
         return greedy(_adjusted(logits, config, seen, counts, allowed))
     probs = distribution(logits, config, seen, counts, allowed)
-    return torch.tensor([draw(row, g) for row, g in zip(probs, generators, strict=True)])
+    # each row its own draw, left on the logits' device: no wait on a GPU until read
+    rows = zip(probs, generators, strict=True)
+    return torch.cat([torch.multinomial(row[None], 1, generator=g)[0] for row, g in rows])
 
 
 def _adjusted(logits: Tensor, config, seen, counts, allowed) -> Tensor:
@@ -219,97 +217,3 @@ def _adjusted(logits: Tensor, config, seen, counts, allowed) -> Tensor:
     # +inf becomes the largest float (still first), NaN can never be chosen, -inf stays
     top = torch.finfo(logits.dtype).max
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=top, neginf=float("-inf"))
-
-
-class RowChoice:
-    """What choosing one sequence's tokens keeps from step to step: its settings, its
-    random generator, the tokens seen so far (the repetition penalty, over the prompt and
-    the output), the output's count of each token (the frequency and presence penalties)
-    and where the output stands in its grammar; `top_logprobs` likeliest tokens are
-    reported with each choice. The decoding loops that choose a row at a time (`Slots`)
-    hold one per sequence; `choose` is the step."""
-
-    def __init__(
-        self,
-        prompt: list[int],
-        config,
-        generator: torch.Generator | None,
-        vocab_size: int,
-        device: torch.device,
-        top_logprobs: int = 0,
-    ) -> None:
-        if config.logit_bias and max(t for t, _ in config.logit_bias) >= vocab_size:
-            token = max(t for t, _ in config.logit_bias)
-            raise GenerationError(
-                f"logit_bias names token {token}; the vocabulary has {vocab_size}"
-            )
-        self.config, self.generator, self.top_logprobs = config, generator, top_logprobs
-        self.seen = self.counts = None
-        if config.repetition_penalty != 1.0:
-            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            self.seen[torch.tensor(prompt, device=device)] = True
-        if config.counts_output:
-            self.counts = torch.zeros(vocab_size, device=device)
-        self.matcher: Matcher | None = None if config.grammar is None else config.grammar.start()
-        # the likeliest token as is, with no top list to report: a step that made greedy's
-        # choice itself (the whole step in C) hands it over as `pick`
-        self.plain_greedy = config.greedy and not config.adjusts_logits and not top_logprobs
-
-    def choose(
-        self, logits: Tensor, pick: tuple[int, float] | None = None
-    ) -> tuple[int, float, list[tuple[int, float]]]:
-        """The token after logits [V]: (token, log P(token) under the model before any
-        processing, the `top_logprobs` likeliest (id, log P)); `pick` is the step's own
-        greedy choice (ŵ, log P(ŵ)) where it made one (token -1: logits not all finite)."""
-        if not self.plain_greedy:
-            allowed = self._allowed(logits)
-            seen = None if self.seen is None else self.seen[None]
-            counts = None if self.counts is None else self.counts[None]
-            chosen = choose(logits[None], self.config, [self.generator], seen, counts, allowed)
-            return self.take(logits, int(chosen[0]))
-        if pick is None or pick[0] < 0:
-            pick = greedy_logprob(logits.float())  # no [V] log-softmax to write
-        self.record(pick[0])
-        return pick[0], pick[1], []
-
-    def probabilities(self, logits: Tensor) -> Tensor:
-        """What the next token is drawn from, after logits [V], as the row stands -> [V]."""
-        seen = None if self.seen is None else self.seen[None]
-        counts = None if self.counts is None else self.counts[None]
-        allowed = self._allowed(logits)
-        return distribution(logits[None], self.config, seen, counts, allowed)[0]
-
-    def take(self, logits: Tensor, token: int) -> tuple[int, float, list[tuple[int, float]]]:
-        """`token`, chosen after logits [V] by any rule: recorded, and reported as `choose`
-        reports its own."""
-        logprobs = logits.float().log_softmax(dim=-1)  # the model's, before any filter
-        top = []
-        if self.top_logprobs:
-            values, ids = logprobs.topk(min(self.top_logprobs, len(logprobs)))
-            top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        self.record(token)
-        return token, float(logprobs[token]), top
-
-    def record(self, token: int) -> None:
-        """The row's text goes on with `token`: its grammar, penalties and counts move."""
-        if self.matcher is not None:
-            self.matcher.accept(token)
-        if self.seen is not None:
-            self.seen[token] = True
-        if self.counts is not None:
-            self.counts[token] += 1
-
-    def fork(self) -> RowChoice:
-        """A copy whose penalties move on their own (a draft's proposals), drawing from the
-        same generator; without the grammar, whose matcher cannot be copied."""
-        other = copy.copy(self)
-        other.seen = None if self.seen is None else self.seen.clone()
-        other.counts = None if self.counts is None else self.counts.clone()
-        other.matcher = None
-        return other
-
-    def _allowed(self, logits: Tensor) -> Tensor | None:
-        """What the grammar allows next, [1,V] on the logits' device (None: no grammar)."""
-        if self.matcher is None:
-            return None
-        return self.matcher.allowed(len(logits)).to(logits.device)[None]

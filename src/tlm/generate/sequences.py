@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from tlm.device import placement
 from tlm.generate.beam import beam_search
 from tlm.generate.config import GenerationConfig
 from tlm.generate.decode import best_rows, generate
@@ -26,8 +27,10 @@ def generate_sequences(
     **settings,
 ) -> Tensor:
     """input_ids [B,T] -> [B*n, T + new]; `settings` are `GenerationConfig`'s (None: the
-    default); `decoder` as `decode.generate` takes it."""
+    default); `decoder` as `decode.generate` takes it. The sequences are on the model's
+    device, wherever the ids came from (as Hugging Face's are)."""
     config = GenerationConfig.of(**settings)
+    input_ids = input_ids.to(placement(model)[0])
     if config.num_beams > 1:
         return beam_search(model, input_ids, config, attention_mask).sequences
     config, n = config.candidates()
@@ -39,5 +42,5 @@ def generate_sequences(
     out = torch.cat([prompts, torch.stack([s.tokens for s in steps], dim=1)], dim=1)
     if drawn > n:  # a row's log-probabilities are 0 once it has ended
         totals = torch.stack([s.logprobs for s in steps], dim=1).sum(dim=1)
-        out = out[best_rows(totals.cpu(), drawn, n).to(out.device)]
+        out = out[best_rows(totals, drawn, n)]
     return out

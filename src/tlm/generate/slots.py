@@ -1,7 +1,7 @@
 """Continuous batching: a decoding state per row, advanced one token at a time.
 
 `Slots` holds up to `slots` sequences at once, each in its own row of a `SlotCache`, with
-its own length and positions, stop rules and choosing (`sampling.RowChoice`: its settings,
+its own length and positions, stop rules and choosing (`choice.RowChoice`: its settings,
 random generator and penalties); the loop itself only batches.
 `step()` advances every row by one token:
 
@@ -10,8 +10,8 @@ random generator and penalties); the loop itself only batches.
    prompt ("prefill"), a row whose text has outgrown its cache its last `capacity` tokens
    again (the window slides for that row only, as the uncached model sees it), and every
    other row its last token;
-3. each row chooses its token from its own logits with its own settings, and a row that
-   has ended gives its row back at once.
+3. each row chooses its token from its own logits with its own settings (`choose_rows`,
+   every row's read back at once), and a row that has ended gives its row back at once.
 
 A new request's prompt thus rides in the pass that decodes the others: the weights are
 read once for both, and its first token comes out with theirs.
@@ -27,16 +27,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
+from tlm.generate.choice import Chosen, RowChoice, choose_rows
 from tlm.generate.config import GenerationConfig
 from tlm.generate.draft_model import DraftModel, self_draft
 from tlm.generate.drafts import NgramIndex
 from tlm.generate.errors import GenerationError
 from tlm.generate.pace import Pace
-from tlm.generate.sampling import RowChoice, draw
+from tlm.generate.sampling import draw
 from tlm.inference import Decoder, SlotCache
 from tlm.model.kv_cache import cache_size
 
@@ -82,18 +82,6 @@ def window_start(length: int, capacity: int) -> int:
     return max(0, length - capacity)
 
 
-def row_generator(seed: int, sample: int, device: torch.device | str) -> torch.Generator:
-    """Sample j of a prompt draws from a generator of (seed, j), whatever else is running.
-    Any integer is a seed: a negative one is read as its 64-bit two's complement."""
-    state = np.random.SeedSequence([seed % 2**64, sample]).generate_state(1, np.uint64)[0]
-    return torch.Generator(device=device).manual_seed(int(state))
-
-
-def random_seed() -> int:
-    """A seed when none is given; follows torch.manual_seed, like the rest of PyTorch."""
-    return int(torch.randint(0, 2**62, ()).item())
-
-
 class Slots:
     """Up to `slots` sequences decoded together, each at its own pace, by `decoder` (one
     made for `model` if not given: the loop's for as long as it lives)."""
@@ -109,9 +97,8 @@ class Slots:
         self.model = self.decoder.model
         self.capacity = cache_size(model.config, capacity)  # a windowed model's ring, or N
         self.slides = model.config.attention_window is None  # past N; a windowed model reads on
-        first = next(model.parameters())
-        self.device = first.device
-        self.cache = SlotCache(model.config, slots, self.capacity, first.dtype, first.device)
+        self.device = self.decoder.device  # every tensor of the loop's on the model's device
+        self.cache = SlotCache(model.config, slots, self.capacity, self.decoder.dtype, self.device)
         self.rows: list[Sequence | None] = [None] * slots
         self.waiting: deque[Sequence] = deque()
         self.drafter: tuple[object, DraftModel] | None = None  # (config.draft, its model)
@@ -134,11 +121,8 @@ class Slots:
             raise GenerationError("a sequence in a row decodes at least one token")
         if not prompt:
             raise GenerationError("a prompt needs at least one token (<|endoftext|> will do)")
-        generator = None
-        if not config.greedy:
-            generator = row_generator(random_seed() if seed is None else seed, sample, self.device)
         V = self.model.config.vocab_size
-        choice = RowChoice(prompt, config, generator, V, self.device, top_logprobs)
+        choice = RowChoice.of_row(prompt, config, V, self.device, sample, seed, top_logprobs)
         sequence = Sequence(list(prompt), config, choice)
         if config.prompt_lookup or config.draft is not None:
             sequence.pace = Pace(config.draft_tokens, timed=config.draft is not None)
@@ -202,9 +186,9 @@ class Slots:
                 with torch.no_grad():
                     fed = self.cache.feed(slots, [len(feed) for feed in feeds])
                     logits = self.model(ids[None], fed, last_only=True)[0]  # [rows,V]
-        picks = picks or [None] * len(slots)
-        rows = enumerate(zip(slots, picks, strict=True))  # a row's logits taken where needed
-        emitted = [self._choose(self.rows[slot], logits, r, pick) for r, (slot, pick) in rows]
+        sequences = [self.rows[slot] for slot in slots]
+        chosen = choose_rows([sequence.choice for sequence in sequences], logits, picks)
+        emitted = [self._emit(s, c) for s, c in zip(sequences, chosen, strict=True)]
         if pace:
             pace.plain(time.perf_counter() - started)
         return emitted
@@ -249,7 +233,7 @@ class Slots:
         if self.drafter is None or self.drafter[0] is not draft:
             model = self_draft(self.model) if isinstance(draft, str) else draft
             V = self.model.config.vocab_size
-            self.drafter = (draft, DraftModel(model, V, self.capacity))
+            self.drafter = (draft, DraftModel(model, V, self.capacity, self.device))
         return self.drafter[1]
 
     def _speculate(
@@ -263,7 +247,7 @@ class Slots:
         from p. A draft that was chosen, not drawn (prompt lookup, a greedy row, a grammar),
         has q one-hot at x_i: the rule is then to draw from p and keep x_i while the draw is
         x_i (kept with probability p(x_i), else a draw from p without x_i), which is what
-        `_choose` does, with the generator's draws of plain decoding: the same tokens. The
+        `choose_rows` does, with the generator's draws of plain decoding: the same tokens. The
         row's `Pace` then sets the next draft's length and pauses (`pace.py`); `started` is
         when this step's draft began."""
         slot, start = sequence.slot, self.cache.lengths[sequence.slot]
@@ -272,11 +256,13 @@ class Slots:
             logits, picks = self.decoder.check(self.cache, slot, fed, greedy)  # [k+1, V]
         emitted = []
         for i in range(len(fed)):
+            choice = sequence.choice
             if drawn_from is None or i + 1 == len(fed):
-                emitted.append(self._choose(sequence, logits, i, picks[i] if picks else None))
+                chosen = choice.choose(logits[i], picks[i] if picks else None)
             else:
-                token = self._accept(sequence.choice, logits[i], fed[i + 1], drawn_from[i])
-                emitted.append(self._choose(sequence, logits, i, None, token))
+                token = self._accept(choice, logits[i], fed[i + 1], drawn_from[i])
+                chosen = choice.take(logits[i], token)
+            emitted.append(self._emit(sequence, chosen))
             if sequence.done or i + 1 == len(fed) or emitted[-1].token != fed[i + 1]:
                 break
         drafted, kept = len(fed) - 1, len(emitted) - 1
@@ -301,16 +287,10 @@ class Slots:
         residual = (p - q.to(p.device)).clamp(min=0)
         return draw(residual / residual.sum() if residual.sum() > 0 else p, choice.generator)
 
-    def _choose(
-        self, sequence: Sequence, step: Tensor, r: int, pick: tuple | None, token: int = -1
-    ) -> Emitted:
-        """The token of a sequence from its logits, row r of the step's [R,V], or from
-        `pick` (ŵ, log P(ŵ)), the step's own greedy choice, where it made one; or `token`,
-        chosen already (the acceptance rule)."""
-        if token >= 0:
-            token, logprob, top = sequence.choice.take(step[r], token)
-        else:
-            token, logprob, top = sequence.choice.choose(step[r], pick)
+    def _emit(self, sequence: Sequence, chosen: Chosen) -> Emitted:
+        """The sequence goes on with its chosen (token, log P, top); it ends at an end token
+        or at `max_new_tokens`, and gives its row back then."""
+        token, logprob, top = chosen
         sequence.tokens.append(token)
         sequence.logprobs.append(logprob)
         if token in sequence.config.eos_ids:

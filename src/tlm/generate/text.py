@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from tlm.device import placement
 from tlm.generate.beam import beam_search
 from tlm.generate.config import GenerationConfig
 from tlm.generate.decode import best_rows, generate
@@ -44,13 +45,18 @@ def encode_prompts(
         document_ids(tokenizer, prompt, context_length, f"prompt {i + 1}")
         for i, prompt in enumerate(prompts)
     ]
-    width = max(len(ids) for ids in rows)
-    batch = torch.full((len(rows), width), tokenizer.eot_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for r, ids in enumerate(rows):
-        batch[r, width - len(ids) :] = torch.tensor(ids)
-        mask[r, width - len(ids) :] = 1
-    return batch, None if bool(mask.all()) else mask
+    return left_padded(rows, tokenizer.eot_id)
+
+
+def left_padded(rows: list[list[int]], pad: int) -> tuple[Tensor, Tensor | None]:
+    """Token rows -> ids [B,S] left-padded with `pad`, and a mask (None if no padding), on
+    the CPU: the decoding loop moves them to the model's device once."""
+    width, cpu = max(len(row) for row in rows), torch.device("cpu")
+    padded = [[pad] * (width - len(row)) + row for row in rows]
+    kept = [[0] * (width - len(row)) + [1] * len(row) for row in rows]
+    ids = torch.tensor(padded, dtype=torch.long, device=cpu)
+    mask = torch.tensor(kept, dtype=torch.long, device=cpu)
+    return ids, None if all(len(row) == width for row in rows) else mask
 
 
 def complete(
@@ -75,20 +81,15 @@ def complete_tokens(
 ) -> list[Completion]:
     """Completions of prompts given as token ids, each read as it is (no <|endoftext|> put
     before it), left-padded into one batch."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.eot_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for r, row in enumerate(rows):
-        ids[r, width - len(row) :], mask[r, width - len(row) :] = torch.tensor(row), 1
+    ids, mask = left_padded(rows, tokenizer.eot_id)
     prompts = [tokenizer.decode(row) for row in rows]
-    mask = None if bool(mask.all()) else mask
     return _complete(model, tokenizer, prompts, ids, mask, config, stop, False)
 
 
 def _complete(model, tokenizer, prompts, ids, mask, config, stop, prompt_logprobs):
     """With `best_of` m, m samples of each prompt are completed and the n of highest total
     log-probability (of the text returned) kept, best first."""
-    device = next(model.parameters()).device
+    device = placement(model)[0]
     ids, mask = ids.to(device), None if mask is None else mask.to(device)
     config, keep = config.candidates()
     n = config.num_return_sequences  # candidates per prompt
@@ -114,7 +115,8 @@ def _complete(model, tokenizer, prompts, ids, mask, config, stop, prompt_logprob
         if steps and steps[-1].drafts is not None:
             completion.speculation = speculation(*steps[-1].drafts[row])
     if n > keep:
-        totals = torch.tensor([math.fsum(c.logprobs) for c in out], dtype=torch.float64)
+        totals = [math.fsum(c.logprobs) for c in out]
+        totals = torch.tensor(totals, dtype=torch.float64, device=torch.device("cpu"))
         out = [out[i] for i in best_rows(totals, n, keep).tolist()]
     return out
 
@@ -152,7 +154,7 @@ def token_logprobs(
     """What an echo with log-probabilities reports of a prompt, in one forward pass: for
     each token after the first, log P(ids[i] | ids[:i]) and the `top` likeliest tokens at
     that position with theirs (the model's distribution, before any sampling filter)."""
-    device = next(model.parameters()).device
+    device = placement(model)[0]
     x = torch.tensor([ids], device=device)
     logprobs = model(x)[0, :-1].float().log_softmax(dim=-1)  # [T-1, V]
     chosen = logprobs.gather(1, x[0, 1:, None])[:, 0].tolist()
@@ -187,7 +189,7 @@ def stream_tokens(
 ) -> Iterator[str]:
     """`stream_completion` of a prompt given as ids [1, S], read as they are."""
     text = StopText(tokenizer, stop)
-    for step in generate(model, ids.to(next(model.parameters()).device), config):
+    for step in generate(model, ids.to(placement(model)[0]), config):
         token = step.lists()[0][0]
         if token in config.eos_ids:
             break

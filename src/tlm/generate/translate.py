@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from tlm.device import placement
 from tlm.generate.beam import search
 from tlm.generate.errors import GenerationError
 from tlm.model.encoder_decoder import EncoderDecoder
@@ -123,7 +124,7 @@ def translate(
     """Translate sentences, `batch_size` at a time (sorted by length, so little padding),
     returned in the given order. beams = 1 is greedy."""
     model.eval()
-    device = model.embedding.E.device
+    device = placement(model)[0]
     ids = encode_sources(tokenizer, sentences, model.config.context_length)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[str] = [""] * len(ids)

@@ -146,8 +146,9 @@ class Ragged:
         H, capacity = cache.k.shape[2], cache.capacity
         heads = torch.arange(H, device=device)
         entries = at if cache.window is None else [n % capacity for n in at]  # a ring's
-        base = torch.tensor([s * H * capacity + n for s, n in zip(slots, entries, strict=True)])
-        self.writes = (base.to(device)[:, None] + heads * capacity).flatten()  # [rows*H]
+        starts = [s * H * capacity + n for s, n in zip(slots, entries, strict=True)]
+        base = torch.tensor(starts, device=device)
+        self.writes = (base[:, None] + heads * capacity).flatten()  # [rows*H]
         S = min(max(at) + 1, capacity)
         mask = torch.zeros(self.hi - self.lo, 1, 1, S, dtype=torch.bool, device=device)
         mask[:, :, :, 0] = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tlm.device import placement
 from tlm.interpret.hooks import HookError
 from tlm.interpret.lens import residual_stream
 from tlm.model import TransformerLM
@@ -31,7 +32,7 @@ def word_position(tokenizer: Tokenizer, text: str, word: str) -> tuple[list[int]
 def word_vectors(model: TransformerLM, tokenizer: Tokenizer, text: str, word: str) -> Tensor:
     """The stream at `word`'s last token in `text`: [L+1, d] (after embed, after each block)."""
     ids, position = word_position(tokenizer, text, word)
-    device = next(model.parameters()).device
+    device = placement(model)[0]
     _, stream = residual_stream(model, torch.tensor([ids], device=device))
     return stream[:, position]
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
+from tlm.device import placement
 from tlm.errors import UserError
 from tlm.model.hooks import hook_points
 
@@ -62,7 +63,9 @@ def hooks(model: nn.Module, fns: dict[str, HookFn]) -> Iterator[None]:
 def run_with_cache(
     model: nn.Module, input_ids: Tensor, names: Names = None, **forward
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Run `model(input_ids)`; return (logits, {hook name: activation}) for `names`."""
+    """Run `model(input_ids)`; return (logits, {hook name: activation}) for `names`, on the
+    model's device (the ids are moved there)."""
+    input_ids = input_ids.to(placement(model)[0])
     cache: dict[str, Tensor] = {}
 
     def saver(name: str) -> HookFn:

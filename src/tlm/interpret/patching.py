@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tlm.device import placement
 from tlm.interpret.hooks import HookError, check_head, hooks, run_with_cache
 from tlm.model import TransformerLM
 
@@ -70,6 +71,7 @@ def run_patched(
 ) -> Tensor:
     """Logits [len(patches), T, V] of the corrupted prompt [1, T], row i with patch i applied
     from `clean_cache` (a `run_with_cache` of the clean prompt holding every patch's hook)."""
+    corrupted_ids = corrupted_ids.to(placement(model)[0])
     by_hook: dict[str, list[tuple[int, Patch]]] = {}
     for row, patch in enumerate(patches):
         check_head(model, patch.layer, patch.head)
@@ -105,6 +107,8 @@ def patching_sweep(
     """Recovery for every layer × position (the stream entering each block, `over=
     "positions"`) or every layer × head (each head's z at all positions, `over="heads"`)."""
     check_pair(clean_ids, corrupted_ids)
+    device = placement(model)[0]
+    clean_ids, corrupted_ids = clean_ids.to(device), corrupted_ids.to(device)
     L, T, H = model.config.n_layers, clean_ids.shape[1], model.config.n_heads
     if over == "positions":
         patches = [Patch(layer, "resid_pre", position=t) for layer in range(L) for t in range(T)]

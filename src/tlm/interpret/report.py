@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from tlm.device import placement
 from tlm.interpret.attention import attention_patterns, attention_steps
 from tlm.interpret.attribution import direct_logit_attribution
 from tlm.interpret.hooks import HookError
@@ -68,7 +69,7 @@ def inspect_prompt(
     with `lessons`, also the next-token distribution after the prompt (`next`) and every
     head's attention step by step (`steps`), which the page's panels draw. The prompt is a
     text (read after <|endoftext|>) or token ids (read as they are)."""
-    device = next(model.parameters()).device
+    device = placement(model)[0]
     ids = encode_prompt(model, tokenizer, prompt, "clean")
     x = torch.tensor([ids], device=device)
     tokens = [tokenizer.decode([i]) for i in ids]

@@ -102,3 +102,54 @@ def packed_nll(
         if mine:
             total, count = total + loss.item(), count + int(learned.sum())
     return total, count
+
+
+def sequence_logprobs(logits: Tensor, targets: Tensor, learned: Tensor) -> Tensor:
+    """log π(y | x) = Σ_t log ŷ_t[w_{t+1}] over the learned targets (an answer's tokens):
+    logits [B,T,V], targets [B,T], learned [B,T] bool -> [B] (fused kernel, fp32)."""
+    V = logits.shape[-1]
+    flat = logits.reshape(-1, V).float()
+    logp = -F.cross_entropy(flat, targets.reshape(-1), reduction="none").view(targets.shape)
+    return (logp * learned).sum(dim=-1)
+
+
+def dpo_loss(
+    chosen: Tensor,
+    rejected: Tensor,
+    reference_chosen: Tensor,
+    reference_rejected: Tensor,
+    beta: float,
+    kind: str = "sigmoid",
+    epsilon: float = 0.0,
+    lengths: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Direct preference optimization (Rafailov et al. 2023) per pair -> (loss [B], the
+    implicit rewards of the chosen and the rejected answers [B]).
+
+    From the log-probabilities [B] of the chosen answer y_w and the rejected y_l under the
+    policy π and the frozen reference π_ref, each answer's implicit reward is
+    r = β (log π(y|x) - log π_ref(y|x)) and h = (r_w - r_l) / β. The losses:
+
+    - sigmoid (DPO, their eq. 7): -log σ(β h), the Bradley-Terry likelihood of the
+      preference under the implicit rewards;
+    - cdpo (conservative DPO, Mitchell 2023): -(1 - ε) log σ(β h) - ε log σ(-β h), for
+      labels flipped with probability ε;
+    - ipo (Azar et al. 2023, their eq. 17): (h' - 1/(2β))², with each answer's log-ratio
+      averaged over its tokens (`lengths`: the answers' token counts), as TRL computes it.
+    """
+    chosen_ratio, rejected_ratio = chosen - reference_chosen, rejected - reference_rejected
+    h = chosen_ratio - rejected_ratio
+    if kind == "sigmoid":
+        loss = -F.logsigmoid(beta * h)
+    elif kind == "cdpo":
+        loss = -(1 - epsilon) * F.logsigmoid(beta * h) - epsilon * F.logsigmoid(-beta * h)
+    elif kind == "ipo":
+        if lengths is None:
+            raise ValueError("ipo averages each log-ratio over its answer: give the lengths")
+        per_token = chosen_ratio / lengths[0].clamp(min=1) - rejected_ratio / lengths[1].clamp(
+            min=1
+        )
+        loss = (per_token - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"dpo loss must be sigmoid, ipo or cdpo; got {kind!r}")
+    return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()

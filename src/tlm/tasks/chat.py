@@ -29,6 +29,7 @@ from torch import nn
 from tlm.chat import END, PLAIN_STOP, ChatError, parse, plain_prompt, speaks
 from tlm.data.packing import pack
 from tlm.data.tokens import ChatData
+from tlm.device import placement
 from tlm.generate import GenerationConfig
 from tlm.generate.chat import Prompt, chat_prompt, replies, reply_room
 from tlm.generate.text import complete_tokens
@@ -59,7 +60,7 @@ def chat_loss(model: nn.Module, data: ChatData, split: str) -> float:
     tokenizer = load_tokenizer(data.folder)
     T = model.config.context_length
     packed = pack(data, split, T, tokenizer.special_id(END), tokenizer.eot_id)
-    total, count = packed_nll(model, packed, next(model.parameters()).device)
+    total, count = packed_nll(model, packed, placement(model)[0])
     return total / max(count, 1)
 
 

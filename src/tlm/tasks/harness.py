@@ -139,8 +139,10 @@ def harness_evaluate(
     batch_size: int = 16,
     output_path: str | None = None,
     weights: str = "latest",
+    device: str | None = None,
 ) -> dict:
-    """lm-eval's `simple_evaluate` on a tlm model, its results as lm-eval returns them; with
+    """lm-eval's `simple_evaluate` on a tlm model (on `device`: a torch device name, None
+    the CPU), its results as lm-eval returns them; with
     `output_path`, written there as `lm_eval --output_path P --log_samples` writes them
     (the aggregated results and one samples file per task)."""
     from lm_eval import simple_evaluate
@@ -155,7 +157,7 @@ def harness_evaluate(
         )
     tracker = EvaluationTracker(output_path=output_path) if output_path else None
     results = simple_evaluate(
-        model=TlmLM(run, weights=weights, batch_size=batch_size),
+        model=TlmLM(run, weights=weights, batch_size=batch_size, device=device),
         tasks=tasks,
         num_fewshot=num_fewshot,
         limit=limit,

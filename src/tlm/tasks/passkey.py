@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tlm.device import placement
 from tlm.tokenizer import Tokenizer
 
 FILLER = (
@@ -86,7 +87,7 @@ def passkey_accuracy(
 ) -> float:
     """The share of `trials` prompts of at most `length` tokens, needle at `depth`, whose
     key the model retrieves (module doc)."""
-    rng, device = random.Random(seed), next(model.parameters()).device
+    rng, device = random.Random(seed), placement(model)[0]
     found = 0
     for _ in range(trials):
         task = passkey_prompt(tokenizer, length, depth, random_key(rng))

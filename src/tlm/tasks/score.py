@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tlm.device import placement
 from tlm.errors import UserError
 from tlm.model import TransformerLM
 from tlm.model.kv_cache import KVCache
@@ -72,7 +73,7 @@ def score(
     pairs = [encode_pair(tokenizer, context, c) for c in continuations]
     for ctx, cont in pairs:  # the last token is predicted, never read
         within(ctx + cont[:-1], model.config.context_length, "the context with a continuation")
-    device = next(model.parameters()).device
+    device = placement(model)[0]
     groups: dict[tuple[int, ...], list[int]] = {}  # the contexts differ only if the split did
     for i, (ctx, _) in enumerate(pairs):
         groups.setdefault(tuple(ctx), []).append(i)
@@ -91,7 +92,7 @@ def score_tokens(
     """(log P of each continuation token given the context and the tokens before it, whether
     each was the model's argmax) for every (context ids, continuation ids), the context read
     as given; pairs that share a context share its prefill."""
-    device = next(model.parameters()).device
+    device = placement(model)[0]
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (ctx, _) in enumerate(pairs):
         groups.setdefault(tuple(ctx), []).append(i)

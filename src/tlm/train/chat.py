@@ -30,6 +30,7 @@ from tlm.data.tokens import ChatData
 from tlm.io import write_text_atomic
 from tlm.model.loss import packed_nll, supervised_loss
 from tlm.tokenizer import load_tokenizer
+from tlm.train.order import PassOrder
 from tlm.train.run import RunError
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class ChatWindows:
         self.share = self.global_batch // world_size
         self.tokens_per_step = self.global_batch * self.T
         self.empty_steps = 0  # steps with no supervised target (no update)
-        self._order: tuple[int, np.ndarray] | None = None  # (pass, its window order)
+        self.order = PassOrder(len(self.train), self.global_batch, config.seed)
 
     def summary(self) -> str:
         """What packing did, in one line (`tlm train` prints it)."""
@@ -67,18 +68,8 @@ class ChatWindows:
         )
 
     def step_windows(self, step: int) -> np.ndarray:
-        """The window indices of step `step`'s global batch: pass e over the windows has
-        its own order (seed, e), so any step is found again after a resume."""
-        W = len(self.train)
-        first = step * self.global_batch
-        picked = []
-        for k in range(first, first + self.global_batch):
-            e = k // W
-            if self._order is None or self._order[0] != e:
-                generator = np.random.default_rng([self.config.seed, e])
-                self._order = (e, generator.permutation(W))
-            picked.append(self._order[1][k % W])
-        return np.asarray(picked)
+        """The window indices of step `step`'s global batch (`order.PassOrder`)."""
+        return self.order.step(step)
 
     def step_loss(self, trainer: Trainer, step: int) -> float:
         """The backward passes of step `step`; returns its mean loss per supervised target
@@ -114,6 +105,9 @@ class ChatWindows:
                 trainer.forward, self.val, trainer.device, rt.rank, rt.world_size
             )
         return rt.all_reduce_mean(total) / max(rt.all_reduce_mean(count), 1e-9)
+
+    def logged(self, kind: str) -> dict[str, float]:
+        return {}  # the loss alone
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this source (JSON): the steps with nothing to learn."""

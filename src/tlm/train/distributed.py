@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tlm.train.run import RunError, pick_device
+from tlm.device import pick_device
+from tlm.train.run import RunError
 
 
 @dataclass

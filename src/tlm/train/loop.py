@@ -201,7 +201,7 @@ class Trainer:
         row = {"step": s.step, "tokens": s.tokens, "time": round(s.elapsed, 3)}
         lr = learning_rate(s.step - 1, self.config, self.model_config.d_model)
         row |= {"lr": lr, "train_loss": mean}
-        row |= {"grad_norm": norm, "skipped_steps": s.skipped}
+        row |= {"grad_norm": norm, "skipped_steps": s.skipped} | self.batches.logged("train")
         row["tokens_per_s"] = round(s.tokens / max(s.elapsed, 1e-9))
         if self.metrics is not None:
             self.metrics.log(row)
@@ -219,6 +219,7 @@ class Trainer:
         if self.metrics is None:
             return
         row = {"step": s.step, "tokens": s.tokens, "time": round(s.elapsed, 3), "val_loss": val}
+        row |= self.batches.logged("val")
         self.metrics.log(row | ({"best": True} if kept else {}))  # best.safetensors: this step
         plot_losses(self.metrics.rows, self.run / "plots" / "loss.png")
 
@@ -276,7 +277,7 @@ class Trainer:
 
 class Batches(Protocol):
     """What a step trains on (`windows.TokenWindows`, `translate.PairBatches`,
-    `chat.ChatWindows`)."""
+    `chat.ChatWindows`, `dpo.PreferencePairs`)."""
 
     tokens_per_step: int  # tokens the last step trained on, for the counts and tok/s
 
@@ -285,6 +286,11 @@ class Batches(Protocol):
         ...
 
     def validation_loss(self, trainer: Trainer) -> float | None: ...
+
+    def logged(self, kind: str) -> dict[str, float]:
+        """Figures to log beside the loss: of the training steps since the last log line
+        (`kind` "train") or of the last validation ("val"); {} for most sources."""
+        ...
 
     def write_card(self, trainer: Trainer, results: dict[str, Any]) -> None: ...
 

@@ -16,7 +16,7 @@ import torch
 
 from tlm.checkpoint import latest_checkpoint, load_checkpoint, write_config
 from tlm.config import ModelConfig, TrainConfig
-from tlm.data import ChatData, PairData, TokenData
+from tlm.data import ChatData, PairData, PreferenceData, TokenData
 from tlm.inference.devices.heap import keep_freed_memory
 from tlm.io import write_text_atomic
 from tlm.load import load_model
@@ -25,6 +25,7 @@ from tlm.model.attention import use_attention_kernel
 from tlm.train.attention_kernel import causal_attention
 from tlm.train.chat import ChatWindows
 from tlm.train.distributed import Runtime
+from tlm.train.dpo import PreferencePairs
 from tlm.train.loop import Progress, Trainer
 from tlm.train.optim import build_optimizer
 from tlm.train.precision import pick_precision
@@ -68,6 +69,8 @@ def open_run(
         run.mkdir(parents=True, exist_ok=True)
         write_config(run, model_config, config.to_dict(), data.fingerprint(), precision.to_dict())
         write_text_atomic(run / "tokenizer.json", tokenizer_json)
+    if isinstance(batches, PreferencePairs):  # the init run's weights, now: the reference
+        batches.hold_reference(model, run, resume, precision.dtype, rt.is_main)
     if rt.rank:  # rank 0 keeps the seeded (or resumed) stream; the others differ from it
         torch.manual_seed(config.seed + rt.rank)  # (dropout masks)
     wrapped = rt.wrap(model)  # DDP, or FSDP2 sharding in place
@@ -94,12 +97,19 @@ def _check_batch(config: TrainConfig, rt: Runtime) -> None:
 
 def _batches(data, model_config: ModelConfig, config: TrainConfig, rt: Runtime):
     """The batch source of the data's kind: token windows, conversations packed in
-    windows, or translation pairs."""
+    windows, preference pairs (DPO), or translation pairs."""
     if config.windows != "random" and type(data) is not TokenData:
         raise RunError(
             "--windows documents draws windows of a token stream; conversations and pairs "
             "are packed whole already"
         )
+    if (config.objective == "dpo") != isinstance(data, PreferenceData):
+        raise RunError(
+            "preference pairs (tlm prepare --task preference) train with --objective dpo, "
+            "and --objective dpo trains on them"
+        )
+    if isinstance(data, PreferenceData):
+        return PreferencePairs(data, model_config, config, rt.world_size)
     if isinstance(data, PairData):
         return PairBatches(data, model_config, config, rt)
     if isinstance(data, ChatData):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tlm.config import TrainConfig
+from tlm.device import placement
 from tlm.train.muon import Muon
 
 NO_DECAY = ("E", "P", "gamma", "beta")  # embeddings and norms; biases are b_*
@@ -47,7 +48,7 @@ def build_optimizer(
 ) -> torch.optim.Optimizer | Combined:
     """AdamW, or Muon for the hidden matrices (Newton-Schulz in `ns_dtype`, the training
     precision) beside AdamW for the rest."""
-    device = next(model.parameters()).device
+    device = placement(model)[0]
     fused = device.type in ("cpu", "cuda")
     betas = (config.beta1, config.beta2)
     if config.optimizer == "adamw":

@@ -6,11 +6,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tlm.chat import chat_tokenizer
 from tlm.checkpoint import LOCK, check_unlocked, latest_checkpoint, read_config
-from tlm.config import ConfigError, ModelConfig, TrainConfig, from_dict
+from tlm.config import ModelConfig, TrainConfig, from_dict
 from tlm.data import ChatData, PairData, TokenData, open_data
 from tlm.data.tokens import fingerprint_differences
 from tlm.errors import UserError
@@ -163,11 +161,3 @@ def _check_window(data: TokenData, config: ModelConfig) -> None:
             f"training split has {n} tokens, fewer than one context window "
             f"({config.context_length} + 1); use a larger corpus or a smaller --context-length"
         )
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device cuda was asked for, but no CUDA device is available")
-    return torch.device(name)

@@ -135,6 +135,9 @@ class PairBatches:
                 count += n
         return total / count
 
+    def logged(self, kind: str) -> dict[str, float]:
+        return {}  # the loss alone
+
     def state_dict(self) -> dict[str, Any]:
         return {}  # a step's batch follows from (seed, step): nothing to keep
 

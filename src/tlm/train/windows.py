@@ -92,6 +92,9 @@ class TokenWindows:
                     total, count = total + nll.double().sum().item(), count + nll.numel()
         return rt.all_reduce_mean(total) / rt.all_reduce_mean(count)
 
+    def logged(self, kind: str) -> dict[str, float]:
+        return {}  # the loss alone
+
     def state_dict(self) -> dict[str, Any]:
         return {}  # a step's batch follows from (seed, step): nothing to keep
 

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from tlm.device import placement
 from tlm.inference.decoding import program, step
 from tlm.inference.devices.cuda_graph import GraphedDecoder
 from tlm.inference.devices.threads import Threads, on_threads
@@ -54,12 +55,23 @@ class Decoder:
         self._graphed: tuple[tuple, GraphedDecoder] | None = None
 
     @property
+    def device(self) -> torch.device:
+        """Where the model's weights are: every tensor a decoding loop makes goes there (its
+        caches, generators, the ids it is handed, what it returns)."""
+        return placement(self.model)[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in, which its caches keep."""
+        return placement(self.model)[1]
+
+    @property
     def threads(self) -> Threads:
         """The thread choice for torch's setting now (remade when the setting changes). A
         model off the CPU keeps torch's setting: its steps' times are not the CPU's."""
         most = torch.get_num_threads()
         if self._threads is None or self._threads.most != most:
-            on_cpu = next(self.model.parameters()).device.type == "cpu"
+            on_cpu = self.device.type == "cpu"
             self._threads = Threads(most, adapt=on_cpu and not self.fixed_threads)
         return self._threads
 
@@ -172,8 +184,10 @@ class Decoder:
             return step.scratch_step(
                 self.model, whole, scratch, cache, slots, positions, tokens, greedy
             )
-        chosen = (torch.empty(R, dtype=torch.int64), torch.empty(R)) if greedy else None
-        ids = torch.tensor(tokens)
+        cpu = torch.device("cpu")  # the C step's: the model is on the CPU
+        chosen = (torch.empty(R, dtype=torch.int64, device=cpu), torch.empty(R, device=cpu))
+        chosen = chosen if greedy else None
+        ids = torch.tensor(tokens, device=cpu)
         logits, picked = step.run(
             self.model, self.layers(), whole, ids, cache.k, cache.v, slots, positions, chosen
         )
@@ -195,7 +209,7 @@ class Decoder:
         model = self.model
         return (
             isinstance(model, TransformerLM)
-            and next(model.parameters()).device.type == "cuda"
+            and self.device.type == "cuda"
             and not model.training
             and prompt_length + new_tokens <= model.config.context_length
             and model.config.rope_scaling != "dynamic"  # its tables change with the length
@@ -211,7 +225,7 @@ class Decoder:
         model = self.model
         capacity = min(model.config.context_length, -(-positions // 256) * 256)
         weights = tuple(p.data_ptr() for p in model.parameters())
-        key = (batch_size, capacity, next(model.parameters()).dtype, weights)
+        key = (batch_size, capacity, self.dtype, weights)
         if self._graphed is None or self._graphed[0] != key:
             self._graphed = None  # freed before the next is made
             self._graphed = (key, GraphedDecoder(model, batch_size, capacity, graph=True))

@@ -105,9 +105,10 @@ class Scratch:
 
     def __init__(self, slots: int, d: int, vocab: int) -> None:
         self.slots, self.vocab = slots, vocab
-        self.places = torch.empty(3 * slots, dtype=torch.int64)  # ids, positions, slots
-        self.x, self.logits = torch.empty(slots, d), torch.empty(slots, vocab)
-        self.words, self.logprobs = torch.empty(slots, dtype=torch.int64), torch.empty(slots)
+        with torch.device("cpu"):  # the C step's: read and written by C
+            self.places = torch.empty(3 * slots, dtype=torch.int64)  # ids, positions, slots
+            self.x, self.logits = torch.empty(slots, d), torch.empty(slots, vocab)
+            self.words, self.logprobs = torch.empty(slots, dtype=torch.int64), torch.empty(slots)
         self.places_, self.words_, self.logprobs_ = (
             t.numpy() for t in (self.places, self.words, self.logprobs)
         )
@@ -160,7 +161,8 @@ def run(
     is one C call, which also writes each row's greedy choice and its log-probability into
     picks (int64 [R], fp32 [R]) if given; otherwise the products run from here, and C
     between them. Also whether picks were written."""
-    places = torch.tensor(positions + slots)  # [2R]: each row's position, then its slot
+    # [2R]: each row's position, then its slot
+    places = torch.tensor(positions + slots, device="cpu")
     with torch.no_grad():
         if whole is not None:
             return _in_one_call(model, whole, ids, K, V, places, picks), picks is not None
@@ -184,7 +186,7 @@ def _in_one_call(
         x = looked_up(model, ids)
     else:  # looked up by decode_step
         ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.long().contiguous()
-        x = torch.empty(R, config.d_model)
+        x = torch.empty(R, config.d_model, device="cpu")
     logits, at = x.new_empty(R, whole.head.out), places.data_ptr()
     words, logprobs = (None, None) if picks is None else picks
     _decode_step(

@@ -26,6 +26,7 @@ from itertools import groupby
 import torch
 from torch import Tensor, nn
 
+from tlm.device import placement
 from tlm.inference.devices.heap import free_to_system
 from tlm.inference.formats import blocked
 from tlm.inference.formats.kernels import (
@@ -54,7 +55,7 @@ def for_inference(model: TransformerLM, fmt: str = "float32") -> TransformerLM:
     "float16" cast the model and "float32" changes nothing. `tlm.load_model(path,
     dtype=...)` does the same while reading, with a lower peak.
     """
-    device = model.embedding.E.device
+    device = placement(model)[0]
     check_format(fmt, device)
     model.eval()
     if device.type != "cpu" and fmt in ("bfloat16", "float16"):
