@@ -27,7 +27,7 @@ from tlm.tokenizer import load_tokenizer, train_tokenizer
 from tlm.train import Runtime
 from tlm.train.chat import ChatWindows
 from tlm.train.loop import Trainer
-from tlm.train.opening import _initial_weights
+from tlm.train.opening import initial_weights
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_a_step_with_nothing_to_learn_is_counted_and_changes_nothing(base_and_da
 def test_new_special_tokens_start_as_the_mean_of_the_trained_rows(base_and_data):
     base, data = base_and_data
     E = load_model(base).embedding.E.detach()
-    grown = _initial_weights(str(base), tiny_config(vocab_size=data.vocab_size, position="rope"))
+    grown = initial_weights(str(base), tiny_config(vocab_size=data.vocab_size, position="rope"))
     assert grown["embedding.E"].shape == (E.shape[0] + 4, E.shape[1])
     torch.testing.assert_close(grown["embedding.E"][: E.shape[0]], E)
     torch.testing.assert_close(grown["embedding.E"][E.shape[0] :], E.mean(0).expand(4, -1))
@@ -170,7 +170,7 @@ def test_a_tiny_model_fine_tuned_on_conversations_learns_to_stop(base_and_data, 
     card = (run / "MODEL_CARD.md").read_text()
     assert str(base) in card and "48 training" in card
     before = TransformerLM(tiny_config(vocab_size=data.vocab_size, position="rope")).eval()
-    before.load_state_dict(_initial_weights(str(base), before.config))
+    before.load_state_dict(initial_weights(str(base), before.config))
     start = evaluate_chat(before, tok, data, "val", max_new_tokens=12)
     after = evaluate_chat(load_model(run).eval(), tok, data, "val", max_new_tokens=12)
     assert start["stop_rate"] < 0.5 and after["stop_rate"] >= 0.9, (start, after)

@@ -185,3 +185,19 @@ def test_the_loss_and_first_layer_gradient_equal_trl_on_the_export(pairs_run, tm
     their_grad = hf.transformer.h[0].attn.c_attn.weight.grad[:, :d]  # W_Q | W_K | W_V
     assert torch.allclose(our_grad, their_grad, atol=1e-5)
     assert our_grad.abs().max() > 1e-4  # a gradient, not zeros on both sides
+
+
+def test_eval_gives_the_runs_validation_figures_and_the_aligned_run_chats(pairs_run, capsys):
+    base, data, run = pairs_run
+    assert main(["eval", "--task", "preference", str(run), "--data", str(data), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "val_loss" in r][-1]  # the reference: the recorded init run
+    assert got["loss"] == pytest.approx(last["val_loss"], abs=1e-5)
+    assert got["accuracy"] == pytest.approx(last["val_reward_accuracy"])
+    assert got["reference"] == str(base) and got["pairs"] == 6
+    assert main(["eval", "--task", "preference", str(run), "--data", str(data), "--reference",
+                 "none", "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["reference"] is None
+    assert main(["chat", str(run), "--message", "say cat", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.endswith("\n")  # an aligned run is a chat run: it answers

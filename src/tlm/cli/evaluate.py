@@ -6,6 +6,7 @@ import argparse
 import json
 
 from tlm.chat import chat_tokenizer, speaks
+from tlm.checkpoint import CheckpointError, read_config
 from tlm.cli.args import (
     add_command,
     add_long_context_flags,
@@ -14,11 +15,14 @@ from tlm.cli.args import (
     long_context_flags,
     model_device,
 )
-from tlm.data import ChatData, TokenData, documents, open_data, resolve_sources
+from tlm.data import ChatData, PreferenceData, TokenData, documents, open_data, resolve_sources
 from tlm.evaluate import evaluate_text, evaluate_tokens
 from tlm.load import load_language_model, load_tokenizer, load_translation_model, source_of
+from tlm.model.transformer import TransformerLM
 from tlm.tasks.chat import evaluate_chat
+from tlm.tasks.preference import evaluate_preference
 from tlm.tasks.translation import evaluate_translation
+from tlm.train.opening import initial_weights
 
 EXAMPLE = """examples:
   tlm eval runs/shakespeare_char --data data/shakespeare_char --split val --json
@@ -27,6 +31,7 @@ EXAMPLE = """examples:
   tlm eval runs/shakespeare_char --data data/shakespeare_char --weights best  # --keep-best
   tlm eval runs/multi30k --task translate --src test.en.gz --ref test.de.gz   # BLEU, chrF
   tlm eval --task chat runs/demo-chat --data data/python-qa   # loss, stop rate, chrF
+  tlm eval --task preference runs/dpo --data data/pairs --json   # DPO loss, reward accuracy
 
 --text reads files as `tlm prepare` does (a .txt file is one document, --line-docs one per
 line, .jsonl a "text" field per line; folders, globs and built-in corpora too), and puts
@@ -52,7 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_long_context_flags(parser)
     pairs = parser.add_argument_group("translation (--task translate): BLEU and chrF")
     pairs.add_argument(
-        "--task", choices=("lm", "translate", "chat"), default="lm", help="lm (default)"
+        "--task",
+        choices=("lm", "translate", "chat", "preference"),
+        default="lm",
+        help="lm (default)",
     )
     pairs.add_argument("--src", help="source sentences, one a line (.txt or .gz)")
     pairs.add_argument("--ref", help="their reference translations, line for line")
@@ -64,6 +72,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     chat = parser.add_argument_group("chat (--task chat): held-out conversations of --data")
     chat.add_argument("--max-new-tokens", type=int, default=64, help="per reply (64)")
     chat.add_argument("--limit", type=int, help="the first N conversations only")
+    preference = parser.add_argument_group("preference (--task preference): pairs of --data")
+    preference.add_argument(
+        "--reference",
+        help="the reference run (default: the run's --init-from), or none: log π_ref = 0",
+    )
+    preference.add_argument("--beta", type=float, default=0.1, help="the rewards' β (0.1)")
     parser.set_defaults(handler=run)
 
 
@@ -133,7 +147,48 @@ def run_translation(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_preference(args: argparse.Namespace) -> int:
+    """DPO's figures of a run on held-out preference pairs (`tasks/preference.py`)."""
+    if not args.data or args.text or args.src:
+        fail(
+            "--task preference needs --data DIR, pairs prepared with tlm prepare --task preference"
+        )
+    data = open_data(args.data)
+    if not isinstance(data, PreferenceData):
+        fail(f"{args.data} holds no preference pairs; prepare them with --task preference")
+    if not args.beta > 0:
+        fail(f"--beta must be > 0, got {args.beta}")
+    source, device = source_of(args.run), model_device(args)
+    if load_tokenizer(source).to_json() != load_tokenizer(data.folder).to_json():
+        fail(f"{args.data} was not prepared with the tokenizer of {args.run} (--tokenizer RUN)")
+    reference = args.reference
+    if reference is None:  # the run's own reference: the run it was trained from, if any
+        try:
+            reference = read_config(source.path).get("train", {}).get("init_from") or "none"
+        except CheckpointError:  # a Hugging Face directory or a GGUF file: no record
+            reference = "none"
+    model = load_language_model(source, device, args.weights)
+    base = None
+    if reference != "none":  # its vocabulary grown to the run's, as training grew it
+        base = TransformerLM(model.config, init=False)
+        base.load_state_dict(initial_weights(reference, model.config), assign=True)
+        base = base.eval().to(device)
+    results = evaluate_preference(model, data, args.split, base, args.beta)
+    results["reference"] = None if reference == "none" else str(reference)
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    print(
+        f"DPO loss {results['loss']:.4f}, reward accuracy {results['accuracy']:.1%}, margin "
+        f"{results['margin']:.4f} on {results['pairs']:,} {args.split} pairs (reference: "
+        f"{results['reference'] or 'none'}, beta {args.beta})"
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.task == "preference":
+        return run_preference(args)
     if args.task == "translate":
         return run_translation(args)
     if args.task == "chat":

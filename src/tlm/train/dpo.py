@@ -87,7 +87,7 @@ class PreferencePairs:
         autocast = torch.autocast(device.type, dtype=precision, enabled=precision != torch.float32)
         with torch.no_grad(), autocast:
             for split, pairs in (("train", self.train), ("val", self.val)):
-                self.reference[split] = _logprobs(model, pairs, device)
+                self.reference[split] = pair_logprobs(model, pairs, device)
         model.train(was_training)
         if main:
             with atomic_path(path) as tmp:
@@ -238,7 +238,7 @@ def _figures(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, float]:
     }
 
 
-def _logprobs(model: torch.nn.Module, pairs, device: torch.device) -> torch.Tensor:
+def pair_logprobs(model: torch.nn.Module, pairs, device: torch.device) -> torch.Tensor:
     """log π(y | x) of each pair's chosen and rejected answer -> [P, 2] fp32."""
     out = torch.zeros(len(pairs), 2)
     for first in range(0, len(pairs), VAL_BATCH):

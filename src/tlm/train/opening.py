@@ -64,7 +64,7 @@ def open_run(
         state = Progress(**{k: saved[k] for k in fields if k in saved})
         batches.load_state_dict(saved.get("batches", {}))  # the source's counts go on
     elif config.init_from:  # fine-tuning: start from a trained model's weights
-        model.load_state_dict(_initial_weights(config.init_from, model_config))
+        model.load_state_dict(initial_weights(config.init_from, model_config))
     if not resume and rt.is_main:
         run.mkdir(parents=True, exist_ok=True)
         write_config(run, model_config, config.to_dict(), data.fingerprint(), precision.to_dict())
@@ -117,7 +117,7 @@ def _batches(data, model_config: ModelConfig, config: TrainConfig, rt: Runtime):
     return TokenWindows(data, model_config, config, rt.world_size)
 
 
-def _initial_weights(source: str, config: ModelConfig) -> dict[str, torch.Tensor]:
+def initial_weights(source: str, config: ModelConfig) -> dict[str, torch.Tensor]:
     """The weights of `--init-from`, learned positions cut to this run's context length.
     A vocabulary grown by special tokens (the chat template's) gets a row of E (and a
     column of an untied W_U) for each new token, set to the mean of the trained ones: a

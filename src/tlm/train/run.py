@@ -112,7 +112,7 @@ def _init_model_values(source: str, given: dict[str, Any], data: TokenData) -> d
     """The model of `--init-from` (a run or a Hugging Face GPT-2 directory) fixes the shape,
     except that the context may be shortened; its tokenizer must be the data's, or for
     conversations the data's less the chat template's tokens (the model grows rows for
-    them: `opening._initial_weights`)."""
+    them: `opening.initial_weights`)."""
     saved = model_config(source).to_dict()
     if isinstance(data, ChatData):
         base = load_tokenizer(source)
