@@ -15,14 +15,24 @@ from tlm.cli.args import (
     long_context_flags,
     model_device,
 )
-from tlm.data import ChatData, PreferenceData, TokenData, documents, open_data, resolve_sources
+from tlm.data import (
+    ChatData,
+    PreferenceData,
+    PromptData,
+    TokenData,
+    documents,
+    open_data,
+    resolve_sources,
+)
 from tlm.evaluate import evaluate_text, evaluate_tokens
 from tlm.load import load_language_model, load_tokenizer, load_translation_model, source_of
 from tlm.model.transformer import TransformerLM
 from tlm.tasks.chat import evaluate_chat
 from tlm.tasks.preference import evaluate_preference
 from tlm.tasks.translation import evaluate_translation
+from tlm.tasks.verify import evaluate_verify
 from tlm.train.opening import initial_weights
+from tlm.train.rewards import reward_of
 
 EXAMPLE = """examples:
   tlm eval runs/shakespeare_char --data data/shakespeare_char --split val --json
@@ -32,6 +42,7 @@ EXAMPLE = """examples:
   tlm eval runs/multi30k --task translate --src test.en.gz --ref test.de.gz   # BLEU, chrF
   tlm eval --task chat runs/demo-chat --data data/python-qa   # loss, stop rate, chrF
   tlm eval --task preference runs/dpo --data data/pairs --json   # DPO loss, reward accuracy
+  tlm eval --task verify runs/demo-chat --data data/prompts --reward number   # pass@1, pass@8
 
 --text reads files as `tlm prepare` does (a .txt file is one document, --line-docs one per
 line, .jsonl a "text" field per line; folders, globs and built-in corpora too), and puts
@@ -58,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     pairs = parser.add_argument_group("translation (--task translate): BLEU and chrF")
     pairs.add_argument(
         "--task",
-        choices=("lm", "translate", "chat", "preference"),
+        choices=("lm", "translate", "chat", "preference", "verify"),
         default="lm",
         help="lm (default)",
     )
@@ -78,6 +89,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the reference run (default: the run's --init-from), or none: log π_ref = 0",
     )
     preference.add_argument("--beta", type=float, default=0.1, help="the rewards' β (0.1)")
+    verify = parser.add_argument_group("verify (--task verify): prompts of --data, a verifier")
+    verify.add_argument("--reward", help="number, regex, json-schema, or module:function")
+    verify.add_argument("--samples", type=int, default=8, help="replies a prompt for pass@k (8)")
+    verify.add_argument("--seed", type=int, default=0, help="the samples' seed (0)")
     parser.set_defaults(handler=run)
 
 
@@ -186,7 +201,40 @@ def run_preference(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_verify(args: argparse.Namespace) -> int:
+    """pass@1, pass@8 and the greedy pass rate of a run on prompts (`tasks/verify.py`)."""
+    if not args.data or args.text or args.src or not args.reward:
+        fail("--task verify needs --data DIR (tlm prepare --task prompts) and --reward NAME")
+    data = open_data(args.data)
+    if not isinstance(data, PromptData):
+        fail(f"{args.data} holds no prompts; prepare them with tlm prepare --task prompts")
+    if args.samples < 1:
+        fail(f"--samples must be >= 1, got {args.samples}")
+    reward = reward_of(args.reward)
+    source = source_of(args.run)
+    tokenizer = load_tokenizer(source)
+    if tokenizer.to_json() != load_tokenizer(data.folder).to_json():
+        fail(f"{args.data} was not prepared with the tokenizer of {args.run} (--tokenizer RUN)")
+    model = load_language_model(source, model_device(args), args.weights)
+    results = evaluate_verify(
+        model, tokenizer, data, reward, args.split, args.samples, args.max_new_tokens, args.seed
+    )
+    results["reward"] = args.reward
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    pass8 = "" if results["pass8"] is None else f", pass@8 {results['pass8']:.1%}"
+    print(
+        f"pass@1 {results['pass1']:.1%}{pass8}, greedy {results['greedy']:.1%} on "
+        f"{results['prompts']:,} {args.split} prompts ({args.samples} samples each, reward "
+        f"{args.reward}; mean reward {results['mean_reward']:.3f}, {results['length']:.1f} tokens)"
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.task == "verify":
+        return run_verify(args)
     if args.task == "preference":
         return run_preference(args)
     if args.task == "translate":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tlm.cli.args import add_command, fail
-from tlm.data import prepare, prepare_chat, prepare_pairs, prepare_preference
+from tlm.data import prepare, prepare_chat, prepare_pairs, prepare_preference, prepare_prompts
 from tlm.data.canaries import parse_repeats
 from tlm.data.chat import BUILTIN_CHAT
 from tlm.data.clean import REASONS, CleanConfig
@@ -38,10 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     pairs = parser.add_argument_group("translation (--task translate): two aligned files")
     pairs.add_argument(
         "--task",
-        choices=("lm", "chat", "preference", "translate"),
+        choices=("lm", "chat", "preference", "prompts", "translate"),
         default="lm",
         help="lm (default), chat (conversations for instruction tuning), preference (pairs "
-        "for DPO: prompt, chosen, rejected), translate",
+        "for DPO: prompt, chosen, rejected), prompts (prompt, answer: for verifiers), translate",
     )
     pairs.add_argument("--src", help="source sentences, one a line (.txt or .gz)")
     pairs.add_argument("--tgt", help="their translations, line for line")
@@ -117,7 +117,7 @@ def clean_config(args: argparse.Namespace) -> CleanConfig | None:
 def run(args: argparse.Namespace) -> int:
     if args.task == "translate":
         return run_pairs(args)
-    if args.task in ("chat", "preference"):
+    if args.task in ("chat", "preference", "prompts"):
         return run_chat(args)
     if args.src or args.tgt:
         fail("--src and --tgt go with --task translate")
@@ -199,7 +199,8 @@ def run_chat(args: argparse.Namespace) -> int:
         fail(
             f"--task {args.task} reads its files as they are: no --src/--tgt, cleaning or canaries"
         )
-    prepare_task = prepare_chat if args.task == "chat" else prepare_preference
+    tasks = {"chat": prepare_chat, "preference": prepare_preference, "prompts": prepare_prompts}
+    prepare_task = tasks[args.task]
     meta = prepare_task(
         args.inputs,
         args.out,
@@ -209,7 +210,7 @@ def run_chat(args: argparse.Namespace) -> int:
         force=args.force,
     )
     train, val = meta["splits"]["train"], meta["splits"]["val"]
-    unit = "conversations" if args.task == "chat" else "pairs"
+    unit = {"chat": "conversations", "preference": "pairs", "prompts": "prompts"}[args.task]
     print(
         f"{args.out}: {meta['tokenizer']} tokenizer with the chat template's tokens, vocabulary "
         f"{meta['vocab_size']}, {train[unit]:,} train + {val[unit]:,} val {unit} "

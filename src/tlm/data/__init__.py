@@ -8,13 +8,15 @@ from tlm.data.corpus import CorpusError, Source, documents, resolve_sources
 from tlm.data.pairs import prepare_pairs
 from tlm.data.preference import prepare_preference
 from tlm.data.prepare import prepare
-from tlm.data.tokens import ChatData, PairData, PreferenceData, TokenData, read_meta
+from tlm.data.prompts import prepare_prompts
+from tlm.data.tokens import ChatData, PairData, PreferenceData, PromptData, TokenData, read_meta
 
 __all__ = [
     "ChatData",
     "CorpusError",
     "PairData",
     "PreferenceData",
+    "PromptData",
     "Source",
     "TokenData",
     "batch_generator",
@@ -27,6 +29,7 @@ __all__ = [
     "prepare_chat",
     "prepare_pairs",
     "prepare_preference",
+    "prepare_prompts",
     "random_windows",
     "resolve_sources",
     "step_starts",
@@ -37,12 +40,12 @@ __all__ = [
 
 def open_data(folder: str | Path) -> TokenData | PairData:
     """A prepared folder: a token stream (`TokenData`), conversations (`ChatData`, a token
-    stream with its loss mask), preference pairs (`PreferenceData`: conversations in twos)
-    or translation pairs (`PairData`)."""
+    stream with its loss mask), preference pairs (`PreferenceData`: conversations in twos),
+    prompts with answers (`PromptData`) or translation pairs (`PairData`)."""
     meta = read_meta(Path(folder))
     if meta.get("task") == "translate":
         return PairData(folder, meta)
-    kinds = {"chat": ChatData, "preference": PreferenceData}
+    kinds = {"chat": ChatData, "preference": PreferenceData, "prompts": PromptData}
     return kinds.get(meta.get("task"), TokenData)(folder)
 
 

@@ -178,6 +178,23 @@ class PreferenceData(ChatData):
         return self.meta["splits"][name]["pairs"]
 
 
+class PromptData(ChatData):
+    """A folder written by `prepare_prompts` (`prompts.py`): each split's rendered prompts
+    (up to the assistant's marker) and, line for line, the answers a verifier checks."""
+
+    def answers(self, name: str) -> list:
+        path = self.folder / f"{name}.answers.jsonl"
+        answers = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        if len(answers) != self.meta["splits"][name]["prompts"]:
+            raise CorpusError(f"{self.folder}: {name}.answers.jsonl and {name}.bin disagree")
+        return answers
+
+    def prompt(self, name: str, i: int) -> list[int]:
+        """Prompt i's ids."""
+        offsets = self.offsets(name)
+        return self.split(name)[offsets[i] : offsets[i + 1]].astype(np.int64).tolist()
+
+
 class PairData:
     """A folder written by `prepare_pairs`: its meta, tokenizer and splits."""
 
