@@ -16,7 +16,8 @@ BAD_GRADIENT = ("skip", "stop")
 SCHEDULES = ("cosine", "inverse-sqrt")
 OPTIMIZERS = ("adamw", "muon")
 WINDOWS = ("random", "documents")  # where a training window starts (`data/batches.py`)
-OBJECTIVES = ("lm", "dpo")  # what a step minimises (`train/dpo.py` for preference pairs)
+OBJECTIVES = ("lm", "dpo", "grpo")  # what a step minimises (`train/dpo.py`, `train/grpo.py`)
+ADVANTAGES = ("mean", "zscore")  # GRPO's advantage: r - mean, or (r - mean) / std
 DPO_LOSSES = ("sigmoid", "ipo", "cdpo")  # `model/loss.py: dpo_loss`
 
 
@@ -62,7 +63,13 @@ class TrainConfig:
     preference`, J&M ch. 12): direct preference optimization against the frozen
     `init_from` run, with `beta` β, the strength of the pull towards that reference, and
     `dpo_loss` "sigmoid" (DPO), "ipo" or "cdpo" (whose ε is `label_smoothing`);
-    `batch_size` then counts pairs.
+    `batch_size` then counts pairs. `objective="grpo"` is RL on verifiable rewards
+    (`tlm prepare --task prompts`): each step samples `group_size` replies to each of
+    `batch_size` prompts (at most `max_new_tokens` tokens, at `temperature`), rewards them
+    with `reward`, and follows the policy gradient of their advantages (`advantage`), with a
+    KL pull of weight `beta` towards `init_from` (0: none) and PPO's clip at `clip` when a
+    batch of samples serves `updates_per_batch` updates. `beta` defaults to 0.1 for dpo and
+    0 for grpo.
     """
 
     data: str = ""
@@ -94,8 +101,15 @@ class TrainConfig:
     keep_best: bool = False
     windows: str = "random"
     objective: str = "lm"
-    beta: float = 0.1
+    beta: float | None = None
     dpo_loss: str = "sigmoid"
+    reward: str | None = None
+    group_size: int = 8
+    advantage: str = "mean"
+    updates_per_batch: int = 1
+    clip: float = 0.2
+    max_new_tokens: int = 64
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_interval"):
@@ -137,11 +151,24 @@ class TrainConfig:
         check_choice("windows", self.windows, WINDOWS)
         check_choice("objective", self.objective, OBJECTIVES)
         check_choice("dpo_loss", self.dpo_loss, DPO_LOSSES)
-        if not self.beta > 0:
-            raise ConfigError(f"beta must be > 0, got {self.beta!r}")
-        if self.objective == "dpo" and not self.init_from:
-            raise ConfigError("objective dpo starts from a run and holds it as its reference: "
-                              "give --init-from RUN")  # fmt: skip
+        check_choice("advantage", self.advantage, ADVANTAGES)
+        if self.beta is None:
+            object.__setattr__(self, "beta", 0.1 if self.objective == "dpo" else 0.0)
+        if not (self.beta > 0 if self.objective == "dpo" else self.beta >= 0):
+            raise ConfigError(f"beta must be {'> 0' if self.objective == 'dpo' else '>= 0'}, "
+                              f"got {self.beta!r}")  # fmt: skip
+        if self.objective in ("dpo", "grpo") and not self.init_from:
+            raise ConfigError(f"objective {self.objective} starts from a run (and holds it as "
+                              "its reference): give --init-from RUN")  # fmt: skip
+        if self.objective == "grpo" and not self.reward:
+            raise ConfigError("objective grpo rewards its samples: give --reward NAME")
+        for name in ("group_size", "updates_per_batch", "max_new_tokens"):
+            check_positive(name, getattr(self, name))
+        if self.objective == "grpo" and self.group_size < 2:
+            raise ConfigError("group_size must be >= 2: an advantage is against the group")
+        if not 0 < self.clip < 1 or not self.temperature > 0:
+            raise ConfigError(f"clip must be in (0, 1) and temperature > 0, got "
+                              f"{self.clip!r}, {self.temperature!r}")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -104,13 +104,18 @@ def packed_nll(
     return total, count
 
 
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log ŷ_t[w_{t+1}] at every position: logits [B,T,V], targets [B,T] -> [B,T] (fp32,
+    fused kernel), 0 where the target is IGNORE."""
+    V = logits.shape[-1]
+    flat, labels = logits.reshape(-1, V).float(), targets.reshape(-1)
+    return -F.cross_entropy(flat, labels, ignore_index=IGNORE, reduction="none").view(targets.shape)
+
+
 def sequence_logprobs(logits: Tensor, targets: Tensor, learned: Tensor) -> Tensor:
     """log π(y | x) = Σ_t log ŷ_t[w_{t+1}] over the learned targets (an answer's tokens):
     logits [B,T,V], targets [B,T], learned [B,T] bool -> [B] (fused kernel, fp32)."""
-    V = logits.shape[-1]
-    flat = logits.reshape(-1, V).float()
-    logp = -F.cross_entropy(flat, targets.reshape(-1), reduction="none").view(targets.shape)
-    return (logp * learned).sum(dim=-1)
+    return (token_logprobs(logits, targets) * learned).sum(dim=-1)
 
 
 def dpo_loss(
@@ -153,3 +158,26 @@ def dpo_loss(
     else:
         raise ValueError(f"dpo loss must be sigmoid, ipo or cdpo; got {kind!r}")
     return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def grpo_loss(
+    logp: Tensor,
+    old: Tensor,
+    advantage: Tensor,
+    learned: Tensor,
+    clip: float,
+    beta: float = 0.0,
+    reference: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """GRPO's objective (Shao et al. 2024) summed over the replies' tokens, for the caller to
+    divide by the tokens of the whole step (DAPO's normalisation): logp, old and reference
+    [B,L] are log π, log π_old and log π_ref of each token, advantage [B,1] each reply's,
+    learned [B,L] its tokens. Per token: −min(ρ A, clip(ρ, 1 − ε, 1 + ε) A) + β KL with
+    ρ = exp(logp − old) and KL = exp(q − p) − (q − p) − 1 (the k3 estimator, q the
+    reference's). Returns (the sum, the per-token KL [B,L])."""
+    ratio = torch.exp(logp - old)
+    surrogate = torch.minimum(ratio * advantage, torch.clamp(ratio, 1 - clip, 1 + clip) * advantage)
+    kl = torch.zeros_like(logp)
+    if reference is not None:
+        kl = torch.exp(reference - logp) - (reference - logp) - 1
+    return (-(surrogate - beta * kl) * learned).sum(), kl.detach()

@@ -17,7 +17,6 @@ an uninterrupted one would. The validation loss (`model/loss.py: packed_nll`) is
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +30,7 @@ from tlm.io import write_text_atomic
 from tlm.model.loss import packed_nll, supervised_loss
 from tlm.tokenizer import load_tokenizer
 from tlm.train.order import PassOrder
+from tlm.train.report import model_section
 from tlm.train.run import RunError
 
 if TYPE_CHECKING:
@@ -125,7 +125,6 @@ class ChatWindows:
             f"`{s['name']}` (sha256 `{s['sha256'][:12]}…`)" for s in meta["sources"]
         )
         loss = results.get("val_loss")
-        settings = {"model": trainer.model_config.to_dict(), "train": self.config.to_dict()}
         base = self.config.init_from
         origin = f"fine-tuned from the base run `{base}`" if base else "from scratch (no base run)"
         card = f"""# Model card: `{run.name}`
@@ -143,13 +142,7 @@ learned). Packed into {len(p):,} windows of {self.T}: {p.conversations:,}
 conversations, {p.cut:,} cut after their last whole answer that fits, {p.dropped:,} dropped
 (no whole answer fits); padding {p.padding:.1%}. Steps with no learned token: {self.empty_steps}.
 
-## Model and training
-
-{trainer.model.num_parameters():,} parameters. Precision: {results.get("precision")}.
-
-```json
-{json.dumps(settings, indent=2)}
-```
+{model_section(trainer, results)}
 
 ## Results
 

@@ -16,7 +16,6 @@ steps and on the validation pairs.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ from tlm.io import atomic_path, write_text_atomic
 from tlm.model.loss import dpo_loss, sequence_logprobs
 from tlm.tokenizer import load_tokenizer
 from tlm.train.order import PassOrder
+from tlm.train.report import model_section
 from tlm.train.run import RunError
 
 if TYPE_CHECKING:
@@ -176,7 +176,6 @@ class PreferencePairs:
         )
         loss = results.get("val_loss")
         figures = " ".join(f"{k} {v:.4f}" for k, v in self._val.items()) or "none"
-        settings = {"model": trainer.model_config.to_dict(), "train": c.to_dict()}
         epsilon = f", epsilon {c.label_smoothing}" if c.dpo_loss == "cdpo" else ""
         card = f"""# Model card: `{run.name}`
 
@@ -195,13 +194,7 @@ reference: `{c.init_from}` (its log-probabilities of every pair in `{REFERENCE}`
 ({len(self.train):,} within {self.T} tokens, {self.train.dropped:,} dropped),
 {val["pairs"]:,} held out.
 
-## Model and training
-
-{trainer.model.num_parameters():,} parameters. Precision: {results.get("precision")}.
-
-```json
-{json.dumps(settings, indent=2)}
-```
+{model_section(trainer, results)}
 
 ## Results
 

@@ -16,7 +16,7 @@ import torch
 
 from tlm.checkpoint import latest_checkpoint, load_checkpoint, write_config
 from tlm.config import ModelConfig, TrainConfig
-from tlm.data import ChatData, PairData, PreferenceData, TokenData
+from tlm.data import ChatData, PairData, PreferenceData, PromptData, TokenData
 from tlm.inference.devices.heap import keep_freed_memory
 from tlm.io import write_text_atomic
 from tlm.load import load_model
@@ -26,6 +26,7 @@ from tlm.train.attention_kernel import causal_attention
 from tlm.train.chat import ChatWindows
 from tlm.train.distributed import Runtime
 from tlm.train.dpo import PreferencePairs
+from tlm.train.grpo import PromptGroups
 from tlm.train.loop import Progress, Trainer
 from tlm.train.optim import build_optimizer
 from tlm.train.precision import pick_precision
@@ -71,6 +72,12 @@ def open_run(
         write_text_atomic(run / "tokenizer.json", tokenizer_json)
     if isinstance(batches, PreferencePairs):  # the init run's weights, now: the reference
         batches.hold_reference(model, run, resume, precision.dtype, rt.is_main)
+    if isinstance(batches, PromptGroups) and not resume:  # (a resume reads it: init_from)
+        batches.hold_reference(model)
+    elif isinstance(batches, PromptGroups) and config.beta > 0:
+        reference = build_model(model_config, init=False)
+        reference.load_state_dict(initial_weights(config.init_from, model_config), assign=True)
+        batches.hold_reference(reference.to(rt.device))
     if rt.rank:  # rank 0 keeps the seeded (or resumed) stream; the others differ from it
         torch.manual_seed(config.seed + rt.rank)  # (dropout masks)
     wrapped = rt.wrap(model)  # DDP, or FSDP2 sharding in place
@@ -108,6 +115,13 @@ def _batches(data, model_config: ModelConfig, config: TrainConfig, rt: Runtime):
             "preference pairs (tlm prepare --task preference) train with --objective dpo, "
             "and --objective dpo trains on them"
         )
+    if (config.objective == "grpo") != isinstance(data, PromptData):
+        raise RunError(
+            "prompts with answers (tlm prepare --task prompts) train with --objective grpo, "
+            "and --objective grpo trains on them"
+        )
+    if isinstance(data, PromptData):
+        return PromptGroups(data, model_config, config, rt.world_size)
     if isinstance(data, PreferenceData):
         return PreferencePairs(data, model_config, config, rt.world_size)
     if isinstance(data, PairData):

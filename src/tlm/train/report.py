@@ -175,6 +175,19 @@ tlm eval {run} --data {train_config.data} --split val{best_usage(f"tlm generate 
     write_text_atomic(run / "MODEL_CARD.md", card)
 
 
+def model_section(trainer, results: dict[str, Any]) -> str:
+    """A fine-tuning card's "Model and training": the size, the precision and every
+    setting of the run, as JSON."""
+    settings = {"model": trainer.model_config.to_dict(), "train": trainer.config.to_dict()}
+    return f"""## Model and training
+
+{trainer.model.num_parameters():,} parameters. Precision: {results.get("precision")}.
+
+```json
+{json.dumps(settings, indent=2)}
+```"""
+
+
 def best_row(results: dict[str, Any], unit: str = "nats/token") -> str:
     """The card's row for best.safetensors (a run trained with --keep-best), else ""."""
     if "best_step" not in results:
