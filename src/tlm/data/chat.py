@@ -29,6 +29,7 @@ import numpy as np
 
 from tlm._version import __version__
 from tlm.chat import ChatError, chat_tokenizer, check, render
+from tlm.data.arithmetic import arithmetic_chat
 from tlm.data.columnar import COLUMNAR, column_values
 from tlm.data.corpus import CorpusError
 from tlm.data.python_qa import python_qa
@@ -38,7 +39,7 @@ from tlm.tokenizer import KINDS, Tokenizer, TokenizerError, load_tokenizer, trai
 
 FILES = ("meta.json", "tokenizer.json", "*.bin", "*.mask", "*.idx")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
-BUILTIN_CHAT = {"python-qa": python_qa}
+BUILTIN_CHAT = {"python-qa": python_qa, "arithmetic": arithmetic_chat}
 
 Conversation = tuple[str, list[dict[str, str]]]  # (where it was read, its messages)
 
@@ -145,6 +146,16 @@ def prepare_chat(
     return meta
 
 
+def builtin(inputs: list[str], corpora: dict) -> tuple[list, list, list[dict[str, Any]]]:
+    """(train, val, sources) of a built-in corpus named alone in `inputs`: its own split,
+    (where, item) each, and its text described as a source."""
+    name = next(name for name in inputs if name in corpora)
+    if len(inputs) > 1:
+        raise CorpusError(f"{name} is a whole corpus with its own split; give it alone")
+    train, val, text = corpora[name]()
+    return train, val, [described(name, text.encode())]
+
+
 def template_tokenizer(tokenizer: str, texts: Iterable[str], vocab_size: int | None) -> Tokenizer:
     """A tokenizer of kind `tokenizer` trained on `texts`, or the one at `tokenizer` (a
     run, a data folder, a tokenizer.json) reused; either way with the chat template's
@@ -174,12 +185,8 @@ def _split(
     with the last `val_fraction` held out."""
     if not inputs:
         raise CorpusError("give the conversations to prepare: .jsonl/.parquet files or python-qa")
-    builtin = [name for name in inputs if name in BUILTIN_CHAT]
-    if builtin:
-        if len(inputs) > 1:
-            raise CorpusError(f"{builtin[0]} is a whole corpus with its own split; give it alone")
-        train, val, text = BUILTIN_CHAT[builtin[0]]()
-        return train, val, [described(builtin[0], text.encode())]
+    if any(name in BUILTIN_CHAT for name in inputs):
+        return builtin(inputs, BUILTIN_CHAT)
     conversations, sources = [], []
     for name in inputs:
         path = Path(name)

@@ -24,8 +24,10 @@ import numpy as np
 
 from tlm._version import __version__
 from tlm.chat import ChatError, check, render
+from tlm.data.arithmetic import arithmetic_pairs
 from tlm.data.chat import (
     FILES,
+    builtin,
     described,
     held_out,
     jsonl_records,
@@ -39,6 +41,7 @@ from tlm.io import atomic_path, check_replaceable, write_text_atomic
 from tlm.tokenizer import Tokenizer
 
 FIELDS = ("prompt", "chosen", "rejected")
+BUILTIN_PAIRS = {"arithmetic": arithmetic_pairs}
 
 Pair = tuple[str, list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]
 
@@ -117,13 +120,17 @@ def prepare_preference(
     check_replaceable(out, FILES, "meta.json", "a folder written by tlm prepare")
     if not inputs:
         raise CorpusError("give the preference pairs to prepare: .jsonl/.parquet/.arrow files")
-    pairs, sources = [], []
-    for name in inputs:
-        pairs += read_pairs(Path(name))
-        sources.append(described(name, Path(name).read_bytes()))
-    if not pairs:
-        raise CorpusError(f"{', '.join(inputs)}: no preference pairs")
-    cut = held_out(len(pairs), val_fraction)
+    if inputs[0] in BUILTIN_PAIRS:  # a whole corpus with its own held-out split
+        train, val, sources = builtin(inputs, BUILTIN_PAIRS)
+        pairs, cut = [_checked(record, where) for where, record in train + val], len(train)
+    else:
+        pairs, sources = [], []
+        for name in inputs:
+            pairs += read_pairs(Path(name))
+            sources.append(described(name, Path(name).read_bytes()))
+        if not pairs:
+            raise CorpusError(f"{', '.join(inputs)}: no preference pairs")
+        cut = held_out(len(pairs), val_fraction)
     texts = (m["content"] for pair in pairs[:cut] for part in pair[1:] for m in part)
     tok = template_tokenizer(tokenizer, texts, vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,10 @@ import numpy as np
 
 from tlm._version import __version__
 from tlm.chat import ChatError, check, render
+from tlm.data.arithmetic import arithmetic_prompts
 from tlm.data.chat import (
     FILES,
+    builtin,
     described,
     held_out,
     jsonl_records,
@@ -38,6 +40,7 @@ from tlm.data.tokens import id_dtype
 from tlm.io import atomic_path, check_replaceable, write_text_atomic
 
 Record = tuple[str, list[dict[str, str]], Any]  # (where it was read, the prompt, the answer)
+BUILTIN_PROMPTS = {"arithmetic": arithmetic_prompts}
 
 
 def as_prompt(record: Any) -> tuple[list[dict[str, str]], Any]:
@@ -92,13 +95,22 @@ def prepare_prompts(
     )
     if not inputs:
         raise CorpusError("give the prompts to prepare: .jsonl/.parquet/.arrow files")
-    records, sources = [], []
-    for name in inputs:
-        records += read_prompts(Path(name))
-        sources.append(described(name, Path(name).read_bytes()))
-    if not records:
-        raise CorpusError(f"{', '.join(inputs)}: no prompts")
-    cut = held_out(len(records), val_fraction)
+    if inputs[0] in BUILTIN_PROMPTS:  # a whole corpus with its own held-out split
+        train, val, sources = builtin(inputs, BUILTIN_PROMPTS)
+        records, cut = [], len(train)
+        for where, record in train + val:
+            try:
+                records.append((where, *as_prompt(record)))
+            except ChatError as exc:
+                raise CorpusError(f"{where}: {exc}") from None
+    else:
+        records, sources = [], []
+        for name in inputs:
+            records += read_prompts(Path(name))
+            sources.append(described(name, Path(name).read_bytes()))
+        if not records:
+            raise CorpusError(f"{', '.join(inputs)}: no prompts")
+        cut = held_out(len(records), val_fraction)
     texts = (m["content"] for _, messages, _ in records[:cut] for m in messages)
     tok = template_tokenizer(tokenizer, texts, vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
