@@ -51,7 +51,10 @@ def test_demo_trains_on_the_files_it_is_given(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_demo_chat_fine_tunes_the_base_and_measures_both(tmp_path, capsys):
+def test_demo_chat_fine_tunes_the_base_and_measures_both(tmp_path, capsys, monkeypatch):
+    from tlm.cli import demo_chat
+
+    monkeypatch.setattr(demo_chat, "MEASURED", 48)  # the measure's flow, on 48 questions
     base = tmp_path / "base"
     pretrain = ["demo", "python-docs", "--data", str(tmp_path / "docs"), "--out", str(base)]
     assert main([*pretrain, "--max-steps", "5", "--vocab-size", "300", "--quiet"]) == 0

@@ -12,6 +12,8 @@ import torch
 from tlm.checkpoint import FILES as RUN
 from tlm.checkpoint import check_unlocked, lock_run
 from tlm.cli.args import add_command, add_device_flag, fail
+from tlm.cli.demo_align import STEPS as ALIGN_STEPS
+from tlm.cli.demo_align import align_demo
 from tlm.cli.demo_chat import STEPS, chat_demo
 from tlm.data import TokenData, prepare
 from tlm.data.prepare import FILES as PREPARED
@@ -41,7 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         sub, "demo", "prepare a corpus, train a small model, generate, plot", EXAMPLE
     )
     parser.add_argument(
-        "inputs", nargs="*", default=["python-stdlib"], help="corpus (python-stdlib), or chat"
+        "inputs",
+        nargs="*",
+        default=["python-stdlib"],
+        help="corpus (python-stdlib), or chat, or align",
     )
     parser.add_argument("--data", help="prepared data folder (data/demo; chat: data/demo-chat)")
     parser.add_argument("--out", help="run directory (runs/demo; chat: runs/demo-chat)")
@@ -49,11 +54,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--base", default="runs/demo", help="chat: the base run (runs/demo)")
     parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary (1024)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    align = parser.add_argument_group("align (tlm demo align)")
+    align.add_argument(
+        "--assistant", default="runs/demo-chat", help="the chat run it starts from (runs/demo-chat)"
+    )
+    for phase, steps in ALIGN_STEPS.items():
+        align.add_argument(f"--{phase}-steps", type=int, help=f"{phase} steps ({steps})")
     add_device_flag(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.inputs == ["align"]:
+        args.base_chat = args.assistant
+        return align_demo(args, lambda run: _chat_for(run, args))
     if args.inputs == ["chat"]:
         args.max_steps = args.max_steps or STEPS
         return chat_demo(args, _claim, lambda base: pretrain(base, args.quiet, args.device))
@@ -124,6 +138,16 @@ def run(args: argparse.Namespace) -> int:
         f'  tlm generate {out} --prompt "The while statement" --do-sample --temperature 0.8'
     )
     return 0
+
+
+def _chat_for(out: Path, args: argparse.Namespace) -> None:
+    """The chat demo's assistant at `out` (align's starting point), made now."""
+    values = {"inputs": ["chat"], "data": None, "max_steps": None, "base": "runs/demo"}
+    run(
+        argparse.Namespace(
+            **values, out=str(out), vocab_size=1024, quiet=args.quiet, device=args.device
+        )
+    )
 
 
 def pretrain(out: Path, quiet: bool, device: str) -> None:

@@ -26,6 +26,7 @@ from tlm.train import new_run_configs, open_run
 
 STEPS = 1000  # a pass and a half over python-qa's ~2,000 windows, batches of 16
 SHOWN = 4  # held-out questions printed with both answers
+MEASURED = None  # held-out conversations both models answer (None: all of them)
 GOALS = {"stop_rate": 0.95, "chrf_gain": 10.0, "seconds": 600}
 
 
@@ -80,7 +81,7 @@ def measure(base: Path, assistant: Path, data: ChatData, device) -> tuple[dict, 
     figures, answers = {}, {}
     for name, run in (("base", base), ("assistant", assistant)):
         model, tokenizer = load_language_model(run, device), load_tokenizer(run)
-        got = evaluate_chat(model.eval(), tokenizer, data, examples=SHOWN)
+        got = evaluate_chat(model.eval(), tokenizer, data, limit=MEASURED, examples=SHOWN)
         keys = ("stop_rate", "chrf") + (("loss",) if name == "assistant" else ())
         figures[name] = {key: round(got[key], 4) for key in keys}
         answers[name] = got["examples"]

@@ -34,8 +34,9 @@ WORDINGS = {
 Problem = tuple[int, str, int]  # a, op, b
 
 
-def problems(count: int = PROBLEMS, seed: int = SEED) -> list[Problem]:
-    """`count` distinct problems, 2 to 4 digits each side, + − × alike."""
+def problems(count: int | None = None, seed: int = SEED) -> list[Problem]:
+    """`count` (PROBLEMS) distinct problems, 2 to 4 digits each side, + − × alike."""
+    count = PROBLEMS if count is None else count
     rng, seen, out = random.Random(seed), set(), []
     while len(out) < count:
         a, b = (rng.randint(10, 10 ** rng.randint(2, 4) - 1) for _ in range(2))

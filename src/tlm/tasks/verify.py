@@ -43,11 +43,13 @@ def evaluate_verify(
     max_new_tokens: int = 64,
     seed: int = 0,
     batch_size: int = 8,
+    limit: int | None = None,
 ) -> dict[str, Any]:
     """pass@1 and pass@8 (from `samples` replies a prompt), the greedy pass rate, the mean
-    sampled reward and reply length of `model` on the prompts of `split`."""
+    sampled reward and reply length of `model` on the prompts of `split` (the first
+    `limit`)."""
     started = time.perf_counter()
-    answers = data.answers(split)
+    answers = data.answers(split)[:limit]
     ends = (tokenizer.special_id(END), tokenizer.eot_id)
     greedy = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=ends)
     sampled = GenerationConfig(
