@@ -24,7 +24,7 @@ from tlm.train import RunError, Runtime
 
 pytestmark = pytest.mark.slow  # every test here starts processes or a server
 
-STEPS = 60
+STEPS = 40
 ARGS = ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--context-length", "32"]
 ARGS += ["--batch-size", "2", "--grad-accum", "4"]  # a global batch of 8: 2 x 2 a rank
 ARGS += ["--warmup-steps", "10", "--lr", "3e-3"]
