@@ -29,6 +29,7 @@ from tlm.data.tokens import ChatData
 from tlm.io import write_text_atomic
 from tlm.model.loss import packed_nll, supervised_loss
 from tlm.tokenizer import load_tokenizer
+from tlm.train.loop import Batches
 from tlm.train.order import PassOrder
 from tlm.train.report import model_section
 from tlm.train.run import RunError
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from tlm.train.loop import Trainer
 
 
-class ChatWindows:
+class ChatWindows(Batches):
     """The packed windows of a `ChatData` folder as a `Trainer`'s batches."""
 
     def __init__(
@@ -105,9 +106,6 @@ class ChatWindows:
                 trainer.forward, self.val, trainer.device, rt.rank, rt.world_size
             )
         return rt.all_reduce_mean(total) / max(rt.all_reduce_mean(count), 1e-9)
-
-    def logged(self, kind: str) -> dict[str, float]:
-        return {}  # the loss alone
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this source (JSON): the steps with nothing to learn."""

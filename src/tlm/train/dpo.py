@@ -29,6 +29,7 @@ from tlm.data.tokens import PreferenceData
 from tlm.io import atomic_path, write_text_atomic
 from tlm.model.loss import dpo_loss, sequence_logprobs
 from tlm.tokenizer import load_tokenizer
+from tlm.train.loop import Batches
 from tlm.train.order import PassOrder
 from tlm.train.report import model_section
 from tlm.train.run import RunError
@@ -40,7 +41,7 @@ REFERENCE = "reference.safetensors"  # the reference's log-probabilities, [pairs
 VAL_BATCH = 16  # pairs a validation forward pass
 
 
-class PreferencePairs:
+class PreferencePairs(Batches):
     """The pairs of a `PreferenceData` folder as a `Trainer`'s batches (`batch_size` pairs
     a micro-batch)."""
 
@@ -160,12 +161,6 @@ class PreferencePairs:
             return {f"val_{name}": value for name, value in self._val.items()}
         seen, self._seen = self._seen, {}
         return {name: sum(values) / len(values) for name, values in seen.items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
     def write_card(self, trainer: Trainer, results: dict[str, Any]) -> None:
         """MODEL_CARD.md: the reference, the pairs, the objective and the results."""

@@ -44,6 +44,7 @@ from tlm.inference import Decoder
 from tlm.io import write_text_atomic
 from tlm.model.loss import IGNORE, grpo_loss, token_logprobs
 from tlm.tokenizer import load_tokenizer
+from tlm.train.loop import Batches
 from tlm.train.order import PassOrder
 from tlm.train.report import model_section
 from tlm.train.rewards import PASS, reward_of
@@ -69,7 +70,7 @@ class Rollouts:
     finished: list[bool] = field(default_factory=list)
 
 
-class PromptGroups:
+class PromptGroups(Batches):
     """The prompts of a `PromptData` folder as a `Trainer`'s batches (`batch_size` prompts
     a micro-batch, each with `group_size` replies)."""
 

@@ -277,7 +277,9 @@ class Trainer:
 
 class Batches(Protocol):
     """What a step trains on (`windows.TokenWindows`, `translate.PairBatches`,
-    `chat.ChatWindows`, `dpo.PreferencePairs`)."""
+    `chat.ChatWindows`, `dpo.PreferencePairs`, `grpo.PromptGroups`, each a subclass): the
+    last three methods' bodies here are the defaults of a source with nothing more to log
+    and nothing to keep between steps."""
 
     tokens_per_step: int  # tokens the last step trained on, for the counts and tok/s
 
@@ -287,17 +289,16 @@ class Batches(Protocol):
 
     def validation_loss(self, trainer: Trainer) -> float | None: ...
 
+    def write_card(self, trainer: Trainer, results: dict[str, Any]) -> None: ...
+
     def logged(self, kind: str) -> dict[str, float]:
         """Figures to log beside the loss: of the training steps since the last log line
-        (`kind` "train") or of the last validation ("val"); {} for most sources."""
-        ...
-
-    def write_card(self, trainer: Trainer, results: dict[str, Any]) -> None: ...
+        (`kind` "train") or of the last validation ("val")."""
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """What the source counts across steps, as JSON, saved with each checkpoint."""
-        ...
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take back a checkpoint's `state_dict` (`{}` from one saved before it existed)."""
-        ...

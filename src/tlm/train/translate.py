@@ -26,6 +26,7 @@ from tlm.data.tokens import PairData, Pairs
 from tlm.io import write_text_atomic
 from tlm.model.loss import IGNORE, label_smoothed_cross_entropy
 from tlm.train.distributed import Runtime
+from tlm.train.loop import Batches
 from tlm.train.report import best_row, best_usage
 from tlm.train.run import RunError
 
@@ -57,7 +58,7 @@ def fitting(pairs: Pairs, context_length: int) -> np.ndarray:
     return np.flatnonzero(fits)
 
 
-class PairBatches:
+class PairBatches(Batches):
     """The pairs of a `PairData` folder, for an encoder-decoder, as a `Trainer`'s batches."""
 
     def __init__(
@@ -134,15 +135,6 @@ class PairBatches:
                 total += label_smoothed_cross_entropy(logits, labels, 0.0).item() * n
                 count += n
         return total / count
-
-    def logged(self, kind: str) -> dict[str, float]:
-        return {}  # the loss alone
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # a step's batch follows from (seed, step): nothing to keep
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
     def write_card(self, trainer: Trainer, results: dict[str, Any]) -> None:
         run = trainer.run

@@ -15,6 +15,7 @@ import torch
 from tlm.config import ModelConfig, TrainConfig
 from tlm.data import TokenData, document_starts, eval_windows, step_starts, windows_at
 from tlm.model.loss import cross_entropy, window_nll
+from tlm.train.loop import Batches
 from tlm.train.report import write_model_card
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 VAL_BATCH = 32  # validation windows per forward pass (and per rank's share of the split)
 
 
-class TokenWindows:
+class TokenWindows(Batches):
     """The training split's windows and the validation windows of a `TokenData` folder."""
 
     def __init__(
@@ -91,15 +92,6 @@ class TokenWindows:
                 if mine:
                     total, count = total + nll.double().sum().item(), count + nll.numel()
         return rt.all_reduce_mean(total) / rt.all_reduce_mean(count)
-
-    def logged(self, kind: str) -> dict[str, float]:
-        return {}  # the loss alone
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # a step's batch follows from (seed, step): nothing to keep
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
     def write_card(self, trainer: Trainer, results: dict[str, Any]) -> None:
         meta = self.data.meta
