@@ -117,33 +117,76 @@ def prepare_chat(
     `out`; returns its meta.json. `tokenizer` is a kind to train on the conversations'
     text, or a tokenizer to reuse (a run, a data folder, a tokenizer.json); either way the
     chat template's special tokens are added to it."""
+    out = start_folder(out, force)
+    train, val, sources = gather(inputs, BUILTIN_CHAT, read_conversations, val_fraction)
+    texts = (m["content"] for _, messages in train for m in messages)
+    tok = template_tokenizer(tokenizer, texts, vocab_size)
+
+    def write_splits(folder: Path) -> dict[str, Any]:
+        return {
+            split: _write_split(folder, split, part, tok)
+            for split, part in (("train", train), ("val", val))
+        }
+
+    return write_folder(out, "chat", tok, write_splits, len(train) + len(val), sources)
+
+
+def start_folder(out: str | Path, force: bool, files: tuple[str, ...] = FILES) -> Path:
+    """`out` as a folder that may be written: new, or (with `force`) one tlm prepare wrote."""
     out = Path(out)
     if out.exists() and not force:
         raise CorpusError(f"{out} already exists; pass --force to replace it")
-    check_replaceable(out, FILES, "meta.json", "a folder written by tlm prepare")
-    train, val, sources = _split(inputs, val_fraction)
-    texts = (m["content"] for _, messages in train for m in messages)
-    tok = template_tokenizer(tokenizer, texts, vocab_size)
+    check_replaceable(out, files, "meta.json", "a folder written by tlm prepare")
+    return out
+
+
+def write_folder(
+    out: Path, task: str, tok: Tokenizer, write_splits, documents: int, sources
+) -> dict[str, Any]:
+    """A prepared folder of the chat template's tokens, in one atomic rename: its
+    tokenizer.json, the splits `write_splits(folder)` writes (their counts returned) and its
+    meta.json (`task`, the tokenizer, the counts, the sources); returns the meta."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         tmp.mkdir()
         tok.save(tmp / "tokenizer.json")
-        splits = {"train": _write_split(tmp, "train", train, tok)}
-        splits["val"] = _write_split(tmp, "val", val, tok)
         meta = {
-            "task": "chat",
+            "task": task,
             "template": "tlm",
             "tokenizer": tok.kind,
             "vocab_size": tok.vocab_size,
             "eot_id": tok.eot_id,
             "id_dtype": np.dtype(id_dtype(tok.vocab_size)).name,
-            "documents": len(train) + len(val),
-            "splits": splits,
+            "documents": documents,
+            "splits": write_splits(tmp),
             "sources": sources,
             "tlm": __version__,
         }
         write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def gather(inputs: list[str], corpora: dict, read, val_fraction: float, check=None):
+    """(train, val, sources): a built-in corpus of `corpora` named alone, with its own
+    split (each item passed through `check(item, where)` when given), or the items `read`
+    yields from each file, the last `val_fraction` held out."""
+    if not inputs:
+        raise CorpusError(
+            f"give the files to prepare (.jsonl/.parquet/.arrow) or one of {', '.join(corpora)}"
+        )
+    if any(name in corpora for name in inputs):
+        train, val, sources = builtin(inputs, corpora)
+        if check is not None:
+            train, val = ([check(item, where) for where, item in part] for part in (train, val))
+        return train, val, sources
+    items, sources = [], []
+    for name in inputs:
+        items += read(Path(name))
+        sources.append(described(name, Path(name).read_bytes()))
+    if not items:
+        raise CorpusError(f"{', '.join(inputs)}: nothing to prepare")
+    cut = held_out(len(items), val_fraction)
+    return items[:cut], items[cut:], sources
 
 
 def builtin(inputs: list[str], corpora: dict) -> tuple[list, list, list[dict[str, Any]]]:
@@ -176,26 +219,6 @@ def held_out(count: int, val_fraction: float) -> int:
     if val_fraction and cut == count and count > 1:
         cut -= 1
     return cut
-
-
-def _split(
-    inputs: list[str], val_fraction: float
-) -> tuple[list[Conversation], list[Conversation], list[dict[str, Any]]]:
-    """(train, val, sources): a built-in corpus's own split, or the files' conversations
-    with the last `val_fraction` held out."""
-    if not inputs:
-        raise CorpusError("give the conversations to prepare: .jsonl/.parquet files or python-qa")
-    if any(name in BUILTIN_CHAT for name in inputs):
-        return builtin(inputs, BUILTIN_CHAT)
-    conversations, sources = [], []
-    for name in inputs:
-        path = Path(name)
-        conversations += read_conversations(path)
-        sources.append(described(name, path.read_bytes()))
-    if not conversations:
-        raise CorpusError(f"{', '.join(inputs)}: no conversations")
-    cut = held_out(len(conversations), val_fraction)
-    return conversations[:cut], conversations[cut:], sources
 
 
 def _write_split(folder: Path, split: str, conversations: list[Conversation], tok: Tokenizer):

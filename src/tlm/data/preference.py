@@ -15,29 +15,22 @@ with "task": "preference" and the count of pairs). `tokens.PreferenceData` reads
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from tlm._version import __version__
 from tlm.chat import ChatError, check, render
 from tlm.data.arithmetic import arithmetic_pairs
 from tlm.data.chat import (
-    FILES,
-    builtin,
-    described,
-    held_out,
+    gather,
     jsonl_records,
+    start_folder,
     template_tokenizer,
+    write_folder,
     write_sequences,
 )
 from tlm.data.columnar import COLUMNAR, column_values
 from tlm.data.corpus import CorpusError
-from tlm.data.tokens import id_dtype
-from tlm.io import atomic_path, check_replaceable, write_text_atomic
 from tlm.tokenizer import Tokenizer
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -114,45 +107,18 @@ def prepare_preference(
     `tokenizer` is a kind to train on the pairs' text, or a tokenizer to reuse (a run, a
     data folder, a tokenizer.json: the run DPO starts from); either way the chat template's
     special tokens are added to it."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise CorpusError(f"{out} already exists; pass --force to replace it")
-    check_replaceable(out, FILES, "meta.json", "a folder written by tlm prepare")
-    if not inputs:
-        raise CorpusError("give the preference pairs to prepare: .jsonl/.parquet/.arrow files")
-    if inputs[0] in BUILTIN_PAIRS:  # a whole corpus with its own held-out split
-        train, val, sources = builtin(inputs, BUILTIN_PAIRS)
-        pairs, cut = [_checked(record, where) for where, record in train + val], len(train)
-    else:
-        pairs, sources = [], []
-        for name in inputs:
-            pairs += read_pairs(Path(name))
-            sources.append(described(name, Path(name).read_bytes()))
-        if not pairs:
-            raise CorpusError(f"{', '.join(inputs)}: no preference pairs")
-        cut = held_out(len(pairs), val_fraction)
-    texts = (m["content"] for pair in pairs[:cut] for part in pair[1:] for m in part)
+    out = start_folder(out, force)
+    train, val, sources = gather(inputs, BUILTIN_PAIRS, read_pairs, val_fraction, _checked)
+    texts = (m["content"] for pair in train for part in pair[1:] for m in part)
     tok = template_tokenizer(tokenizer, texts, vocab_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out) as tmp:
-        tmp.mkdir()
-        tok.save(tmp / "tokenizer.json")
-        splits = {"train": _write_split(tmp, "train", pairs[:cut], tok)}
-        splits["val"] = _write_split(tmp, "val", pairs[cut:], tok)
-        meta = {
-            "task": "preference",
-            "template": "tlm",
-            "tokenizer": tok.kind,
-            "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id,
-            "id_dtype": np.dtype(id_dtype(tok.vocab_size)).name,
-            "documents": 2 * len(pairs),
-            "splits": splits,
-            "sources": sources,
-            "tlm": __version__,
+
+    def write_splits(folder: Path) -> dict[str, Any]:
+        return {
+            split: _write_split(folder, split, part, tok)
+            for split, part in (("train", train), ("val", val))
         }
-        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
-    return meta
+
+    return write_folder(out, "preference", tok, write_splits, 2 * (len(train) + len(val)), sources)
 
 
 def _write_split(folder: Path, split: str, pairs: list[Pair], tok: Tokenizer) -> dict[str, Any]:

@@ -20,24 +20,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from tlm._version import __version__
 from tlm.chat import ChatError, check, render
 from tlm.data.arithmetic import arithmetic_prompts
 from tlm.data.chat import (
     FILES,
-    builtin,
-    described,
-    held_out,
+    gather,
     jsonl_records,
+    start_folder,
     template_tokenizer,
+    write_folder,
     write_sequences,
 )
 from tlm.data.columnar import COLUMNAR, column_values
 from tlm.data.corpus import CorpusError
-from tlm.data.tokens import id_dtype
-from tlm.io import atomic_path, check_replaceable, write_text_atomic
 
 Record = tuple[str, list[dict[str, str]], Any]  # (where it was read, the prompt, the answer)
 BUILTIN_PROMPTS = {"arithmetic": arithmetic_prompts}
@@ -70,10 +65,14 @@ def read_prompts(path: Path) -> Iterator[Record]:
     else:
         records = jsonl_records(path)
     for where, record in records:
-        try:
-            yield (where, *as_prompt(record))
-        except ChatError as exc:
-            raise CorpusError(f"{where}: {exc}") from None
+        yield _checked(record, where)
+
+
+def _checked(record: Any, where: str) -> Record:
+    try:
+        return (where, *as_prompt(record))
+    except ChatError as exc:
+        raise CorpusError(f"{where}: {exc}") from None
 
 
 def prepare_prompts(
@@ -87,60 +86,25 @@ def prepare_prompts(
     """Render the prompts of `inputs` into folder `out`, their answers beside them; returns
     its meta.json. `tokenizer` is a run's to reuse (the run RL starts from), or a kind to
     train on the prompts' text; either way with the chat template's tokens."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise CorpusError(f"{out} already exists; pass --force to replace it")
-    check_replaceable(
-        out, (*FILES, "*.answers.jsonl"), "meta.json", "a folder written by tlm prepare"
-    )
-    if not inputs:
-        raise CorpusError("give the prompts to prepare: .jsonl/.parquet/.arrow files")
-    if inputs[0] in BUILTIN_PROMPTS:  # a whole corpus with its own held-out split
-        train, val, sources = builtin(inputs, BUILTIN_PROMPTS)
-        records, cut = [], len(train)
-        for where, record in train + val:
-            try:
-                records.append((where, *as_prompt(record)))
-            except ChatError as exc:
-                raise CorpusError(f"{where}: {exc}") from None
-    else:
-        records, sources = [], []
-        for name in inputs:
-            records += read_prompts(Path(name))
-            sources.append(described(name, Path(name).read_bytes()))
-        if not records:
-            raise CorpusError(f"{', '.join(inputs)}: no prompts")
-        cut = held_out(len(records), val_fraction)
-    texts = (m["content"] for _, messages, _ in records[:cut] for m in messages)
+    out = start_folder(out, force, (*FILES, "*.answers.jsonl"))
+    train, val, sources = gather(inputs, BUILTIN_PROMPTS, read_prompts, val_fraction, _checked)
+    texts = (m["content"] for _, messages, _ in train for m in messages)
     tok = template_tokenizer(tokenizer, texts, vocab_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out) as tmp:
-        tmp.mkdir()
-        tok.save(tmp / "tokenizer.json")
+
+    def write_splits(folder: Path) -> dict[str, Any]:
         splits = {}
-        for split, part in (("train", records[:cut]), ("val", records[cut:])):
+        for split, part in (("train", train), ("val", val)):
             rendering = (
                 (where, lambda m=messages: _prompt_ids(m, tok)) for where, messages, _ in part
             )
-            tokens, _ = write_sequences(tmp, split, rendering, tok.vocab_size)
+            tokens, _ = write_sequences(folder, split, rendering, tok.vocab_size)
             answers = "".join(json.dumps(answer) + "\n" for _, _, answer in part)
-            (tmp / f"{split}.answers.jsonl").write_text(answers, encoding="utf-8")
+            (folder / f"{split}.answers.jsonl").write_text(answers, encoding="utf-8")
             splits[split] = {"file": f"{split}.bin", "prompts": len(part), "tokens": tokens}
             splits[split] |= {"conversations": len(part), "supervised": 0}
-        meta = {
-            "task": "prompts",
-            "template": "tlm",
-            "tokenizer": tok.kind,
-            "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id,
-            "id_dtype": np.dtype(id_dtype(tok.vocab_size)).name,
-            "documents": len(records),
-            "splits": splits,
-            "sources": sources,
-            "tlm": __version__,
-        }
-        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
-    return meta
+        return splits
+
+    return write_folder(out, "prompts", tok, write_splits, len(train) + len(val), sources)
 
 
 def _prompt_ids(messages: list[dict[str, str]], tok) -> tuple[list[int], list[int]]:
