@@ -18,8 +18,9 @@ $(STAMP): requirements.lock pyproject.toml
 demo: $(STAMP)
 	$(BIN)/tlm demo
 
+# one worker a core, a file's tests together (tests/budget.py); plain `pytest` runs serially
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadfile
 
 # The CUDA tier (tests marked `cuda`), on a machine with a GPU and its own CUDA build of
 # PyTorch (`GPU_PYTHON`), which .venv's CPU build must not replace: tlm runs from src/, and

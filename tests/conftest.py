@@ -9,10 +9,12 @@ import subprocess
 import pytest
 import torch
 
+from budget import share_out_threads
 from tlm import ModelConfig, TransformerLM
 from tlm.inference import native
 
 pytest_plugins = ["budget"]  # the suite's time, reported against its budget (budget.py)
+share_out_threads()  # under `make test`'s workers: each its share of the cores
 
 POSITIONS = ["learned", "sinusoidal", "rope", "none"]
 NORMS = ["pre", "post"]
@@ -68,6 +70,17 @@ def kernel_build(request, monkeypatch):
     instruction set, wherever `native.library()` is asked (subprocesses inherit it)."""
     monkeypatch.setenv("TLM_NATIVE_ARCH", request.param)
     return request.param
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def each_thread_count(request):
+    """The test at one thread and at two, whatever the suite runs at (`make test`'s workers
+    run one thread each on two cores): the kernels share rows out among torch's threads,
+    so a module of kernel tests takes this (`pytestmark`) to run both ways on every host."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from tlm.train.attention_kernel import causal_attention, kernel_here
 HERE = kernel_here()
 needs_kernel = pytest.mark.skipif(not HERE, reason="no AVX512_BF16 on this host")
 needs_kernel32 = pytest.mark.skipif(not kernel_here(torch.float32), reason="no C compiler")
+pytestmark = pytest.mark.usefixtures("each_thread_count")  # at one thread and at two
 # the fp32 kernel's tests run on each build this host runs (AVX-512's and AVX2's vectors);
 # the bf16 kernel is AVX512_BF16's only
 FP32_BUILDS = [pytest.param(b, marks=needs_kernel32, id=b) for b in native.builds_here()]

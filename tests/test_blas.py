@@ -11,7 +11,8 @@ from tlm.inference.decoding.program import FLOAT32_ROWS
 from tlm.inference.formats import blas
 from tlm.model.kv_cache import KVCache
 
-pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
+# each instruction set this host runs, at one thread and at two
+pytestmark = pytest.mark.usefixtures("kernel_build", "each_thread_count")
 
 
 def make_model(**overrides) -> TransformerLM:

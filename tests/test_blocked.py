@@ -8,7 +8,8 @@ from tlm.inference import native
 from tlm.inference.formats import blocked
 from tlm.inference.formats.kernels import PackedLinear, _int8
 
-pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
+# each instruction set this host runs, at one thread and at two
+pytestmark = pytest.mark.usefixtures("kernel_build", "each_thread_count")
 
 SHAPES = [(7, 5), (33, 70), (40, 33), (48, 64), (300, 768)]  # [out, in]: padded, odd, whole
 ROWS = [1, 2, 3, 4, 5, 9]  # one row, each group size of products.c, and groups with a rest

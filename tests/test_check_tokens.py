@@ -11,7 +11,8 @@ from tlm.inference import Decoder, SlotCache, for_decoding, for_inference
 from tlm.inference.devices.threads import on_threads
 from tlm.model.kv_cache import KVCache
 
-pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
+# each instruction set this host runs, at one thread and at two
+pytestmark = pytest.mark.usefixtures("kernel_build", "each_thread_count")
 
 FORMATS = ["plain", "float32", "float16", "bfloat16", "int8"]
 

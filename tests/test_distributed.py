@@ -116,7 +116,7 @@ def test_the_best_weights_are_gathered_and_written_once(single, double):
     assert state["best_loss"] == min(logged.values()) == logged[state["best_step"]]
 
 
-def kill_at_a_checkpoint(proc, run, at_least=20, timeout=120):
+def kill_at_a_checkpoint(proc, run, at_least, timeout=120):
     """SIGKILL the run (torchrun and its ranks) once a checkpoint at or after `at_least`
     exists: nothing gets a chance to save more."""
     pointer = run / "train_state" / "latest"
@@ -173,22 +173,16 @@ def assert_continues(run, reference, killed_at):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_a_two_process_run_resumes_in_one_process(docs_chars, single, tmp_path, mode):
-    run = tmp_path / "two-then-one"
-    proc = torchrun("train", "--data", str(docs_chars), "--out", str(run), *ARGS, *MODES[mode])
-    killed_at = kill_at_a_checkpoint(proc, run)
-    assert main(["train", "--out", str(run), "--resume", "--quiet"]) == 0
-    assert_continues(run, single, killed_at)
-
-
-@pytest.mark.parametrize("mode", list(MODES))
-def test_a_one_process_run_resumes_on_two(docs_chars, single, tmp_path, mode):
-    run = tmp_path / "one-then-two"
+def test_a_run_resumes_across_changes_of_world_size(docs_chars, single, tmp_path, mode):
+    """One process, killed; resumed on two, killed again; resumed in one to the end: both
+    changes of world size in one run, whose curve and weights are the uninterrupted one's."""
+    run = tmp_path / "one-two-one"
     command = [sys.executable, "-m", "tlm", "train", "--data", str(docs_chars), "--out", str(run)]
-    proc = subprocess.Popen([*command, *ARGS])
-    killed_at = kill_at_a_checkpoint(proc, run)
-    finish(torchrun("train", "--out", str(run), "--resume", "--quiet", *MODES[mode]))
-    assert_continues(run, single, killed_at)
+    first = kill_at_a_checkpoint(subprocess.Popen([*command, *ARGS]), run, at_least=10)
+    resumed = torchrun("train", "--out", str(run), "--resume", "--quiet", *MODES[mode])
+    second = kill_at_a_checkpoint(resumed, run, at_least=first + 10)
+    assert main(["train", "--out", str(run), "--resume", "--quiet"]) == 0
+    assert_continues(run, single, second)
 
 
 def test_bad_distributed_runs_are_refused_with_one_line(docs_chars, tmp_path, capsys):

@@ -13,7 +13,8 @@ from tlm.inference.decoding import step as native_step
 from tlm.inference.formats import blocked
 from tlm.model.kv_cache import KVCache
 
-pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
+# each instruction set this host runs, at one thread and at two
+pytestmark = pytest.mark.usefixtures("kernel_build", "each_thread_count")
 
 needs_native = pytest.mark.skipif(
     native.library() is None, reason="no C compiler here: decoding runs the forward pass"

@@ -9,6 +9,8 @@ from tlm.generate.slots import Slots
 from tlm.inference import Decoder
 from tlm.inference.devices.threads import Threads, on_threads
 
+pytestmark = pytest.mark.usefixtures("each_thread_count")  # callers at one thread and at two
+
 
 def run(threads: Threads, seconds: dict[int, float], steps: int, kind=(1, 1)) -> list[int]:
     """The thread counts of `steps` steps whose times are seconds[count]."""

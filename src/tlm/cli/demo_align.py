@@ -55,19 +55,19 @@ def align_demo(args: argparse.Namespace, chat_demo) -> int:
     print(f"[2/5] supervised fine-tuning on arithmetic for {steps['sft']} steps")
     sft_values = SFT | {"init_from": str(base), "data": str(data / "chat")}
     sft = _train(out / "sft", sft_values, steps["sft"], args)
-    figures = {"sft": _measure(sft, prompts, args.device)}
+    figures = {"sft": measure(sft, prompts, args.device)}
     print(f"      SFT: {_line(figures['sft'])}")
     print(f"[3/5] RL on verifiable rewards (GRPO, the number verifier) for {steps['grpo']} steps")
     rl_started = time.perf_counter()
     grpo_values = GRPO | {"init_from": str(sft), "data": str(data / "prompts")}
     grpo = _train(out / "grpo", grpo_values, steps["grpo"], args)
     minutes = (time.perf_counter() - rl_started) / 60
-    figures["grpo"] = _measure(grpo, prompts, args.device) | {"minutes": round(minutes, 2)}
+    figures["grpo"] = measure(grpo, prompts, args.device) | {"minutes": round(minutes, 2)}
     print(f"      GRPO: {_line(figures['grpo'])} in {minutes:.1f} min")
     print(f"[4/5] DPO on arithmetic's preference pairs for {steps['dpo']} steps")
     dpo_values = DPO | {"init_from": str(sft), "data": str(data / "pairs")}
     dpo = _train(out / "dpo", dpo_values, steps["dpo"], args)
-    figures["dpo"] = _measure(dpo, prompts, args.device)
+    figures["dpo"] = measure(dpo, prompts, args.device)
     model = load_language_model(dpo, pick_device(args.device))
     reference = load_language_model(sft, pick_device(args.device))
     preference = evaluate_preference(model, PreferenceData(data / "pairs"), "val", reference)
@@ -92,7 +92,7 @@ def _train(run: Path, values: dict, steps: int, args: argparse.Namespace) -> Pat
     return run
 
 
-def _measure(run: Path, prompts: PromptData, device: str) -> dict:
+def measure(run: Path, prompts: PromptData, device: str) -> dict:
     """pass@1 (greedy) and pass@8 of a run on the first EVAL_PROMPTS held-out problems."""
     model, tokenizer = load_language_model(run, pick_device(device)), load_tokenizer(run)
     got = evaluate_verify(model, tokenizer, prompts, number, "val", 8, 24, 0, 16, EVAL_PROMPTS)

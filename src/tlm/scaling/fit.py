@@ -9,9 +9,10 @@ runs each law sees, as Kaplan et al. measure them:
 - L(D): each token budget at its best loss, the one least limited by size;
 - L(C): the compute frontier, the lowest loss reached at or below each run's compute.
 
-The joint law L(N, D) = E + A / N^α + B / D^β is fitted by least squares on log L (many
-starting points, L-BFGS); with C = 6ND it gives the compute-optimal split,
-N_opt = G (C/6)^(β/(α+β)) with G = (αA / βB)^(1/(α+β)), and D_opt = C / (6 N_opt).
+The joint law L(N, D) = E + A / N^α + B / D^β is fitted by least squares on log L
+(Levenberg-Marquardt from the best point of a grid over the exponents); with C = 6ND it
+gives the compute-optimal split, N_opt = G (C/6)^(β/(α+β)) with G = (αA / βB)^(1/(α+β)),
+and D_opt = C / (6 N_opt).
 Bootstrap intervals refit on rows drawn with replacement.
 """
 
@@ -21,7 +22,6 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from tlm.errors import UserError
 from tlm.model.counts import tokens_for_compute, training_compute
@@ -122,16 +122,15 @@ def frontier(
 
 
 def joint_law(N: np.ndarray, D: np.ndarray, L: np.ndarray, start: Joint | None = None) -> Joint:
-    """L(N, D) = E + A/N^α + B/D^β by least squares on log L: L-BFGS from the best point of
-    a grid over (α, β), or from `start` (the full data's fit, when bootstrapping)."""
-    logN, logD, logL = (torch.tensor(np.log(v), dtype=torch.float64) for v in (N, D, L))
+    """L(N, D) = E + A/N^α + B/D^β by least squares on log L: Levenberg-Marquardt from the
+    best point of a grid over (α, β), or from `start` (the full data's fit, when
+    bootstrapping)."""
     start = start or _grid_start(N, D, L)
     logs = [math.log(v) for v in (start.E, start.A, start.B)]
-    p = torch.tensor([*logs, start.alpha, start.beta], dtype=torch.float64, requires_grad=True)
-    loss = _minimise(p, logN, logD, logL)  # p: log E, log A, log B, α, β
-    if not (math.isfinite(loss) and p[3].item() > 0 and p[4].item() > 0):
+    p = _minimise(np.array([*logs, start.alpha, start.beta]), np.log(N), np.log(D), np.log(L))
+    if p is None or not (p[3] > 0 and p[4] > 0):
         raise FitError("the joint law L(N, D) could not be fitted to these runs")
-    logE, logA, logB, alpha, beta = p.detach().tolist()
+    logE, logA, logB, alpha, beta = p.tolist()
     return Joint(math.exp(logE), math.exp(logA), math.exp(logB), alpha, beta)
 
 
@@ -153,23 +152,30 @@ def _grid_start(N: np.ndarray, D: np.ndarray, L: np.ndarray) -> Joint:
     return best
 
 
-def _minimise(p: torch.Tensor, logN, logD, logL) -> float:
-    optimizer = torch.optim.LBFGS(
-        [p],
-        max_iter=1000,
-        tolerance_grad=1e-12,
-        tolerance_change=1e-16,
-        line_search_fn="strong_wolfe",
-    )
+def _minimise(p: np.ndarray, logN, logD, logL) -> np.ndarray | None:
+    """The parameters p = (log E, log A, log B, α, β) that minimise Σ r², r = log(E + A/N^α
+    + B/D^β) − log L, with the residuals' exact Jacobian; None if no finite fit was found."""
+    from scipy.optimize import least_squares  # imported here: only the fit needs it
 
-    def closure():
-        optimizer.zero_grad()
-        terms = [p[0].expand_as(logN), p[1] - p[3] * logN, p[2] - p[4] * logD]
-        loss = ((torch.logsumexp(torch.stack(terms), dim=0) - logL) ** 2).mean()  # log E+A/N+B/D
-        loss.backward()
-        return loss
+    def terms(p):  # log E, log A/N^α, log B/D^β: one row per term
+        return np.stack([np.full_like(logN, p[0]), p[1] - p[3] * logN, p[2] - p[4] * logD])
 
-    return float(optimizer.step(closure).detach())
+    def residuals(p):
+        t = terms(p)
+        top = t.max(axis=0)  # log Σ exp, kept finite
+        return top + np.log(np.exp(t - top).sum(axis=0)) - logL
+
+    def jacobian(p):
+        t = terms(p)
+        w = np.exp(t - t.max(axis=0))
+        w /= w.sum(axis=0)  # each term's share of the sum: ∂r/∂(its log)
+        return np.stack([w[0], w[1], w[2], -w[1] * logN, -w[2] * logD], axis=1)
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        found = least_squares(
+            residuals, p, jac=jacobian, method="lm", xtol=1e-15, ftol=1e-15, gtol=1e-15
+        )
+    return found.x if np.all(np.isfinite(found.x)) and np.isfinite(found.cost) else None
 
 
 def fit_all(N: np.ndarray, D: np.ndarray, L: np.ndarray, start: Joint | None = None) -> Fits:

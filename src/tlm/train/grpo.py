@@ -127,7 +127,7 @@ class PromptGroups(Batches):
         round_ = step // c.updates_per_batch
         if self.batch is None or self.batch.round != round_:
             prompts = self.order.step(round_)[rt.rank * self.share : (rt.rank + 1) * self.share]
-            self.batch = self._sample(trainer, round_, prompts.tolist())
+            self.batch = self.sample(trainer.model, round_, prompts.tolist())
             self._remember_batch(self.batch)
         started = time.perf_counter()
         batch, G = self.batch, c.group_size
@@ -193,9 +193,10 @@ class PromptGroups(Batches):
         return x.to(device), y.to(device), (y != IGNORE).to(device)
 
     @torch.no_grad()
-    def _sample(self, trainer: Trainer, round_: int, prompts: list[int]) -> Rollouts:
-        """G replies to each prompt, rewarded, with their advantages."""
-        started, c, model = time.perf_counter(), self.config, trainer.model
+    def sample(self, model: nn.Module, round_: int, prompts: list[int]) -> Rollouts:
+        """G replies to each training prompt of `prompts` (indices), rewarded, with their
+        advantages: sampling round `round_` of `model`."""
+        started, c = time.perf_counter(), self.config
         was_training = model.training
         model.eval()
         ends = (self.end_id, self.tokenizer.eot_id)
