@@ -7,13 +7,15 @@ from tlm.data import arithmetic as a
 from tlm.train.rewards import number
 
 
-def test_problems_are_seeded_of_two_to_four_digits_with_every_operation():
+def test_problems_are_seeded_of_two_to_four_digits_in_all_with_every_operation():
     problems = a.problems()
     assert problems == a.problems() and len(set(problems)) == len(problems) == a.PROBLEMS
     assert {op for _, op, _ in problems} == {"+", "-", "*"}
-    sides = [n for x, _, y in problems for n in (x, y)]
-    assert min(sides) >= 10 and max(sides) <= 9999
-    assert {len(str(n)) for n in sides} == {2, 3, 4}
+    digits = [len(str(x)) + len(str(y)) for x, _, y in problems]
+    assert set(digits) == {2, 3, 4} and min(digits.count(n) for n in (2, 3, 4)) >= 250
+    splits = {(len(str(x)), len(str(y))) for x, _, y in problems}
+    assert splits == {(1, 1), (1, 2), (2, 1), (1, 3), (2, 2), (3, 1)}
+    assert all(len(str(n)) == 1 or str(n)[0] != "0" for x, _, y in problems for n in (x, y))
     assert a.problems(seed=1) != problems
 
 

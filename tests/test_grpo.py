@@ -82,3 +82,43 @@ def test_grpo_is_refused_in_one_line_without_a_reward_or_prompts(grpo_run, tmp_p
     )
     assert main(["train", "--data", str(data), "--out", str(tmp_path / "lm")]) == 2
     assert "train with --objective grpo" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a server process
+def test_an_aligned_run_chats_serves_and_exports_with_its_template(grpo_run, tmp_path, capsys):
+    """Part 7: the GRPO run is a chat run everywhere one is: `tlm chat` and `tlm serve`'s
+    /v1/chat/completions give tlm's greedy reply, `tlm export-hf` writes the template
+    (transformers renders the conversation to the run's ids), and the card records the
+    objective, the reference, beta, the reward and the data."""
+    from transformers import AutoTokenizer
+
+    from serving import KEY, post, start
+    from tlm.chat import render
+    from tlm.generate import GenerationConfig
+    from tlm.generate.chat import chat_prompt, replies
+    from tlm.load import load_model, load_tokenizer
+
+    base, data, run = grpo_run
+    messages = [{"role": "user", "content": "say cat"}]
+    model, tokenizer = load_model(run).eval(), load_tokenizer(run)
+    prompt = chat_prompt(messages, tokenizer, 32, 6)
+    expected = replies(model, tokenizer, [prompt], GenerationConfig(max_new_tokens=6))[0]
+    assert main(["chat", str(run), "--message", "say cat", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip() == expected.text.strip()
+    proc, url = start(run, "--api-key", KEY)
+    try:
+        body = {"model": run.name, "messages": messages, "max_tokens": 6, "temperature": 0}
+        status, answer, _ = post(url + "/v1/chat/completions", body)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert status == 200 and answer["choices"][0]["message"]["content"] == expected.text
+    assert main(["export-hf", str(run), str(tmp_path / "hf")]) == 0
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    out = hf.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=True
+    )
+    assert out["input_ids"] == render(messages, tokenizer, generation=True)[0]
+    card = (run / "MODEL_CARD.md").read_text()
+    for recorded in ("grpo: reward `regex`", f"reference: `{base}`", "beta 0.0", str(data)):
+        assert recorded in card, recorded

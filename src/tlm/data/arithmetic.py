@@ -1,15 +1,21 @@
 """`arithmetic`: a built-in task a verifier can check, made offline (J&M ch. 12).
 
-Problems of two numbers of 2 to 4 digits joined by +, − or ×, each asked in one of a few
-wordings, in symbols ("What is 482 + 37?") or in words ("What is 482 plus 37?", "Multiply
-482 by 37."), chosen by the problem's hash; the answer is the result, and a reply is right
-when its last number is (the `number` reward). The problems come from a generator seeded
-with `SEED`, the same on every machine; the held-out split is every problem whose hash puts
+Problems of two numbers with 2 to 4 digits between them (7 × 8, 48 + 7, 36 − 91, 482 × 7),
+joined by +, − or ×, each asked in one of a few wordings, in symbols ("What is 48 + 7?") or
+in words ("What is 48 plus 7?", "Multiply 482 by 7."), chosen by the problem's hash; the
+answer is the result, and a reply is right when its last number is (the `number` reward).
+The digits are counted over the problem, not each side: with 2 to 4 digits a side (products
+of 8 digits) the demo's 0.9M-parameter assistant got none right after SFT (pass@1 0%, pass@8
+2% on held-out problems), which leaves RL nothing to reinforce; with 2 to 4 in all it gets
+about half right and more with samples (pass@1 52%, pass@8 70% after the same SFT), the
+regime in which RL and DPO have something to sharpen. The problems come from a generator
+seeded with `SEED`, the same on every machine: each problem's total of digits drawn from 2
+to 4, split between its sides at random. The held-out split is every problem whose hash puts
 it in the tenth `HELD_OUT` (no held-out problem is trained on, in any of its wordings). The
 same problems serve three tasks:
 
-- chat (`tlm prepare --task chat arithmetic`): the question, and an answer that works it
-  out in one line and ends with the number ("482 + 37 = 519. The answer is 519.");
+- chat (`tlm prepare --task chat arithmetic`): the question, and an answer that writes the
+  problem out and ends with the number ("48 + 7 = 55.");
 - preference (`--task preference arithmetic`): the question, that answer chosen, and one
   with a plausible mistake (off by one, by ten, two digits swapped, or a sign) rejected;
 - prompts (`--task prompts arithmetic`): the question, with the number as its answer.
@@ -35,16 +41,23 @@ Problem = tuple[int, str, int]  # a, op, b
 
 
 def problems(count: int | None = None, seed: int = SEED) -> list[Problem]:
-    """`count` (PROBLEMS) distinct problems, 2 to 4 digits each side, + − × alike."""
+    """`count` (PROBLEMS) distinct problems of 2 to 4 digits in all, + − × alike."""
     count = PROBLEMS if count is None else count
     rng, seen, out = random.Random(seed), set(), []
     while len(out) < count:
-        a, b = (rng.randint(10, 10 ** rng.randint(2, 4) - 1) for _ in range(2))
+        digits = rng.randint(2, 4)
+        left = rng.randint(1, digits - 1)
+        a, b = (_number(rng, n) for n in (left, digits - left))
         op = rng.choice("+-*")
         if (a, op, b) not in seen:
             seen.add((a, op, b))
             out.append((a, op, b))
     return out
+
+
+def _number(rng: random.Random, digits: int) -> int:
+    """A number of exactly `digits` digits (0 counts as a one-digit number)."""
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
 def result(problem: Problem) -> int:
@@ -59,11 +72,11 @@ def question(problem: Problem) -> str:
 
 
 def worked(problem: Problem, value: int | None = None) -> str:
-    """The answer in one worked line, ending with `value` (the result unless given)."""
+    """The answer: the problem written out, ending with `value` (the result unless given)."""
     a, op, b = problem
     value = result(problem) if value is None else value
     symbol = {"+": "+", "-": "-", "*": "×"}[op]
-    return f"{a} {symbol} {b} = {value}. The answer is {value}."
+    return f"{a} {symbol} {b} = {value}."
 
 
 def mistake(problem: Problem) -> int:

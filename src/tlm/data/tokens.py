@@ -194,6 +194,11 @@ class PromptData(ChatData):
         offsets = self.offsets(name)
         return self.split(name)[offsets[i] : offsets[i + 1]].astype(np.int64).tolist()
 
+    def prompts(self, name: str) -> list[list[int]]:
+        """Every prompt's ids, the split read once."""
+        offsets, ids = self.offsets(name), self.split(name).astype(np.int64).tolist()
+        return [ids[start:end] for start, end in zip(offsets[:-1], offsets[1:], strict=True)]
+
 
 class PairData:
     """A folder written by `prepare_pairs`: its meta, tokenizer and splits."""

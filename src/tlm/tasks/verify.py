@@ -49,7 +49,7 @@ def evaluate_verify(
     sampled reward and reply length of `model` on the prompts of `split` (the first
     `limit`)."""
     started = time.perf_counter()
-    answers = data.answers(split)[:limit]
+    answers, every = data.answers(split)[:limit], data.prompts(split)
     ends = (tokenizer.special_id(END), tokenizer.eot_id)
     greedy = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=ends)
     sampled = GenerationConfig(
@@ -59,7 +59,7 @@ def evaluate_verify(
     passed, rewards, lengths, at1, at8 = 0, [], [], [], []
     for first in range(0, len(answers), batch_size):
         rows = range(first, min(first + batch_size, len(answers)))
-        prompts = [data.prompt(split, i) for i in rows]
+        prompts = [every[i] for i in rows]
         best = complete_tokens(model, tokenizer, prompts, greedy)
         drawn = complete_tokens(model, tokenizer, prompts, sampled)
         for j, i in enumerate(rows):

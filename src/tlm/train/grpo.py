@@ -84,10 +84,7 @@ class PromptGroups(Batches):
             raise RunError(f"{data.folder}'s tokenizer has no chat template; prepare it again")
         self.reward = reward_of(config.reward)
         self.answers = {split: data.answers(split) for split in ("train", "val")}
-        self.prompts = {
-            split: [data.prompt(split, i) for i in range(len(self.answers[split]))]
-            for split in ("train", "val")
-        }
+        self.prompts = {split: data.prompts(split) for split in ("train", "val")}
         room = self.T - config.max_new_tokens
         if any(len(p) > room for p in self.prompts["train"]):
             raise RunError(
@@ -294,8 +291,9 @@ from the run `{c.init_from}`. It answers in turns of tlm's chat template.
 ## Objective
 
 grpo: reward `{c.reward}`, {c.group_size} replies a prompt (at most {c.max_new_tokens}
-tokens, temperature {c.temperature}), advantage `{c.advantage}`, beta {c.beta} (reference:
-`{c.init_from}`), clip {c.clip}, {c.updates_per_batch} update(s) a batch.
+tokens, temperature {c.temperature}), advantage `{c.advantage}`, clip {c.clip},
+{c.updates_per_batch} update(s) a batch;
+beta {c.beta}, reference: `{c.init_from}` (the KL's, when beta > 0).
 
 ## Data
 
