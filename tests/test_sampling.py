@@ -147,3 +147,29 @@ def test_greedy_logprob_is_the_argmax_and_its_log_softmax():
         assert token == int(logits.argmax())
         expected = float(logits.double().log_softmax(-1)[token])
         assert logprob == pytest.approx(expected, abs=1e-6, nan_ok=True)
+
+
+def test_rows_of_one_config_are_drawn_together_as_each_would_be_alone(monkeypatch):
+    """choose_rows brings the plain draws of one config to their distribution in one call
+    ([k,V]) and draws each from its own generator: the tokens and log-probabilities of
+    every row are those it gets chosen alone; a row with penalties keeps its own path."""
+    from tlm.generate import GenerationConfig, sampling
+    from tlm.generate import choice as module
+    from tlm.generate.choice import RowChoice, choose_rows
+
+    V, logits = 50, torch.randn(6, 50) * 3
+    config = GenerationConfig(do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    penalised = GenerationConfig(do_sample=True, repetition_penalty=1.3)
+
+    def rows():
+        made = [RowChoice.of_row([1, 2], config, V, torch.device("cpu"), j, 7) for j in range(5)]
+        return [*made, RowChoice.of_row([1, 2], penalised, V, torch.device("cpu"), 5, 7)]
+
+    alone = [row.choose(logits[r]) for r, row in enumerate(rows())]
+    calls = []
+    monkeypatch.setattr(module, "distribution", lambda x, c, *a: calls.append(len(x)) or
+                        sampling.distribution(x, c, *a))  # fmt: skip
+    together = choose_rows(rows(), logits)
+    assert calls == [5]  # the five plain rows at once; the penalised row on its own path
+    assert [t for t, _, _ in together] == [t for t, _, _ in alone]
+    assert [lp for _, lp, _ in together] == pytest.approx([lp for _, lp, _ in alone])

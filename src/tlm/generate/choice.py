@@ -75,6 +75,10 @@ class RowChoice:
         # the likeliest token as is, with no top list to report: a step that made greedy's
         # choice itself (the whole step in C) hands it over as `pick`
         self.plain_greedy = config.greedy and not config.adjusts_logits and not top_logprobs
+        # a draw whose distribution depends on the settings alone (no penalties' state, no
+        # grammar): rows of one config are brought to their distributions together
+        self.plain_draw = not config.greedy and self.seen is None and self.counts is None
+        self.plain_draw = self.plain_draw and self.matcher is None
 
     @classmethod
     def of_row(
@@ -159,14 +163,23 @@ def choose_rows(
     known: dict[int, tuple[int, float]] = {}
     tops: dict[int, list[tuple[int, float]]] = {}
     rows, tokens = [], []  # the rows chosen on the device, and their 0-d tokens
+    drawn: dict[int, list[int]] = {}  # config -> its plain draws' rows
     for r, (choice, pick) in enumerate(zip(choices, picks, strict=True)):
         if choice.plain_greedy and pick is not None and pick[0] >= 0:
             known[r] = pick
         elif choice.plain_greedy and logits.device.type == "cpu":
             known[r] = greedy_logprob(logits[r].float())  # no [V] log-softmax written
+        elif choice.plain_draw:
+            drawn.setdefault(id(choice.config), []).append(r)
         else:
             rows.append(r)
             tokens.append(choice.token_of(logits[r]))
+    for group in drawn.values():  # one distribution [k,V] a config, each row its own draw
+        index = torch.tensor(group, dtype=torch.long, device=logits.device)
+        probs = distribution(logits.index_select(0, index), choices[group[0]].config)
+        for r, row in zip(group, probs, strict=True):
+            rows.append(r)
+            tokens.append(torch.multinomial(row[None], 1, generator=choices[r].generator)[0, 0])
     if rows:
         chosen = torch.stack(tokens)  # [k]
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
