@@ -14,8 +14,9 @@ from tlm.cli import main
 from tlm.data import PreferenceData
 from tlm.data.answer_pairs import answer_pairs
 from tlm.load import load_model
-from tlm.model.loss import dpo_loss, sequence_logprobs
+from tlm.model.loss import chosen_nll, dpo_loss, sequence_logprobs
 from tlm.tokenizer import train_tokenizer
+from tlm.train.order import PassOrder
 
 WORDS = ["cat", "dog", "sun", "moon", "tree", "leaf"]
 
@@ -124,8 +125,10 @@ def test_a_dpo_run_learns_to_prefer_and_logs_its_rewards(pairs_run):
     assert "dpo, loss `sigmoid`, beta 0.1" in card and (run / "reference.safetensors").is_file()
 
 
-@pytest.mark.parametrize("kind", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo", "sigmoid+sft"])
 def test_the_loss_and_first_layer_gradient_equal_trl_on_the_export(pairs_run, tmp_path, kind):
+    """DPO's losses, and RPO's (sigmoid with the chosen answers' NLL at weight 0.5, TRL's
+    loss_type ["sigmoid", "sft"]), on the same batch of the HF export."""
     pytest.importorskip("trl")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -144,10 +147,11 @@ def test_the_loss_and_first_layer_gradient_equal_trl_on_the_export(pairs_run, tm
         ref = sequence_logprobs(reference(x), y, learned)
     logp = sequence_logprobs(policy(x), y, learned)
     lengths = learned.sum(1)
+    kind, _, sft = kind.partition("+")
     ours, _, _ = dpo_loss(
         logp[:6], logp[6:], ref[:6], ref[6:], 0.1, kind, 0.0, (lengths[:6], lengths[6:])
     )
-    ours = ours.mean()
+    ours = ours.mean() + (0.5 * chosen_nll(logp[:6], lengths[:6].sum()) if sft else 0)
     ours.backward()
 
     tokens = PreferenceData(data)
@@ -168,8 +172,8 @@ def test_the_loss_and_first_layer_gradient_equal_trl_on_the_export(pairs_run, tm
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "run", dtype=torch.float32)
     hf_ref = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
     config = DPOConfig(
-        output_dir=str(tmp_path / "trl"), beta=0.1, loss_type=[kind], report_to="none",
-        bf16=False, use_cpu=True,
+        output_dir=str(tmp_path / "trl"), beta=0.1, loss_type=[kind, sft] if sft else [kind],
+        loss_weights=[1.0, 0.5] if sft else None, report_to="none", bf16=False, use_cpu=True,
     )  # fmt: skip
     dataset = Dataset.from_list([{"prompt": "say cat", "chosen": "cat", "rejected": "dog"}])
     tok = AutoTokenizer.from_pretrained(tmp_path / "run")
@@ -185,6 +189,28 @@ def test_the_loss_and_first_layer_gradient_equal_trl_on_the_export(pairs_run, tm
     their_grad = hf.transformer.h[0].attn.c_attn.weight.grad[:, :d]  # W_Q | W_K | W_V
     assert torch.allclose(our_grad, their_grad, atol=1e-5)
     assert our_grad.abs().max() > 1e-4  # a gradient, not zeros on both sides
+
+
+def test_sft_weight_adds_the_chosen_answers_nll_per_token_to_the_step(pairs_run, tmp_path):
+    """--sft-weight w (RPO): the first step's loss is DPO's (log 2 a pair: the policy is
+    still its reference) plus w × the NLL per token of the step's chosen answers, as the
+    init run scores them; the card says so; a weight without DPO is refused."""
+    base, data, _ = pairs_run
+    run = tmp_path / "rpo"
+    args = ["train", "--objective", "dpo", "--init-from", str(base), "--data", str(data)]
+    args += ["--out", str(run), "--batch-size", "4", "--grad-accum", "2", "--sft-weight", "0.5"]
+    assert main([*args, "--max-steps", "1", "--log-interval", "1", "--quiet"]) == 0
+    pairs = answer_pairs(PreferenceData(data), "train", 32, 0)
+    rows = PassOrder(len(pairs), 8, 1337).step(0).tolist()
+    x, y, learned = pairs.batch(rows)
+    with torch.no_grad():
+        logp = sequence_logprobs(load_model(base)(x), y, learned)
+    expected = math.log(2) + 0.5 * float(chosen_nll(logp[:8], learned[:8].sum()))
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged[0]["train_loss"] == pytest.approx(expected, abs=1e-5)
+    assert "sft weight 0.5 (RPO)" in (run / "MODEL_CARD.md").read_text()
+    lm = ["train", "--data", str(data), "--out", str(tmp_path / "lm"), "--sft-weight", "1"]
+    assert main(lm) == 2
 
 
 def test_eval_gives_the_runs_validation_figures_and_the_aligned_run_chats(pairs_run, capsys):

@@ -62,7 +62,9 @@ class TrainConfig:
     `objective="dpo"` aligns a chat run with preference pairs (`tlm prepare --task
     preference`, J&M ch. 12): direct preference optimization against the frozen
     `init_from` run, with `beta` β, the strength of the pull towards that reference, and
-    `dpo_loss` "sigmoid" (DPO), "ipo" or "cdpo" (whose ε is `label_smoothing`);
+    `dpo_loss` "sigmoid" (DPO), "ipo" or "cdpo" (whose ε is `label_smoothing`), and
+    `sft_weight` w: w × the chosen answers' mean negative log-likelihood per token added to
+    it (RPO, Pang et al. 2024: keeps the chosen answers likely, as DPO alone need not);
     `batch_size` then counts pairs. `objective="grpo"` is RL on verifiable rewards
     (`tlm prepare --task prompts`): each step samples `group_size` replies to each of
     `batch_size` prompts (at most `max_new_tokens` tokens, at `temperature`), rewards them
@@ -103,6 +105,7 @@ class TrainConfig:
     objective: str = "lm"
     beta: float | None = None
     dpo_loss: str = "sigmoid"
+    sft_weight: float = 0.0
     reward: str | None = None
     group_size: int = 8
     advantage: str = "mean"
@@ -151,6 +154,9 @@ class TrainConfig:
         check_choice("windows", self.windows, WINDOWS)
         check_choice("objective", self.objective, OBJECTIVES)
         check_choice("dpo_loss", self.dpo_loss, DPO_LOSSES)
+        if self.sft_weight < 0 or (self.sft_weight and self.objective != "dpo"):
+            raise ConfigError(f"sft_weight weighs DPO's added NLL: >= 0 with objective dpo, "
+                              f"got {self.sft_weight!r}")  # fmt: skip
         check_choice("advantage", self.advantage, ADVANTAGES)
         if self.beta is None:
             object.__setattr__(self, "beta", 0.1 if self.objective == "dpo" else 0.0)

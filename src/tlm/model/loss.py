@@ -160,6 +160,14 @@ def dpo_loss(
     return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
+def chosen_nll(chosen: Tensor, tokens: Tensor | int) -> Tensor:
+    """The chosen answers' negative log-likelihood per token, −Σ log π(y_w|x) / tokens,
+    from their log-probabilities [B] (each summed over its tokens) and the count of tokens
+    it is the mean over (the batch's, or the whole step's): the term RPO (Pang et al. 2024)
+    adds to DPO's loss with a weight, TRL's `loss_type` "sft"."""
+    return -chosen.sum() / tokens
+
+
 def grpo_loss(
     logp: Tensor,
     old: Tensor,

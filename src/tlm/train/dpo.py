@@ -27,7 +27,7 @@ from tlm.config import ModelConfig, TrainConfig
 from tlm.data.answer_pairs import answer_pairs
 from tlm.data.tokens import PreferenceData
 from tlm.io import atomic_path, write_text_atomic
-from tlm.model.loss import dpo_loss, sequence_logprobs
+from tlm.model.loss import chosen_nll, dpo_loss, sequence_logprobs
 from tlm.tokenizer import load_tokenizer
 from tlm.train.loop import Batches
 from tlm.train.order import PassOrder
@@ -101,16 +101,23 @@ class PreferencePairs(Batches):
         pairs = self.order.step(step)
         mine = pairs[rt.rank * self.share : (rt.rank + 1) * self.share]
         micros = [mine[i : i + c.batch_size] for i in range(0, self.share, c.batch_size)]
+        batches = [self.train.batch(micro) for micro in micros]
+        if c.sft_weight:  # the NLL is a mean over the chosen tokens of the whole step
+            here = sum(float(b[2][: len(m)].sum()) for b, m in zip(batches, micros, strict=True))
+            chosen_tokens = rt.all_reduce_mean(here) * rt.world_size
         total, chosen, rejected, tokens = 0.0, [], [], 0
-        for i, micro in enumerate(micros):
-            x, y, learned = (t.to(trainer.device) for t in self.train.batch(micro))
+        for i, (micro, batch) in enumerate(zip(micros, batches, strict=True)):
+            x, y, learned = (t.to(trainer.device) for t in batch)
             reference = self.reference["train"][torch.from_numpy(micro)].to(trainer.device)
             with rt.sync(trainer.wrapped, last=i == len(micros) - 1):
                 with trainer.autocast():
                     logits = trainer.forward(x)
-                loss, r_w, r_l = self._loss(logits, y, learned, reference)
-                (loss.sum() * rt.world_size / self.global_batch).backward()
-            total += loss.sum().item() * rt.world_size / self.global_batch
+                loss, r_w, r_l, logp_w = self._loss(logits, y, learned, reference)
+                loss = loss.sum() * rt.world_size / self.global_batch
+                if c.sft_weight:
+                    loss = loss + c.sft_weight * chosen_nll(logp_w, chosen_tokens) * rt.world_size
+                loss.backward()
+            total += loss.item()
             chosen.append(r_w)
             rejected.append(r_l)
             tokens += x.numel() * rt.world_size
@@ -119,15 +126,17 @@ class PreferencePairs(Batches):
         return rt.all_reduce_mean(total)
 
     def _loss(self, logits, y, learned, reference) -> tuple[torch.Tensor, ...]:
-        """Per-pair loss and rewards of a batch's logits [2B,L,V] (chosen rows first)."""
+        """Per-pair loss and rewards of a batch's logits [2B,L,V] (chosen rows first), and
+        the chosen answers' log-probabilities [B]."""
         B = len(reference)
         logp = sequence_logprobs(logits, y, learned)
         lengths = learned.sum(dim=1)
         c = self.config
-        return dpo_loss(
+        loss, r_w, r_l = dpo_loss(
             logp[:B], logp[B:], reference[:, 0], reference[:, 1], c.beta, c.dpo_loss,
             c.label_smoothing, (lengths[:B], lengths[B:]),
         )  # fmt: skip
+        return loss, r_w, r_l, logp[:B]
 
     def _remember(self, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
         figures = _figures(chosen, rejected)
@@ -147,7 +156,7 @@ class PreferencePairs(Batches):
             reference = self.reference["val"][rows].to(trainer.device)
             with trainer.autocast():
                 logits = trainer.forward(x)
-            loss, r_w, r_l = self._loss(logits, y, learned, reference)
+            loss, r_w, r_l, _ = self._loss(logits, y, learned, reference)
             losses.append(loss)
             chosen.append(r_w)
             rejected.append(r_l)
@@ -172,6 +181,7 @@ class PreferencePairs(Batches):
         loss = results.get("val_loss")
         figures = " ".join(f"{k} {v:.4f}" for k, v in self._val.items()) or "none"
         epsilon = f", epsilon {c.label_smoothing}" if c.dpo_loss == "cdpo" else ""
+        epsilon += f", sft weight {c.sft_weight} (RPO)" if c.sft_weight else ""
         card = f"""# Model card: `{run.name}`
 
 An assistant aligned with preference pairs by direct preference optimization (Rafailov et
