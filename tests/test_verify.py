@@ -115,3 +115,34 @@ def test_eval_verify_counts_passes_by_the_verifier(prompts_run, tmp_path, monkey
     assert long["pass1"] <= long["pass8"] and long["prompts"] == 3
     assert main([*base, "--reward", "number"]) == 0
     assert "pass@1" in capsys.readouterr().out
+
+
+def test_parquet_prompts_and_pairs_prepare_as_their_jsonl(prompts_run, tmp_path, capsys):
+    """Prompts ({prompt, answer}) and preference pairs ({prompt, chosen, rejected}) read from
+    Parquet give the folders their JSONL gives; a file without a field is one line."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    run = prompts_run[0]
+    tables = {
+        "prompts": [{"prompt": f"say {w}", "answer": w} for w in WORDS],
+        "preference": [{"prompt": f"say {w}", "chosen": w, "rejected": w + w} for w in WORDS],
+    }
+    for task, rows in tables.items():
+        folders = []
+        for kind in ("jsonl", "parquet"):
+            source = tmp_path / f"{task}.{kind}"
+            if kind == "jsonl":
+                source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            else:
+                pq.write_table(pa.Table.from_pylist(rows), source)
+            folders.append(tmp_path / f"{task}-{kind}")
+            args = ["prepare", "--task", task, str(source), "--out", str(folders[-1])]
+            assert main([*args, "--tokenizer", str(run), "--val-fraction", "0.4"]) == 0
+        for name in ("train.bin", "val.bin", "train.idx", "train.mask"):
+            assert (folders[0] / name).read_bytes() == (folders[1] / name).read_bytes(), name
+        lacking = tmp_path / f"{task}-lacking.parquet"
+        pq.write_table(pa.Table.from_pylist([{"prompt": "say cat"}]), lacking)
+        capsys.readouterr()
+        assert main(["prepare", "--task", task, str(lacking), "--out", str(tmp_path / "x")]) == 2
+        assert capsys.readouterr().err.count("\n") == 1

@@ -98,6 +98,29 @@ def jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
             raise CorpusError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
 
 
+def file_records(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+    """Each record of a JSONL file, or each row of a columnar one (Parquet, Arrow) as a
+    dict of its `fields`, with where it was read ("file:line", "file row N")."""
+    if not path.is_file():
+        raise CorpusError(f"{path}: no such file")
+    if path.suffix not in COLUMNAR:
+        yield from jsonl_records(path)
+        return
+    columns = [list(column_values(path, str(path), name)) for name in fields]
+    if len({len(column) for column in columns}) > 1:
+        raise CorpusError(f"{path}: some rows lack a value of {', '.join(fields)}")
+    for row, values in enumerate(zip(*columns, strict=True), start=1):
+        yield f"{path} row {row}", dict(zip(fields, values, strict=True))
+
+
+def checked_as(parse: Callable[[Any], tuple], record: Any, where: str) -> tuple:
+    """(where, *parse(record)): a record that breaks a rule is one line naming where."""
+    try:
+        return (where, *parse(record))
+    except ChatError as exc:
+        raise CorpusError(f"{where}: {exc}") from None
+
+
 def _checked(record: Any, where: str) -> Conversation:
     try:
         return where, check(as_messages(record))

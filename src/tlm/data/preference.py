@@ -22,15 +22,14 @@ from typing import Any
 from tlm.chat import ChatError, check, render
 from tlm.data.arithmetic import arithmetic_pairs
 from tlm.data.chat import (
+    checked_as,
+    file_records,
     gather,
-    jsonl_records,
     start_folder,
     template_tokenizer,
     write_folder,
     write_sequences,
 )
-from tlm.data.columnar import COLUMNAR, column_values
-from tlm.data.corpus import CorpusError
 from tlm.tokenizer import Tokenizer
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -67,24 +66,12 @@ def as_pair(record: Any) -> tuple[list[dict], list[dict], list[dict]]:
 
 def read_pairs(path: Path) -> Iterator[Pair]:
     """The checked pairs of one file, each with where it was read ("file:line")."""
-    if not path.is_file():
-        raise CorpusError(f"{path}: no such file")
-    if path.suffix in COLUMNAR:
-        columns = [list(column_values(path, str(path), name)) for name in FIELDS]
-        if len({len(column) for column in columns}) > 1:
-            raise CorpusError(f"{path}: some rows lack a prompt, chosen or rejected value")
-        for row, values in enumerate(zip(*columns, strict=True), start=1):
-            yield _checked(dict(zip(FIELDS, values, strict=True)), f"{path} row {row}")
-        return
-    for where, record in jsonl_records(path):
+    for where, record in file_records(path, FIELDS):
         yield _checked(record, where)
 
 
 def _checked(record: Any, where: str) -> Pair:
-    try:
-        return (where, *as_pair(record))
-    except ChatError as exc:
-        raise CorpusError(f"{where}: {exc}") from None
+    return checked_as(as_pair, record, where)
 
 
 def rendered(prompt: list[dict], answer: list[dict], tok: Tokenizer) -> tuple[list[int], list[int]]:

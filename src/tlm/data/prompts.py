@@ -24,15 +24,14 @@ from tlm.chat import ChatError, check, render
 from tlm.data.arithmetic import arithmetic_prompts
 from tlm.data.chat import (
     FILES,
+    checked_as,
+    file_records,
     gather,
-    jsonl_records,
     start_folder,
     template_tokenizer,
     write_folder,
     write_sequences,
 )
-from tlm.data.columnar import COLUMNAR, column_values
-from tlm.data.corpus import CorpusError
 
 Record = tuple[str, list[dict[str, str]], Any]  # (where it was read, the prompt, the answer)
 BUILTIN_PROMPTS = {"arithmetic": arithmetic_prompts}
@@ -52,27 +51,12 @@ def as_prompt(record: Any) -> tuple[list[dict[str, str]], Any]:
 
 def read_prompts(path: Path) -> Iterator[Record]:
     """The checked records of one file, each with where it was read ("file:line")."""
-    if not path.is_file():
-        raise CorpusError(f"{path}: no such file")
-    if path.suffix in COLUMNAR:
-        columns = [list(column_values(path, str(path), name)) for name in ("prompt", "answer")]
-        if len(columns[0]) != len(columns[1]):
-            raise CorpusError(f"{path}: some rows lack a prompt or an answer")
-        records = (
-            (f"{path} row {row}", {"prompt": p, "answer": a})
-            for row, (p, a) in enumerate(zip(*columns, strict=True), start=1)
-        )
-    else:
-        records = jsonl_records(path)
-    for where, record in records:
+    for where, record in file_records(path, ("prompt", "answer")):
         yield _checked(record, where)
 
 
 def _checked(record: Any, where: str) -> Record:
-    try:
-        return (where, *as_prompt(record))
-    except ChatError as exc:
-        raise CorpusError(f"{where}: {exc}") from None
+    return checked_as(as_prompt, record, where)
 
 
 def prepare_prompts(
