@@ -1,8 +1,10 @@
 """RL on verifiable rewards (issue 63, part 3): GRPO's objective as its equation, and a run
 that samples with tlm's own decoder, rewards, and learns what the verifier checks."""
 
+import contextlib
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,8 +13,13 @@ from conftest import save_run, tiny_config
 from tlm import TransformerLM
 from tlm.chat import chat_tokenizer
 from tlm.cli import main
-from tlm.model.loss import grpo_loss
+from tlm.config import TrainConfig
+from tlm.data import PromptData
+from tlm.load import load_language_model
+from tlm.model.loss import grpo_loss, token_logprobs
 from tlm.tokenizer import train_tokenizer
+from tlm.train import Runtime
+from tlm.train.grpo import PromptGroups
 
 WORDS = ["cat", "dog", "sun", "moon", "tree", "leaf", "rain", "snow", "fish", "bird"]
 
@@ -82,6 +89,42 @@ def test_grpo_is_refused_in_one_line_without_a_reward_or_prompts(grpo_run, tmp_p
     )
     assert main(["train", "--data", str(data), "--out", str(tmp_path / "lm")]) == 2
     assert "train with --objective grpo" in capsys.readouterr().err
+
+
+def test_a_step_skips_the_replies_of_groups_that_scored_alike_and_keeps_its_gradient(grpo_run):
+    """With beta 0 a reply whose advantage is 0 adds nothing to the gradient: the step passes
+    only the others forward and back (rows counted), and its gradient is the whole batch's,
+    normalised over every reply's tokens."""
+    base, data, _ = grpo_run
+    model = load_language_model(base, torch.device("cpu"))
+    config = TrainConfig(
+        objective="grpo", reward="regex", group_size=8, batch_size=3, max_new_tokens=8,
+        data=str(data), init_from=str(base),
+    )  # fmt: skip
+    groups = PromptGroups(PromptData(data), model.config, config, world_size=1)
+    batch = groups.sample(model, 0, [0, 1, 2])
+    batch.advantages = [0.0] * 8 + [0.5, -0.5] * 4 + [0.0] * 7 + [0.25]  # groups 0 and 2 alike
+    groups.batch = batch
+    rows_seen = []
+    model.register_forward_pre_hook(lambda _, args: rows_seen.append(len(args[0])))
+    trainer = SimpleNamespace(
+        runtime=Runtime(), wrapped=model, forward=model, device=torch.device("cpu"),
+        autocast=contextlib.nullcontext,
+    )  # fmt: skip
+    model.zero_grad()
+    loss = groups.step_loss(trainer, 0)
+    assert rows_seen == [9]
+    skipped = [p.grad.clone() for p in model.parameters()]
+    assert [len(o) for o in batch.old[:8]] == [0] * 8 and all(batch.old[8:16])
+    x, y, learned = groups._tensors(batch, range(24), torch.device("cpu"))  # every reply
+    model.zero_grad()
+    logp = token_logprobs(model(x), y)
+    advantage = torch.tensor(batch.advantages)[:, None]
+    whole, _ = grpo_loss(logp, logp.detach(), advantage, learned, config.clip)
+    (whole / learned.sum()).backward()
+    assert loss == pytest.approx(whole.item() / learned.sum().item(), abs=1e-7)
+    for a, p in zip(skipped, model.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, atol=1e-7, rtol=1e-5)
 
 
 @pytest.mark.slow  # a server process

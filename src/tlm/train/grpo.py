@@ -19,9 +19,11 @@ log-probabilities taken at the batch's first update: ρ = 1 there, and the clip 
 the later updates of the same batch), and KL_{i,t} = exp(q − p) − (q − p) − 1 (the k3
 estimator, q the frozen init run's log-probability, p the policy's), when β > 0. Logged:
 the mean reward, the pass rate (rewards ≥ 1), the replies' mean length, the KL, and the
-share of the time spent sampling. The validation "loss" is 1 − the greedy pass rate on the
-held-out prompts (lower is better, so --keep-best keeps the best), logged with the mean
-greedy reward.
+share of the time spent sampling. With β = 0 a reply whose advantage is 0 (all its group
+scored alike) adds nothing to L's gradient, so a step passes only the others forward and
+back (N still counts its tokens: the gradient is the whole batch's). The validation
+"loss" is 1 − the greedy pass rate on the held-out prompts (lower is better, so
+--keep-best keeps the best), logged with the mean greedy reward.
 """
 
 from __future__ import annotations
@@ -131,19 +133,21 @@ class PromptGroups(Batches):
         count = sum(len(r) for r in batch.replies)
         total_tokens = rt.all_reduce_mean(float(count)) * rt.world_size
         first = batch.old is None
-        old: list[list[float]] = []
+        old: list[list[float]] = [[] for _ in batch.replies]  # [] where never needed
         total, kls, per_micro = 0.0, [], c.batch_size * G
-        for start in range(0, len(batch.replies), per_micro):
-            rows = range(start, min(start + per_micro, len(batch.replies)))
+        active = self._with_gradient(batch)
+        for start in range(0, len(active), per_micro):
+            rows = active[start : start + per_micro]
             x, y, learned = self._tensors(batch, rows, trainer.device)
-            last = start + per_micro >= len(batch.replies)
+            last = start + per_micro >= len(active)
             with rt.sync(trainer.wrapped, last=last):
                 with trainer.autocast():
                     logits = trainer.forward(x)
                 logp = token_logprobs(logits, y)  # [b, L]: log π(o_t | ·), 0 off the replies
                 if first:
                     before = logp.detach()
-                    old += [before[i, learned[i]].tolist() for i in range(len(rows))]
+                    for r, i in enumerate(rows):
+                        old[i] = before[r, learned[r]].tolist()
                 else:
                     before = self._old(batch, rows, learned)
                 advantage = torch.tensor([batch.advantages[i] for i in rows], device=x.device)
@@ -157,6 +161,15 @@ class PromptGroups(Batches):
         self._trained += time.perf_counter() - started
         self._seen.setdefault("kl", []).append(sum(kls) / max(1, len(kls)))
         return rt.all_reduce_mean(total)
+
+    def _with_gradient(self, batch: Rollouts) -> list[int]:
+        """The replies this step passes forward and back: with beta 0, a reply whose advantage
+        is 0 (its group all scored alike) adds 0 to the loss and to every gradient, so it is
+        skipped (its tokens still count in N); at least one reply, so that every process
+        takes part in the gradients' all-reduce."""
+        if self.config.beta > 0:
+            return list(range(len(batch.replies)))
+        return [i for i, a in enumerate(batch.advantages) if a != 0] or [0]
 
     def _objective(self, logp, before, advantage, x, y) -> tuple[Tensor, float]:
         """`model/loss.py: grpo_loss` of these rows (y != IGNORE on their replies' tokens),
