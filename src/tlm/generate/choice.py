@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from tlm.generate.errors import GenerationError
-from tlm.generate.sampling import choose, distribution, greedy_logprob
+from tlm.generate.sampling import choose, distribution, draw_rows, greedy_logprob
 
 if TYPE_CHECKING:
     from tlm.generate.constrain import Matcher
@@ -177,9 +177,8 @@ def choose_rows(
     for group in drawn.values():  # one distribution [k,V] a config, each row its own draw
         index = torch.tensor(group, dtype=torch.long, device=logits.device)
         probs = distribution(logits.index_select(0, index), choices[group[0]].config)
-        for r, row in zip(group, probs, strict=True):
-            rows.append(r)
-            tokens.append(torch.multinomial(row[None], 1, generator=choices[r].generator)[0, 0])
+        rows += group
+        tokens += draw_rows(probs, [choices[r].generator for r in group]).unbind()
     if rows:
         chosen = torch.stack(tokens)  # [k]
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)

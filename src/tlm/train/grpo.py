@@ -215,7 +215,9 @@ class PromptGroups(Batches):
             eos_token_id=ends,
         )  # fmt: skip
         G = c.group_size
-        slots = Slots(model, len(prompts) * G, self.T, Decoder(model))  # this round's weights
+        longest = max(len(self.prompts["train"][p]) for p in prompts)  # the cache: no longer
+        # than the round's rows can grow (zeroing the context's length cost as much as 4 steps)
+        slots = Slots(model, len(prompts) * G, longest + c.max_new_tokens, Decoder(model))
         seqs = [
             slots.add(self.prompts["train"][p], config, j, seed=_seed(c.seed, round_, p))
             for p in prompts
