@@ -38,6 +38,7 @@ from tlm.generate.errors import GenerationError
 from tlm.generate.pace import Pace
 from tlm.generate.sampling import draw
 from tlm.inference import Decoder, SlotCache
+from tlm.inference.prefix_cache import PrefixCache
 from tlm.model.kv_cache import cache_size
 
 
@@ -53,6 +54,8 @@ class Sequence:
     finish_reason: str | None = None  # "eos", "length" or "cancelled"
     slot: int | None = None
     fresh: bool = True  # its prompt is not in the cache yet
+    cached: int = 0  # prompt tokens a prefix cache gave it (not prefilled)
+    slid: bool = False  # its row holds a window of its text, not the text from its start
     drafted: int = 0  # speculative decoding: tokens drafted, and how many were kept
     accepted: int = 0
     checks: int = 0  # the target's steps that checked a draft
@@ -92,8 +95,11 @@ class Slots:
         slots: int,
         capacity: int | None = None,
         decoder: Decoder | None = None,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.decoder = decoder or Decoder(model)
+        self.prefix = prefix  # what earlier texts computed, reused by new rows' prompts
+        self.prefilled = 0  # tokens of prompts (and slid windows) fed by this loop's passes
         self.model = self.decoder.model
         self.capacity = cache_size(model.config, capacity)  # a windowed model's ring, or N
         self.slides = model.config.attention_window is None  # past N; a windowed model reads on
@@ -150,16 +156,17 @@ class Slots:
     def step(self) -> list[Emitted]:
         """Advance every sequence in a row by one token, all in one forward pass."""
         self._admit()
-        slots, feeds = [], []
+        slots, feeds, prefilled = [], [], []
+        pending: set[int] = set()  # the blocks this step's new rows compute
         for slot, sequence in enumerate(self.rows):
             if sequence is None:
                 continue
             full = self.slides and self.cache.lengths[slot] + 1 > self.capacity
             if sequence.fresh or full:
-                text = sequence.prompt + sequence.tokens  # the prompt, or the slid window
-                feed = text[window_start(len(text), self.capacity) :] if self.slides else text
-                self.cache.clear(slot)
-                sequence.fresh = False
+                feed = self._prefill(sequence, slot, pending)
+                if feed is None:  # a row before it computes its next block: reused next step
+                    continue
+                prefilled.append(sequence)
             else:
                 feed = sequence.tokens[-1:]
             slots.append(slot)
@@ -186,12 +193,55 @@ class Slots:
                 with torch.no_grad():
                     fed = self.cache.feed(slots, [len(feed) for feed in feeds])
                     logits = self.model(ids[None], fed, last_only=True)[0]  # [rows,V]
+        for sequence in prefilled:
+            self._keep(sequence)  # for the rows that come while this one decodes
         sequences = [self.rows[slot] for slot in slots]
         chosen = choose_rows([sequence.choice for sequence in sequences], logits, picks)
         emitted = [self._emit(s, c) for s, c in zip(sequences, chosen, strict=True)]
         if pace:
             pace.plain(time.perf_counter() - started)
         return emitted
+
+    def _prefill(self, sequence: Sequence, slot: int, pending: set[int]) -> list[int] | None:
+        """What a row feeds to (re)fill its cache: its prompt after the longest prefix the
+        prefix cache holds (copied into its row), or when its text has outgrown the cache the
+        last `capacity` tokens. None: not this step, as a row before it in this step
+        computes the same next block (to be reused at the next step)."""
+        text = sequence.prompt + sequence.tokens  # the prompt, or the text to slide
+        start = window_start(len(text), self.capacity) if self.slides else 0
+        chain, prefix = [], self.prefix
+        if prefix is not None and start == 0 and not sequence.slid:
+            most, B = min(len(text) - 1, self.capacity), prefix.block  # one token fed at least
+            chain = prefix.lookup(text, most)
+            ends = range(len(chain) * B + B, most + 1, B)  # the blocks it would compute
+            if ends and hash(tuple(text[: ends[0]])) in pending:
+                return None
+            pending.update(hash(tuple(text[:end])) for end in ends)
+            prefix.use(chain)
+        B = prefix.block if chain else 0
+        for i, block in enumerate(chain):
+            self.cache.k[:, slot, :, i * B : (i + 1) * B] = block.k
+            self.cache.v[:, slot, :, i * B : (i + 1) * B] = block.v
+        cached = len(chain) * B
+        self.cache.lengths[slot] = cached
+        sequence.fresh, sequence.slid = False, sequence.slid or start > 0
+        if not sequence.tokens:
+            sequence.cached = cached
+        self.prefilled += len(text) - start - cached
+        return text[start + cached :]
+
+    def _keep(self, sequence: Sequence) -> None:
+        """Give the prefix cache the full blocks of the text the row's cache holds from its
+        start (none once the window has slid, or a ring has come round)."""
+        slot = sequence.slot
+        if self.prefix is None or slot is None or sequence.slid:
+            return
+        length = self.cache.lengths[slot]
+        if length > self.capacity:  # a windowed model's ring has overwritten its start
+            return
+        k, v = self.cache.k[:, slot], self.cache.v[:, slot]
+        read = lambda s, e: (k[:, :, s:e].clone(), v[:, :, s:e].clone())  # noqa: E731
+        self.prefix.store(sequence.prompt + sequence.tokens, length, read)
 
     def _admit(self) -> None:
         for slot, row in enumerate(self.rows):
@@ -303,6 +353,7 @@ class Slots:
 
     def _release(self, sequence: Sequence) -> None:
         if sequence.slot is not None and self.rows[sequence.slot] is sequence:
+            self._keep(sequence)  # its prompt and reply, for a next turn
             self.rows[sequence.slot] = None
             self.cache.clear(sequence.slot)
         sequence.slot = None

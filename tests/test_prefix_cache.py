@@ -1,0 +1,146 @@
+"""The prefix cache (issue 64, part 1): what earlier texts computed, reused by later prompts,
+with the same tokens as prefilling everything, and the prefill it saves counted."""
+
+import pytest
+import torch
+
+from tlm.generate import GenerationConfig
+from tlm.generate.slots import Slots
+from tlm.inference import for_decoding, for_inference
+from tlm.inference.prefix_cache import PrefixCache
+
+B = 4  # tokens a block
+
+
+def block_tensors(start: int, end: int):
+    """Stand-ins for a slot's keys and values: [L=1,H=1,n,d=2], position-valued."""
+    k = torch.arange(start, end, dtype=torch.float32).repeat_interleave(2).view(1, 1, -1, 2)
+    return k, -k
+
+
+def test_blocks_chain_by_what_comes_before_and_the_ends_of_chains_go_first():
+    per_block = 2 * B * 2 * 4  # k and v, B positions of 2 floats
+    cache = PrefixCache(budget=4 * per_block, block=B)
+    text = list(range(100, 113))  # 13 tokens: 3 full blocks
+    assert cache.store(text, 13, block_tensors) == 3
+    assert cache.store(text, 13, block_tensors) == 0  # kept already
+    assert len(cache.lookup(text, 12)) == 3 and len(cache.lookup(text, 11)) == 2
+    moved = [999, *text[1:]]  # the same later tokens after another first one: not a prefix
+    assert cache.lookup(moved, 13) == []
+    chain = cache.lookup(text + [7], 14)
+    assert torch.equal(chain[1].k[0, 0, :, 0], torch.tensor([4.0, 5, 6, 7]))
+    cache.use(chain)
+    assert (cache.counts.lookups, cache.counts.hits, cache.counts.tokens_reused) == (1, 1, 12)
+    other = text[:8] + [1, 2, 3, 4, 5, 6, 7, 8]  # shares two blocks, then two of its own
+    assert cache.store(other, 16, block_tensors) == 2  # five blocks > four: one evicted
+    assert cache.counts.evicted == 1 and cache.bytes == 4 * per_block
+    assert len(cache.lookup(text, 13)) == 2  # the old chain lost its end, not its start
+    assert len(cache.lookup(other, 16)) == 4
+    assert PrefixCache(budget=per_block - 1, block=B).store(text, 13, block_tensors) == 0
+
+
+def decode(model, prompts, prefix=None, slots=3, together=False, **settings):
+    """Greedy tokens of each prompt through one `Slots` loop, one prompt after another (or
+    all queued at once), and the loop."""
+    config = GenerationConfig(max_new_tokens=settings.pop("max_new_tokens", 8), **settings)
+    loop = Slots(model, slots, prefix=prefix)
+    out = []
+    queue = [loop.add(p, config, seed=i) for i, p in enumerate(prompts)] if together else []
+    for i, prompt in enumerate(prompts):
+        if not together:
+            queue = [loop.add(prompt, config, seed=i)]
+        while not loop.idle():
+            loop.step()
+        if not together:
+            out.append(queue[0])
+    return (queue if together else out), loop
+
+
+def texts(n, length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 97, (length,), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("fmt", ["plain", "float32", "int8"])
+def test_shared_prefixes_and_later_turns_decode_as_without_and_prefill_less(make_model, fmt):
+    model = make_model(context_length=96, position="rope")
+    model = for_decoding(model) if fmt == "plain" else for_inference(model, fmt)
+    system = texts(1, 22, seed=1)[0]
+    prompts = [system + t for t in texts(4, 5, seed=2)]
+    turn = prompts[0] + [5, 6, 7]  # a later prompt that begins with an earlier whole text
+    for together in (False, True):
+        want, plain = decode(model, [*prompts, turn], together=together)
+        prefix = PrefixCache(budget=1 << 24, block=B)
+        got, cached = decode(model, [*prompts, turn], prefix, together=together)
+        assert [s.tokens for s in got] == [s.tokens for s in want]
+        for a, b in zip(got, want, strict=True):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        assert [s.cached for s in want] == [0] * 5
+        assert [s.cached for s in got[1:4]] == [20] * 3  # the system prompt's 5 full blocks
+        assert got[4].cached == 24  # the first prompt's 6 full blocks
+        assert cached.prefilled == plain.prefilled - sum(s.cached for s in got)
+        assert prefix.counts.tokens_reused == sum(s.cached for s in got)
+    # the later turn, alone after the first: its prompt and reply's blocks are reused
+    prefix = PrefixCache(budget=1 << 24, block=B)
+    first, _ = decode(model, [prompts[0]], prefix)
+    follow = prompts[0] + first[0].tokens + [9, 9]
+    (again,), loop = decode(model, [follow], prefix)
+    (alone,), _ = decode(model, [follow])
+    assert again.tokens == alone.tokens and again.cached == (len(follow) - 2) // B * B
+
+
+def test_eviction_under_pressure_and_cancelled_prefills_change_no_token(make_model):
+    model = for_decoding(make_model(context_length=64))
+    prompts = [p + q for p in texts(2, 12, seed=3) for q in texts(3, 6, seed=4)]
+    want, _ = decode(model, prompts)
+    one_block = 2 * model.config.n_layers * model.config.n_heads * B * model.config.d_head * 4
+    prefix = PrefixCache(budget=5 * one_block, block=B)
+    got, _ = decode(model, prompts, prefix)
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    assert prefix.counts.evicted > 0 and prefix.bytes <= 5 * one_block
+    assert any(s.cached for s in got)
+    loop = Slots(model, 2, prefix=PrefixCache(budget=1 << 24, block=B))
+    config = GenerationConfig(max_new_tokens=8)
+    early = loop.add(prompts[0], config)
+    loop.cancel(early)  # before its prefill: nothing kept
+    late = loop.add(prompts[1], config)
+    loop.step()
+    loop.cancel(late)  # after its prefill: its prompt's blocks are kept
+    assert len(loop.prefix) == len(prompts[1]) // B
+    again = loop.add(prompts[1], config)
+    while not loop.idle():
+        loop.step()
+    assert again.tokens == want[1].tokens and again.cached == (len(prompts[1]) - 1) // B * B
+
+
+def test_rows_that_arrive_together_compute_a_shared_prefix_once(make_model):
+    model = for_decoding(make_model(context_length=64))
+    system = texts(1, 16, seed=5)[0]
+    prompts = [system + t for t in texts(4, 3, seed=6)]
+    want, plain = decode(model, prompts, slots=4, together=True)
+    got, loop = decode(model, prompts, PrefixCache(1 << 24, B), slots=4, together=True)
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    assert plain.prefilled == 4 * 19 and loop.prefilled == 19 + 3 * 3
+    assert [s.cached for s in got] == [0, 16, 16, 16]
+
+
+def test_a_windowed_model_reuses_what_its_ring_still_holds(make_model):
+    model = for_decoding(make_model(context_length=64, attention_window=8, position="rope"))
+    short = texts(1, 9, seed=7)[0]  # within the ring (W + slack): kept and reused
+    long = texts(1, 100, seed=8)[0]  # past its 72 entries: the ring came round, nothing kept
+    for prompts in ([short, short + [1, 2]], [long, long + [3]]):
+        want, _ = decode(model, prompts, max_new_tokens=12)
+        prefix = PrefixCache(1 << 24, B)
+        got, _ = decode(model, prompts, prefix, max_new_tokens=12)
+        assert [s.tokens for s in got] == [s.tokens for s in want]
+        assert bool(got[1].cached) == (prompts[0] is short)
+
+
+def test_sampled_rows_draw_the_same_tokens_with_the_cache(make_model):
+    model = for_decoding(make_model(context_length=64))
+    prompts = [p + [1, 2, 3] for p in texts(1, 16, seed=9)] * 3
+    settings = dict(do_sample=True, temperature=1.3, top_k=30, max_new_tokens=10)
+    want, _ = decode(model, prompts, **settings)
+    got, _ = decode(model, prompts, PrefixCache(1 << 24, B), **settings)
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    assert [s.cached for s in got] == [0, 16, 16]
