@@ -40,7 +40,7 @@ def test_logit_bias_of_100_selects_its_token(server, served_run):
     "settings",
     [
         {"frequency_penalty": 1.5, "presence_penalty": 0.5},
-        {"presence_penalty": 2.0, "temperature": 0.9, "seed": 3},
+        {"presence_penalty": 2.0, "temperature": 0.9, "seed": 4},  # a reply long enough to repeat
     ],
 )
 def test_penalties_give_what_the_core_gives(server, served_run, settings):

@@ -52,6 +52,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a request decoding alone drafts with RUN (same tokenizer) or int8 (own weights)",
     )
     parser.add_argument("--draft-tokens", type=int, help="most tokens a draft proposes (5)")
+    parser.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        metavar="N",
+        help="memory for prompts' keys and values that later requests reuse (default: a "
+        "quarter of what the device has free, at most 4096; 0: off)",
+    )
     add_model_flags(parser)
     add_long_context_flags(parser)
     parser.set_defaults(handler=run)
@@ -66,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
         fail("--slots and --max-queue must be at least 1")
     if not 0 <= args.port <= 65535:
         fail(f"--port {args.port} is not a port")
+    if args.prefix_cache_mb is not None and not args.prefix_cache_mb >= 0:
+        fail(f"--prefix-cache-mb must be 0 (off) or more, not {args.prefix_cache_mb}")
+    prefix = None if args.prefix_cache_mb is None else int(args.prefix_cache_mb * 2**20)
     metrics = Metrics()
     device = model_device(args, args.dtype, say=False)  # named in the first line below
     source = source_of(args.run)  # its kind decided once; the model and tokenizer read it
@@ -85,12 +95,13 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     speculate = {name: value for name, value in speculate.items() if value is not None}
     GenerationConfig(**speculate)  # a bad setting: one line, before the model loads
-    engine = Engine(load, None, args.slots, args.max_queue, metrics.on_token, speculate)
+    engine = Engine(load, None, args.slots, args.max_queue, metrics.on_token, speculate, prefix)
     engine.tokenizer = tokenizer or load_tokenizer(source)
     metrics.watch(engine)
     name = args.name or Path(args.run).resolve().name
     app = create_app(engine, name, args.api_key, metrics)
-    where = f"{args.slots} slots, {describe(device)}"
+    cached = engine.prefix_bytes / 2**20
+    where = f"{args.slots} slots, prefix cache {cached:,.0f} MB, {describe(device)}"
     print(f"tlm serve: {name} on http://{args.host}:{args.port} ({where})", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -23,10 +23,14 @@ the ends of chains go before their beginnings, which other texts may still share
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
+
+MOST = 4 << 30  # the host-sized default's ceiling: 4 GiB
 
 
 @dataclass(eq=False)
@@ -136,3 +140,22 @@ class PrefixCache:
             if victim.parent is not None:
                 victim.parent.children -= 1
         return True
+
+
+def host_budget(device: torch.device) -> int:
+    """The default budget: a quarter of the memory free on `device` now (the model loaded),
+    at most `MOST`: on a GPU its free memory, on the CPU the host's MemAvailable."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _available()
+    return min(MOST, free // 4)
+
+
+def _available() -> int:
+    """The host's MemAvailable in bytes (its physical memory where /proc is not)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

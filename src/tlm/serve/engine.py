@@ -5,7 +5,9 @@ A `Job` is one prompt with its n samples. `Engine.submit` queues it (or refuses 
 batch at the next step, turns each chosen token into text as it arrives (`StopText`,
 holding back text that could still become a stop string), and hands every piece to the
 job's `deliver` callback, from the engine thread. A job that ends early (a stop string,
-`cancel` when its client goes away) gives its rows back before the next step.
+`cancel` when its client goes away) gives its rows back before the next step. The batch
+keeps a prefix cache (`inference/prefix_cache.py`): a prompt that begins as an earlier
+text did (the conversation so far, a shared system prompt) prefills only the rest.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from tlm.device import placement
 from tlm.generate import GenerationConfig, StopText
 from tlm.generate.slots import Sequence, Slots
+from tlm.inference.prefix_cache import PrefixCache, host_budget
 from tlm.tokenizer import Tokenizer
 
 
@@ -80,8 +84,10 @@ class Engine:
         max_queue: int = 64,
         on_token: Callable[[float | None, float | None], None] | None = None,
         speculate: dict | None = None,
+        prefix_cache: int | None = None,
     ) -> None:
         self.tokenizer, self.max_queue = tokenizer, max_queue
+        self.prefix_bytes = prefix_cache  # the prefix cache's budget: None sized to the host
         self.speculate = speculate or {}  # GenerationConfig's draft settings, for every job
         self.on_token = on_token  # (time to first token, inter-token latency), for metrics
         self.lock = threading.Condition()
@@ -138,7 +144,8 @@ class Engine:
 
     def _run(self, model, slots: int, ready: Future) -> None:
         try:
-            self.slots = Slots(model if isinstance(model, nn.Module) else model(), slots)
+            model = model if isinstance(model, nn.Module) else model()
+            self.slots = Slots(model, slots, prefix=self._prefix_cache(model))
         except BaseException as error:  # noqa: BLE001 - raised in the constructor's thread
             ready.set_exception(error)
             return
@@ -178,6 +185,15 @@ class Engine:
                     choice = self.choices.get(emitted.sequence)
                     if choice is not None:
                         self._token(choice, emitted)
+
+    def _prefix_cache(self, model: nn.Module) -> PrefixCache | None:
+        """The cache of prompts' keys and values that requests share (none for a budget of
+        0), sized to what the device has free once the model is loaded unless given."""
+        budget = self.prefix_bytes
+        if budget is None:
+            budget = host_budget(placement(model)[0])
+        self.prefix_bytes = budget
+        return PrefixCache(budget) if budget > 0 else None
 
     def _fail(self, jobs: list[Job], error: Exception) -> None:
         """Tell each job what went wrong and give its rows back; the engine thread goes on."""

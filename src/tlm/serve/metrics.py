@@ -11,6 +11,15 @@ from prometheus_client import (
     generate_latest,
 )
 
+PREFIX_SERIES = {  # the prefix cache's series: since the server started, and now
+    "lookups": "prompts that looked for a cached prefix",
+    "hits": "prompts that reused at least one cached block",
+    "tokens_reused": "prompt tokens taken from the cache, not prefilled",
+    "stored": "blocks of keys and values kept",
+    "evicted": "blocks evicted for room (least recently used first)",
+    "blocks": "blocks held now",
+    "bytes": "bytes held now",
+}
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -50,6 +59,15 @@ class Metrics:
             registry=r,
         )
 
+        self.prefilled = Gauge(
+            "tlm_prefill_tokens", "prompt tokens computed (not taken from the prefix cache)",
+            registry=r,
+        )  # fmt: skip
+        self.prefix = {
+            name: Gauge(f"tlm_prefix_cache_{name}", about, registry=r)
+            for name, about in PREFIX_SERIES.items()
+        }
+
     def watch(self, engine) -> None:
         self.queue_depth.set_function(lambda: engine.queued)
         self.busy_slots.set_function(lambda: engine.busy)
@@ -61,6 +79,14 @@ class Metrics:
         self.per_check.set_function(
             lambda: (slots.accepted + slots.checks) / slots.checks if slots.checks else 0
         )
+        self.prefilled.set_function(lambda: slots.prefilled)
+        cache = slots.prefix
+        held = {"blocks": lambda: len(cache), "bytes": lambda: cache.bytes}
+        for name, gauge in self.prefix.items():
+            if cache is None:
+                gauge.set(0)
+            else:
+                gauge.set_function(held.get(name, lambda name=name: getattr(cache.counts, name)))
 
     def on_token(self, first: float | None, gap: float | None) -> None:
         if first is not None:

@@ -231,6 +231,7 @@ class Completions:
 
     object = chunk_object = "text_completion"
     prompt_tokens = 0
+    jobs: list = []  # the engine's jobs of the request, once submitted
 
     def __init__(self, model, tokenizer, echo, s: Sampling, metrics: Metrics):
         self.model, self.tokenizer, self.echo, self.s, self.metrics = (
@@ -300,10 +301,14 @@ class Completions:
         return self.body(choices, self.usage(generated))
 
     def usage(self, generated: int) -> dict:
+        """OpenAI's usage; a prompt's cached tokens are those its rows took from the prefix
+        cache (of a prompt's n rows, the one that took most: the prompt is counted once)."""
+        cached = sum(max((c.sequence.cached for c in job.choices), default=0) for job in self.jobs)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": generated,
             "total_tokens": self.prompt_tokens + generated,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     async def stream(self, events):

@@ -157,8 +157,17 @@ async def health(request: Request) -> dict:
         "busy": engine.busy,
         "queued": engine.queued,
         "chat": speaks(engine.tokenizer),  # a run made for chat: its template, the page's chat
+        "prefix_cache": prefix_cache(engine.slots.prefix),
         "config": {name: getattr(config, name) for name in HEALTH_CONFIG},
     }
+
+
+def prefix_cache(cache) -> dict | None:
+    """The prefix cache's size and budget (None: off, --prefix-cache-mb 0)."""
+    if cache is None:
+        return None
+    held = {"block": cache.block, "blocks": len(cache), "bytes": cache.bytes}
+    return held | {"budget": cache.budget}
 
 
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
@@ -277,6 +286,7 @@ async def answer(request: Request, texts: list, s: Sampling, extra_stop, shape, 
     started = jobs(server, texts, s, extra_stop, queue, loop, ends)
     submit(server.engine, started)
     shape.prompt_tokens = prompt_tokens(texts, [j.prompt for j in started])
+    shape.jobs = started  # their prompts' cached tokens, read when the usage is written
     server.metrics.prompt_tokens.inc(shape.prompt_tokens)
     server.metrics.requests.labels(request.url.path, "200").inc()
     events = _events(server.engine, started, queue, s.best_of)
