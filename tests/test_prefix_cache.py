@@ -4,9 +4,9 @@ with the same tokens as prefilling everything, and the prefill it saves counted.
 import pytest
 import torch
 
-from tlm.generate import GenerationConfig
+from tlm.generate import GenerationConfig, generate
 from tlm.generate.slots import Slots
-from tlm.inference import for_decoding, for_inference
+from tlm.inference import Decoder, for_decoding, for_inference
 from tlm.inference.prefix_cache import PrefixCache
 
 B = 4  # tokens a block
@@ -144,3 +144,21 @@ def test_sampled_rows_draw_the_same_tokens_with_the_cache(make_model):
     got, _ = decode(model, prompts, PrefixCache(1 << 24, B), **settings)
     assert [s.tokens for s in got] == [s.tokens for s in want]
     assert [s.cached for s in got] == [0, 16, 16]
+
+
+def test_a_decoder_that_is_kept_prefills_only_what_each_prompt_adds(make_model):
+    """`generate` on a caller's decoder with a prefix cache (`tlm chat`'s turns): each later
+    prompt, the text so far and a new message, reuses the blocks of the texts before it."""
+    model = make_model(context_length=96)
+    decoder = Decoder(model)
+    decoder.prefix = PrefixCache(1 << 24, B)
+    text, config = texts(1, 10, seed=10)[0], GenerationConfig(max_new_tokens=6)
+    for turn in range(3):
+        steps = list(generate(model, torch.tensor([text]), config, decoder=decoder))
+        alone = list(generate(model, torch.tensor([text]), config))
+        reply = [s.lists()[0][0] for s in steps]
+        assert reply == [s.lists()[0][0] for s in alone]
+        reused = decoder.prefix.counts.tokens_reused
+        assert reused == 0 if turn == 0 else reused >= (len(text) - 6) // B * B
+        text = text + reply[:-1] + [1, 2, 3, 4, 5, 6]  # the reply as the text holds it, and more
+        decoder.prefix.counts.tokens_reused = 0

@@ -16,7 +16,8 @@ from tlm.cli.args import (
 )
 from tlm.generate import GenerationConfig
 from tlm.generate.chat import chat_prompt, reply_room, stream_reply
-from tlm.inference import FORMATS
+from tlm.inference import FORMATS, Decoder
+from tlm.inference.prefix_cache import PrefixCache
 from tlm.load import load_language_model, load_tokenizer
 
 EXAMPLE = """examples:
@@ -68,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     opening = [{"role": "system", "content": args.system}] if args.system else []
+    decoder = conversation_decoder(model)
     if args.message is not None:
-        say(model, tokenizer, [*opening, {"role": "user", "content": args.message}], config)
+        asked = [*opening, {"role": "user", "content": args.message}]
+        say(model, tokenizer, asked, config, decoder)
         return 0
     interactive = sys.stdin.isatty()
     if interactive:
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         asked = [*history, {"role": "user", "content": message}]
         try:
-            reply, kept = say(model, tokenizer, asked, config)
+            reply, kept = say(model, tokenizer, asked, config, decoder)
         except ChatError as exc:  # a message too long for the context: say so, go on
             print(f"tlm: {exc}", file=sys.stderr)
             continue
@@ -100,9 +103,22 @@ def run(args: argparse.Namespace) -> int:
         history = [*kept, {"role": "assistant", "content": reply}]  # the turns that fit go on
 
 
-def say(model, tokenizer, messages: list[dict[str, str]], config: GenerationConfig):
-    """Stream the reply to `messages` to stdout; returns (its text, the messages its prompt
-    kept: `chat_prompt` drops the oldest turns that do not fit)."""
+def conversation_decoder(model) -> Decoder:
+    """The decoder every turn runs on, with a prefix cache of four contexts' keys and values:
+    a turn prefills only what it adds to the conversation (the last reply's end, the new
+    message); once the oldest turns are dropped the text begins anew, and is prefilled
+    once more."""
+    decoder = Decoder(model)
+    c = model.config
+    per_position = 2 * c.n_layers * c.n_heads * c.d_head * decoder.dtype.itemsize
+    decoder.prefix = PrefixCache(4 * c.context_length * per_position)
+    return decoder
+
+
+def say(model, tokenizer, messages: list[dict[str, str]], config: GenerationConfig, decoder=None):
+    """Stream the reply to `messages` to stdout (on the conversation's `decoder`); returns
+    (its text, the messages its prompt kept: `chat_prompt` drops the oldest turns that do
+    not fit)."""
     T = model.config.context_length
     prompt = chat_prompt(messages, tokenizer, T, reply_room(config.max_new_tokens, T))
     if prompt.dropped:
@@ -111,7 +127,7 @@ def say(model, tokenizer, messages: list[dict[str, str]], config: GenerationConf
             file=sys.stderr,
         )
     pieces = []
-    for piece in stream_reply(model, tokenizer, prompt, config):
+    for piece in stream_reply(model, tokenizer, prompt, config, decoder):
         pieces.append(piece)
         sys.stdout.write(piece)
         sys.stdout.flush()

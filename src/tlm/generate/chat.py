@@ -22,6 +22,7 @@ from torch import nn
 from tlm.chat import END, ChatError, check, render
 from tlm.generate.config import GenerationConfig
 from tlm.generate.text import Completion, complete_tokens, stream_tokens
+from tlm.inference import Decoder
 from tlm.tokenizer import Tokenizer
 
 
@@ -70,11 +71,16 @@ def reply_config(config: GenerationConfig, tokenizer: Tokenizer) -> GenerationCo
 
 
 def stream_reply(
-    model: nn.Module, tokenizer: Tokenizer, prompt: Prompt, config: GenerationConfig
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    prompt: Prompt,
+    config: GenerationConfig,
+    decoder: Decoder | None = None,
 ) -> Iterator[str]:
-    """The reply's text, piece by piece as it is generated, until end of turn."""
+    """The reply's text, piece by piece as it is generated, until end of turn (on the
+    conversation's `decoder`, whose prefix cache holds the turns before, if given)."""
     ids = torch.tensor([prompt.ids])
-    yield from stream_tokens(model, tokenizer, ids, reply_config(config, tokenizer))
+    yield from stream_tokens(model, tokenizer, ids, reply_config(config, tokenizer), (), decoder)
 
 
 def replies(

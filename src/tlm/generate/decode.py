@@ -223,7 +223,7 @@ def _decode_slots(decoder: Decoder, ids: Tensor, mask: Tensor | None, c: Generat
         return
     B, n = ids.shape[0], c.num_return_sequences
     seed = random_seed() if c.seed is None else c.seed
-    slots = Slots(decoder.model, B, ids.shape[1] + c.max_new_tokens, decoder)
+    slots = Slots(decoder.model, B, ids.shape[1] + c.max_new_tokens, decoder, decoder.prefix)
     rows = {slots.add(prompt, c, r % n, seed): r for r, prompt in enumerate(_prompts(ids, mask))}
     tokens, finished = [0] * B, [False] * B  # an ended row keeps its last token
     drafts = [(0, 0, 0)] * B if c.prompt_lookup or c.draft is not None else None

@@ -21,6 +21,7 @@ from tlm.generate.beam import beam_search
 from tlm.generate.config import GenerationConfig
 from tlm.generate.decode import best_rows, generate
 from tlm.generate.stops import StopText
+from tlm.inference import Decoder
 from tlm.tokenizer import Tokenizer, document_ids
 
 
@@ -186,10 +187,12 @@ def stream_tokens(
     ids: Tensor,
     config: GenerationConfig,
     stop: tuple[str, ...] = (),
+    decoder: Decoder | None = None,
 ) -> Iterator[str]:
-    """`stream_completion` of a prompt given as ids [1, S], read as they are."""
+    """`stream_completion` of a prompt given as ids [1, S], read as they are (on `decoder`,
+    a caller's that it keeps from one prompt to the next, if given)."""
     text = StopText(tokenizer, stop)
-    for step in generate(model, ids.to(placement(model)[0]), config):
+    for step in generate(model, ids.to(placement(model)[0]), config, decoder=decoder):
         token = step.lists()[0][0]
         if token in config.eos_ids:
             break

@@ -12,7 +12,10 @@ on first use and kept here, never on the model or its cache:
   activation);
 - the thread count each step runs on, learnt from the steps' times (`threads.Threads`,
   through `chosen_threads`);
-- on a GPU, the recorded step of a `GraphedDecoder`.
+- on a GPU, the recorded step of a `GraphedDecoder`;
+- where its owner gives it one, a `PrefixCache` (`prefix`) that every `Slots` loop on it
+  reads and fills, so that a caller that decodes again and again (`tlm chat`'s turns)
+  prefills only what each prompt adds to the texts before it.
 
 Two decoders of one model share nothing, and dropping a decoder drops all of it. Whether
 the C step means the same as the forward pass is one question, `can_step`: the part that
@@ -34,6 +37,7 @@ from tlm.inference.decoding import program, step
 from tlm.inference.devices.cuda_graph import GraphedDecoder
 from tlm.inference.devices.threads import Threads, on_threads
 from tlm.inference.formats.prepare import for_decoding
+from tlm.inference.prefix_cache import PrefixCache
 from tlm.inference.slot_cache import SlotCache
 from tlm.model.kv_cache import KVCache
 from tlm.model.transformer import TransformerLM
@@ -53,6 +57,7 @@ class Decoder:
         self._steppable: tuple[Tensor | None, bool] | None = None  # (key store, answer)
         self._scratch: step.Scratch | None = None
         self._graphed: tuple[tuple, GraphedDecoder] | None = None
+        self.prefix: PrefixCache | None = None  # set by a caller that keeps this decoder
 
     @property
     def device(self) -> torch.device:
