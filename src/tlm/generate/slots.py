@@ -78,6 +78,15 @@ class Emitted:
     finished: bool
 
 
+def shared(held: list[int], text: list[int], most: int | None = None) -> int:
+    """How many tokens `text` begins with that `held` begins with too (at most `most`)."""
+    n = min(len(held), len(text), len(text) if most is None else most)
+    same = 0
+    while same < n and held[same] == text[same]:
+        same += 1
+    return same
+
+
 def window_start(length: int, capacity: int) -> int:
     """The first of `length` tokens a model that holds `capacity` positions reads: when the
     text outgrows the context, the window slides and the oldest tokens fall out (the one
@@ -99,6 +108,7 @@ class Slots:
     ) -> None:
         self.decoder = decoder or Decoder(model)
         self.prefix = prefix  # what earlier texts computed, reused by new rows' prompts
+        self.held: list[list[int]] = [[] for _ in range(slots)]  # a free row's text, with one
         self.prefilled = 0  # tokens of prompts (and slid windows) fed by this loop's passes
         self.model = self.decoder.model
         self.capacity = cache_size(model.config, capacity)  # a windowed model's ring, or N
@@ -209,20 +219,23 @@ class Slots:
         computes the same next block (to be reused at the next step)."""
         text = sequence.prompt + sequence.tokens  # the prompt, or the text to slide
         start = window_start(len(text), self.capacity) if self.slides else 0
-        chain, prefix = [], self.prefix
+        chain, prefix, cached = [], self.prefix, 0
         if prefix is not None and start == 0 and not sequence.slid:
             most, B = min(len(text) - 1, self.capacity), prefix.block  # one token fed at least
             chain = prefix.lookup(text, most)
-            ends = range(len(chain) * B + B, most + 1, B)  # the blocks it would compute
+            own = shared(self.held[slot], text, most)  # what its row still holds of it
+            chain = [] if own >= len(chain) * B else chain  # no copy, to the token
+            cached = max(own, len(chain) * B)
+            ends = range(cached // B * B + B, most + 1, B)  # the blocks it would compute
             if ends and hash(tuple(text[: ends[0]])) in pending:
                 return None
             pending.update(hash(tuple(text[:end])) for end in ends)
-            prefix.use(chain)
-        B = prefix.block if chain else 0
+            prefix.use(chain, cached)
+        self.held[slot] = []  # the row is in use: what it holds is decided when it ends
+        B = len(chain) and prefix.block
         for i, block in enumerate(chain):
             self.cache.k[:, slot, :, i * B : (i + 1) * B] = block.k
             self.cache.v[:, slot, :, i * B : (i + 1) * B] = block.v
-        cached = len(chain) * B
         self.cache.lengths[slot] = cached
         sequence.fresh, sequence.slid = False, sequence.slid or start > 0
         if not sequence.tokens:
@@ -230,28 +243,37 @@ class Slots:
         self.prefilled += len(text) - start - cached
         return text[start + cached :]
 
-    def _keep(self, sequence: Sequence) -> None:
-        """Give the prefix cache the full blocks of the text the row's cache holds from its
-        start (none once the window has slid, or a ring has come round)."""
+    def _holds(self, sequence: Sequence) -> list[int]:
+        """The text whose keys and values the row's cache holds from its start ([] without
+        a prefix cache, once the window has slid, or a ring has come round)."""
         slot = sequence.slot
         if self.prefix is None or slot is None or sequence.slid:
-            return
+            return []
         length = self.cache.lengths[slot]
         if length > self.capacity:  # a windowed model's ring has overwritten its start
-            return
-        k, v = self.cache.k[:, slot], self.cache.v[:, slot]
-        read = lambda s, e: (k[:, :, s:e].clone(), v[:, :, s:e].clone())  # noqa: E731
-        self.prefix.store(sequence.prompt + sequence.tokens, length, read)
+            return []
+        return (sequence.prompt + sequence.tokens)[:length]
+
+    def _keep(self, sequence: Sequence) -> None:
+        """Give the prefix cache the full blocks of the text the row's cache holds."""
+        text = self._holds(sequence)
+        if text:
+            k, v = self.cache.k[:, sequence.slot], self.cache.v[:, sequence.slot]
+            read = lambda s, e: (k[:, :, s:e].clone(), v[:, :, s:e].clone())  # noqa: E731
+            self.prefix.store(text, len(text), read)
 
     def _admit(self) -> None:
-        for slot, row in enumerate(self.rows):
-            if not self.waiting:
-                return
-            if row is None:
-                sequence = self.waiting.popleft()
-                sequence.slot, sequence.fresh = slot, True
-                self.rows[slot] = sequence
-                self.cache.clear(slot)
+        """Waiting sequences take the free rows, first come first; with a prefix cache each
+        the free row that still holds most of its prompt (a conversation's last turn), else
+        the lowest."""
+        free = [slot for slot, row in enumerate(self.rows) if row is None]
+        while self.waiting and free:
+            sequence = self.waiting.popleft()
+            slot = max(free, key=lambda s: shared(self.held[s], sequence.prompt))
+            free.remove(slot)
+            sequence.slot, sequence.fresh = slot, True
+            self.rows[slot] = sequence
+            self.cache.clear(slot)
 
     def _draft(self, sequence: Sequence) -> tuple[list[int], list[Tensor] | None]:
         """The tokens proposed for the row's next step ([]: a plain step), as many as its
@@ -354,6 +376,7 @@ class Slots:
     def _release(self, sequence: Sequence) -> None:
         if sequence.slot is not None and self.rows[sequence.slot] is sequence:
             self._keep(sequence)  # its prompt and reply, for a next turn
+            self.held[sequence.slot] = self._holds(sequence)  # until another row writes it
             self.rows[sequence.slot] = None
             self.cache.clear(sequence.slot)
         sequence.slot = None

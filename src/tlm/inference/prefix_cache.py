@@ -88,14 +88,16 @@ class PrefixCache:
             parent = found.id
         return chain
 
-    def use(self, chain: list[Block]) -> None:
-        """A prompt reuses `chain` (perhaps empty): counted, and its blocks made the most
-        recently used, its first block last."""
+    def use(self, chain: list[Block], reused: int | None = None) -> None:
+        """A prompt reuses `chain` (perhaps empty), or `reused` tokens in all (what its row
+        still held, `Slots` decides): counted, and the chain's blocks made the most recently
+        used, its first block last."""
         for found in reversed(chain):
             self.blocks.move_to_end(found.key)
+        reused = len(chain) * self.block if reused is None else reused
         self.counts.lookups += 1
-        self.counts.hits += bool(chain)
-        self.counts.tokens_reused += len(chain) * self.block
+        self.counts.hits += reused > 0
+        self.counts.tokens_reused += reused
 
     def store(self, tokens: list[int], length: int, read) -> int:
         """Keep the full blocks of tokens[:length] not kept yet; `read(start, end)` gives

@@ -1,0 +1,126 @@
+"""The prefix cache's scenarios (`python bench/serve.py --part prefix`): the engine behind `tlm
+serve` with its prefix cache (the default size) against the same engine without (0 bytes),
+on the same model and requests, in turns.
+
+1. conversation: one client, 10 turns; each turn sends the conversation so far and 60 new
+   tokens, and gets 60 back (greedy, no early stop). TTFT of each turn with and without the
+   cache. The 10th turn's prompt is 1,140 tokens: past GPT-2's 1,024 positions, so the
+   model here has 1,280 (the 124M shape otherwise; a token's work is the same). Each
+   side holds two conversations, in turns; a turn's TTFT is the better of its two.
+2. shared system prompt: 8 clients at once, each a 400-token system prompt shared by all
+   and 16 tokens of its own, 64 new tokens each, on 8 slots: prefill tokens the engine
+   computed (`Slots.prefilled`), aggregate tok/s, TTFT.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+from serve import StubTokenizer, pct, together
+
+from tlm.generate import GenerationConfig
+from tlm.serve.engine import Engine, Job
+
+TURNS, TURN_IN, TURN_OUT, ROUNDS = 10, 60, 60, 2
+CLIENTS, SYSTEM, OWN, NEW = 8, 400, 16, 64
+
+
+def ask(engine: Engine, ids: list[int], new: int) -> tuple[float, float, list[int]]:
+    """One request, waited for: (TTFT, seconds in all, its tokens)."""
+    done, times, tokens = threading.Event(), [], []
+
+    def deliver(event) -> None:
+        if event is None:
+            done.set()
+        else:
+            times.append(time.perf_counter())
+            tokens.append(event.token)
+
+    job = Job(ids, GenerationConfig(max_new_tokens=new), deliver)
+    engine.submit(job)
+    done.wait()
+    return times[0] - job.created, times[-1] - job.created, tokens
+
+
+def conversation(model, vocab: int, cache: int | None) -> tuple[list[float], list[list[int]]]:
+    """Each turn's TTFT and reply, with a prefix cache of `cache` bytes (None: the default)."""
+    engine = Engine(model, StubTokenizer(), slots=1, max_queue=1, prefix_cache=cache)
+    ask(engine, [1, 2, 3], 2)  # warm up, on an unrelated prompt
+    rng, text, ttfts, replies = random.Random(3), [], [], []
+    for _ in range(TURNS):
+        text += [rng.randrange(vocab) for _ in range(TURN_IN)]
+        first, _, reply = ask(engine, text, TURN_OUT)
+        ttfts.append(first)
+        replies.append(reply)
+        text += reply
+    engine.close()
+    return ttfts, replies
+
+
+def part_conversation(model, vocab: int) -> None:
+    print(
+        f"5. conversation: {TURNS} turns of {TURN_IN} tokens in, {TURN_OUT} out (greedy); each "
+        f"turn's best TTFT of {ROUNDS} conversations a side, in turns"
+    )
+    plain = cached = [float("inf")] * TURNS
+    for _ in range(ROUNDS):
+        ttfts, plain_replies = conversation(model, vocab, 0)
+        plain = [min(a, b) for a, b in zip(plain, ttfts, strict=True)]
+        ttfts, cached_replies = conversation(model, vocab, None)
+        cached = [min(a, b) for a, b in zip(cached, ttfts, strict=True)]
+    same = "the same replies" if cached_replies == plain_replies else "REPLIES DIFFER"
+    print("   turn  prompt  TTFT ms: without   with   ratio")
+    for turn in range(TURNS):
+        length = (turn + 1) * TURN_IN + turn * TURN_OUT
+        print(
+            f"   {turn + 1:4d} {length:7d} {plain[turn] * 1e3:16.0f} {cached[turn] * 1e3:6.0f} "
+            f"{plain[turn] / cached[turn]:6.2f}x"
+        )
+    print(
+        f"   turn {TURNS}: {plain[-1] / cached[-1]:.1f}x lower with the cache (goal >= 5x), "
+        f"{cached[-1] / cached[0]:.2f}x turn 1's TTFT (goal <= 1.2x); {same}"
+    )
+
+
+def shared(model, vocab: int, cache: int | None) -> tuple[float, list[float], int, list]:
+    """8 clients at once, one system prompt: (seconds, TTFTs, prefill tokens, replies)."""
+    rng = random.Random(4)
+    system = [rng.randrange(vocab) for _ in range(SYSTEM)]
+    prompts = [system + [rng.randrange(vocab) for _ in range(OWN)] for _ in range(CLIENTS)]
+    engine = Engine(model, StubTokenizer(), CLIENTS, CLIENTS, prefix_cache=cache)
+    ask(engine, [1, 2, 3], 2)  # warm up, on an unrelated prompt
+    before = engine.slots.prefilled
+    results: list = [None] * CLIENTS
+    started = time.perf_counter()
+
+    def client(i: int) -> None:
+        results[i] = ask(engine, prompts[i], NEW)
+
+    together(client, [(i,) for i in range(CLIENTS)])
+    seconds = time.perf_counter() - started
+    prefilled = engine.slots.prefilled - before
+    engine.close()
+    return seconds, [r[0] for r in results], prefilled, [r[2] for r in results]
+
+
+def part_shared(model, vocab: int) -> None:
+    print(
+        f"6. shared system prompt: {CLIENTS} clients at once, {SYSTEM} shared + {OWN} own "
+        f"tokens, {NEW} new each, {CLIENTS} slots"
+    )
+    print("   cache    seconds   tok/s   prefill tokens   TTFT p50/max ms")
+    rows = {}
+    for name, cache in (("without", 0), ("with", None)):
+        seconds, ttfts, prefilled, replies = shared(model, vocab, cache)
+        rows[name] = (seconds, prefilled, replies)
+        print(
+            f"   {name:7s} {seconds:8.2f} {CLIENTS * NEW / seconds:7.1f} {prefilled:16d}   "
+            f"{pct(ttfts, 50):6.0f} / {max(ttfts) * 1e3:6.0f}"
+        )
+    (slow, plain, a), (fast, cached, b) = rows["without"], rows["with"]
+    print(
+        f"   prefill computed with / without: {cached / plain:.2f} (goal <= 0.25); tok/s "
+        f"{slow / fast:.2f}x (goal >= 1.5x); {'the same replies' if a == b else 'REPLIES DIFFER'}"
+    )
