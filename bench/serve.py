@@ -30,9 +30,10 @@ a quiet machine a quarter to a third of its batch-1 speed (docs/benchmarks-histo
    4) against an engine with `speculate={"draft": "int8"}` (`tlm serve --draft int8`: a
    request decoding alone checks the int8 self-draft's tokens, busy batches take plain
    steps), the two engines in turns, the better of `--rounds` each.
-5, 6. the prefix cache (`--part prefix`, in the default run too): a 10-turn conversation's
-   TTFT, and 8 clients sharing a system prompt, with and without the cache
-   (`serve_prefix.py`).
+5-7. the prefix cache and chunked prefill (`--part prefix`, in the default run too): a
+   10-turn conversation's TTFT and 8 clients sharing a system prompt, with and without
+   the cache; 7 streams' inter-token latency while a long prompt arrives, by
+   `--prefill-chunk` (`serve_prefix.py`).
 """
 
 from __future__ import annotations
@@ -293,8 +294,8 @@ def main() -> None:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     shape = TINY if args.quick else GPT2
-    if args.part in ("all", "prefix"):  # the conversation's last turn: 1,140 positions
-        shape = shape | {"context_length": 1280}
+    if args.part in ("all", "prefix"):  # a 2,000-token prompt and its reply (part 7)
+        shape = shape | {"context_length": 2304}
     config = ModelConfig(**shape, activation="gelu_tanh")  # built off the main thread, as below
     model = off_main(lambda: for_inference(TransformerLM(config), "float32"))
     name = "tiny (2 layers, d=64)" if args.quick else "GPT-2 124M shape"
@@ -310,10 +311,11 @@ def main() -> None:
         part_mixed(model, shape["vocab_size"], args.mixes, args.count, args.rounds)
         long = shape["context_length"] - PROMPT - 8
         part_join(model, shape["vocab_size"], args.repeats, long)
-    from serve_prefix import part_conversation, part_shared  # beside this file; it uses ours
+    from serve_prefix import part_arrival, part_conversation, part_shared  # uses this file
 
     part_conversation(model, shape["vocab_size"])
     part_shared(model, shape["vocab_size"])
+    part_arrival(model, shape["vocab_size"])
     wall = time.perf_counter() - started
     print(f"total {wall:.0f} s, load average {os.getloadavg()[0]:.2f} at the end")
 

@@ -5,11 +5,15 @@ on the same model and requests, in turns.
 1. conversation: one client, 10 turns; each turn sends the conversation so far and 60 new
    tokens, and gets 60 back (greedy, no early stop). TTFT of each turn with and without the
    cache. The 10th turn's prompt is 1,140 tokens: past GPT-2's 1,024 positions, so the
-   model here has 1,280 (the 124M shape otherwise; a token's work is the same). Each
+   model here has 2,304 (the 124M shape otherwise; a token's work is the same). Each
    side holds two conversations, in turns; a turn's TTFT is the better of its two.
 2. shared system prompt: 8 clients at once, each a 400-token system prompt shared by all
    and 16 tokens of its own, 64 new tokens each, on 8 slots: prefill tokens the engine
    computed (`Slots.prefilled`), aggregate tok/s, TTFT.
+3. arrival (chunked prefill): 7 streams of 128 new tokens decode; after their 8th token a
+   2,000-token prompt arrives (8 new tokens). The streams' inter-token latency, median and
+   p99, and the long prompt's TTFT, for each `--prefill-chunk` (0: the whole prompt in one
+   step). The model here has 2,304 positions.
 """
 
 from __future__ import annotations
@@ -124,3 +128,55 @@ def part_shared(model, vocab: int) -> None:
         f"   prefill computed with / without: {cached / plain:.2f} (goal <= 0.25); tok/s "
         f"{slow / fast:.2f}x (goal >= 1.5x); {'the same replies' if a == b else 'REPLIES DIFFER'}"
     )
+
+
+STREAMS, STREAM_NEW, LONG, LONG_NEW, CHUNKS = 7, 128, 2000, 8, (0, 16, 32, 64, 128)
+
+
+def arrival(model, vocab: int, chunk: int) -> tuple[list[float], float]:
+    """The streams' gaps between tokens, and the long prompt's TTFT, with `chunk`."""
+    rng = random.Random(5)
+    engine = Engine(model, StubTokenizer(), STREAMS + 1, STREAMS + 1, prefill_chunk=chunk or None)
+    ask(engine, [1, 2, 3], 2)  # warm up
+    times: list[list[float]] = [[] for _ in range(STREAMS)]
+    started = threading.Event()
+
+    def stream(i: int) -> None:
+        def deliver(event) -> None:
+            if event is not None:
+                times[i].append(time.perf_counter())
+                if i == 0 and len(times[0]) == 8:
+                    started.set()
+            else:
+                done.set()
+
+        done = threading.Event()
+        ids = [rng.randrange(vocab) for _ in range(32)]
+        engine.submit(Job(ids, GenerationConfig(max_new_tokens=STREAM_NEW), deliver))
+        done.wait()
+
+    def long_prompt() -> None:
+        started.wait()
+        ttft.append(ask(engine, [rng.randrange(vocab) for _ in range(LONG)], LONG_NEW)[0])
+
+    ttft: list[float] = []
+    together(lambda f, *a: f(*a), [(stream, i) for i in range(STREAMS)] + [(long_prompt,)])
+    engine.close()
+    gaps = [b - a for t in times for a, b in zip(t[:-1], t[1:], strict=True)]
+    return gaps, ttft[0]
+
+
+def part_arrival(model, vocab: int) -> None:
+    print(
+        f"7. arrival: {STREAMS} streams of {STREAM_NEW} new tokens; a {LONG}-token prompt "
+        f"arrives after their 8th"
+    )
+    print("   chunk   ITL p50 ms   p99 ms   p99/p50   max ms   long prompt's TTFT s")
+    for chunk in CHUNKS:
+        gaps, ttft = arrival(model, vocab, chunk)
+        p50, p99 = pct(gaps, 50), pct(gaps, 99)
+        print(
+            f"   {chunk or 'whole':>5} {p50:11.1f} {p99:8.1f} {p99 / p50:8.2f}x "
+            f"{max(gaps) * 1e3:8.0f} {ttft:15.2f}"
+        )
+    print("   (goal: the streams' p99 <= 2.5x their median)")

@@ -18,6 +18,7 @@ from tlm.device import describe
 from tlm.generate import GenerationConfig
 from tlm.inference import FORMATS
 from tlm.load import load_language_model, load_tokenizer, source_of
+from tlm.serve.engine import PREFILL_CHUNK
 
 EXAMPLE = """examples:
   tlm serve runs/demo                                 # http://127.0.0.1:8000
@@ -53,6 +54,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--draft-tokens", type=int, help="most tokens a draft proposes (5)")
     parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        metavar="N",
+        default=PREFILL_CHUNK,
+        help=f"while others decode, prefill N prompt tokens a step ({PREFILL_CHUNK}; 0: all)",
+    )
+    parser.add_argument(
         "--prefix-cache-mb",
         type=float,
         metavar="N",
@@ -76,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     if args.prefix_cache_mb is not None and not args.prefix_cache_mb >= 0:
         fail(f"--prefix-cache-mb must be 0 (off) or more, not {args.prefix_cache_mb}")
     prefix = None if args.prefix_cache_mb is None else int(args.prefix_cache_mb * 2**20)
+    if args.prefill_chunk < 0:
+        fail(f"--prefill-chunk must be 0 (whole prompts) or more, not {args.prefill_chunk}")
     metrics = Metrics()
     device = model_device(args, args.dtype, say=False)  # named in the first line below
     source = source_of(args.run)  # its kind decided once; the model and tokenizer read it
@@ -95,7 +105,10 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     speculate = {name: value for name, value in speculate.items() if value is not None}
     GenerationConfig(**speculate)  # a bad setting: one line, before the model loads
-    engine = Engine(load, None, args.slots, args.max_queue, metrics.on_token, speculate, prefix)
+    engine = Engine(
+        load, None, args.slots, args.max_queue, metrics.on_token, speculate, prefix,
+        args.prefill_chunk or None,
+    )  # fmt: skip
     engine.tokenizer = tokenizer or load_tokenizer(source)
     metrics.watch(engine)
     name = args.name or Path(args.run).resolve().name

@@ -7,9 +7,10 @@ random generator and penalties); the loop itself only batches.
 
 1. sequences waiting for a row take the free ones (lowest first);
 2. one forward pass runs, in which each row feeds its own tokens: a row new this step its
-   prompt ("prefill"), a row whose text has outgrown its cache its last `capacity` tokens
-   again (the window slides for that row only, as the uncached model sees it), and every
-   other row its last token;
+   prompt ("prefill"; after the prefix its row or the prefix cache still holds, and while
+   other rows decode at most `prefill_chunk` tokens a step), a row whose text has outgrown
+   its cache its last `capacity` tokens again (the window slides for that row only, as the
+   uncached model sees it), and every other row its last token;
 3. each row chooses its token from its own logits with its own settings (`choose_rows`,
    every row's read back at once), and a row that has ended gives its row back at once.
 
@@ -38,7 +39,7 @@ from tlm.generate.errors import GenerationError
 from tlm.generate.pace import Pace
 from tlm.generate.sampling import draw
 from tlm.inference import Decoder, SlotCache
-from tlm.inference.prefix_cache import PrefixCache
+from tlm.inference.prefix_cache import PrefixCache, shared
 from tlm.model.kv_cache import cache_size
 
 
@@ -56,6 +57,7 @@ class Sequence:
     fresh: bool = True  # its prompt is not in the cache yet
     cached: int = 0  # prompt tokens a prefix cache gave it (not prefilled)
     slid: bool = False  # its row holds a window of its text, not the text from its start
+    unfed: list[int] = field(default_factory=list)  # a long prefill's tokens still to feed
     drafted: int = 0  # speculative decoding: tokens drafted, and how many were kept
     accepted: int = 0
     checks: int = 0  # the target's steps that checked a draft
@@ -78,15 +80,6 @@ class Emitted:
     finished: bool
 
 
-def shared(held: list[int], text: list[int], most: int | None = None) -> int:
-    """How many tokens `text` begins with that `held` begins with too (at most `most`)."""
-    n = min(len(held), len(text), len(text) if most is None else most)
-    same = 0
-    while same < n and held[same] == text[same]:
-        same += 1
-    return same
-
-
 def window_start(length: int, capacity: int) -> int:
     """The first of `length` tokens a model that holds `capacity` positions reads: when the
     text outgrows the context, the window slides and the oldest tokens fall out (the one
@@ -105,11 +98,13 @@ class Slots:
         capacity: int | None = None,
         decoder: Decoder | None = None,
         prefix: PrefixCache | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.decoder = decoder or Decoder(model)
         self.prefix = prefix  # what earlier texts computed, reused by new rows' prompts
         self.held: list[list[int]] = [[] for _ in range(slots)]  # a free row's text, with one
         self.prefilled = 0  # tokens of prompts (and slid windows) fed by this loop's passes
+        self.chunk = prefill_chunk  # while rows decode, a prefill feeds at most this a step
         self.model = self.decoder.model
         self.capacity = cache_size(model.config, capacity)  # a windowed model's ring, or N
         self.slides = model.config.attention_window is None  # past N; a windowed model reads on
@@ -168,14 +163,19 @@ class Slots:
         self._admit()
         slots, feeds, prefilled = [], [], []
         pending: set[int] = set()  # the blocks this step's new rows compute
+        decoding = any(r is not None and not (r.fresh or r.unfed) for r in self.rows)
         for slot, sequence in enumerate(self.rows):
             if sequence is None:
                 continue
             full = self.slides and self.cache.lengths[slot] + 1 > self.capacity
-            if sequence.fresh or full:
+            if sequence.unfed:  # a long prefill goes on
+                feed = self._chunk(sequence, sequence.unfed, decoding)
+                prefilled.append(sequence)
+            elif sequence.fresh or full:
                 feed = self._prefill(sequence, slot, pending)
                 if feed is None:  # a row before it computes its next block: reused next step
                     continue
+                feed = self._chunk(sequence, feed, decoding)
                 prefilled.append(sequence)
             else:
                 feed = sequence.tokens[-1:]
@@ -205,6 +205,10 @@ class Slots:
                     logits = self.model(ids[None], fed, last_only=True)[0]  # [rows,V]
         for sequence in prefilled:
             self._keep(sequence)  # for the rows that come while this one decodes
+        ready = [i for i, slot in enumerate(slots) if not self.rows[slot].unfed]
+        if len(ready) < len(slots):  # a row between two chunks of its prefill chooses nothing
+            logits, slots = logits[ready], [slots[i] for i in ready]
+            picks = None if picks is None else [picks[i] for i in ready]
         sequences = [self.rows[slot] for slot in slots]
         chosen = choose_rows([sequence.choice for sequence in sequences], logits, picks)
         emitted = [self._emit(s, c) for s, c in zip(sequences, chosen, strict=True)]
@@ -242,6 +246,16 @@ class Slots:
             sequence.cached = cached
         self.prefilled += len(text) - start - cached
         return text[start + cached :]
+
+    def _chunk(self, sequence: Sequence, feed: list[int], decoding: bool) -> list[int]:
+        """What of a prefill this step feeds: all of it, or while other rows decode at most
+        `prefill_chunk` tokens, the rest kept for the steps after (`unfed`), so that the
+        decoding rows' steps keep their pace while a long prompt arrives."""
+        if self.chunk and decoding and len(feed) > self.chunk:
+            feed, sequence.unfed = feed[: self.chunk], feed[self.chunk :]
+        else:
+            sequence.unfed = []
+        return feed
 
     def _holds(self, sequence: Sequence) -> list[int]:
         """The text whose keys and values the row's cache holds from its start ([] without

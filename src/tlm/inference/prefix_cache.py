@@ -144,6 +144,15 @@ class PrefixCache:
         return True
 
 
+def shared(held: list[int], text: list[int], most: int | None = None) -> int:
+    """How many tokens `text` begins with that `held` begins with too (at most `most`)."""
+    n = min(len(held), len(text), len(text) if most is None else most)
+    same = 0
+    while same < n and held[same] == text[same]:
+        same += 1
+    return same
+
+
 def host_budget(device: torch.device) -> int:
     """The default budget: a quarter of the memory free on `device` now (the model loaded),
     at most `MOST`: on a GPU its free memory, on the CPU the host's MemAvailable."""

@@ -26,6 +26,8 @@ from tlm.generate.slots import Sequence, Slots
 from tlm.inference.prefix_cache import PrefixCache, host_budget
 from tlm.tokenizer import Tokenizer
 
+PREFILL_CHUNK = 32  # tokens: see docs/serve.md, "Chunked prefill", for the measurement
+
 
 class QueueFull(Exception):
     """The queue of waiting requests is at its bound."""
@@ -85,8 +87,10 @@ class Engine:
         on_token: Callable[[float | None, float | None], None] | None = None,
         speculate: dict | None = None,
         prefix_cache: int | None = None,
+        prefill_chunk: int | None = PREFILL_CHUNK,
     ) -> None:
         self.tokenizer, self.max_queue = tokenizer, max_queue
+        self.prefill_chunk = prefill_chunk  # while rows decode, a prefill's tokens a step
         self.prefix_bytes = prefix_cache  # the prefix cache's budget: None sized to the host
         self.speculate = speculate or {}  # GenerationConfig's draft settings, for every job
         self.on_token = on_token  # (time to first token, inter-token latency), for metrics
@@ -145,7 +149,8 @@ class Engine:
     def _run(self, model, slots: int, ready: Future) -> None:
         try:
             model = model if isinstance(model, nn.Module) else model()
-            self.slots = Slots(model, slots, prefix=self._prefix_cache(model))
+            prefix = self._prefix_cache(model)
+            self.slots = Slots(model, slots, prefix=prefix, prefill_chunk=self.prefill_chunk)
         except BaseException as error:  # noqa: BLE001 - raised in the constructor's thread
             ready.set_exception(error)
             return
