@@ -34,6 +34,8 @@ a quiet machine a quarter to a third of its batch-1 speed (docs/benchmarks-histo
    10-turn conversation's TTFT and 8 clients sharing a system prompt, with and without
    the cache; 7 streams' inter-token latency while a long prompt arrives, by
    `--prefill-chunk` (`serve_prefix.py`).
+8. `--part llama`: part 5's conversation beside llama.cpp (llama-cpp-python, built once
+   into --work) on the f32 GGUF export of the same weights.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import random
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -289,12 +292,14 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=64, help="requests per workload (part 2)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each schedule (part 2)")
     parser.add_argument("--repeats", type=int, default=7, help="arrivals measured (part 3)")
-    parser.add_argument("--part", choices=["all", "speculative", "prefix"], default="all")
+    parts = ["all", "speculative", "prefix", "llama"]  # llama: part 5 beside llama.cpp (8)
+    parser.add_argument("--part", choices=parts, default="all")
+    parser.add_argument("--work", type=Path, default=Path(__file__).parent.parent / "out/bench")
     args = parser.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
     shape = TINY if args.quick else GPT2
-    if args.part in ("all", "prefix"):  # a 2,000-token prompt and its reply (part 7)
+    if args.part in ("all", "prefix", "llama"):  # a 2,000-token prompt and its reply (part 7)
         shape = shape | {"context_length": 2304}
     config = ModelConfig(**shape, activation="gelu_tanh")  # built off the main thread, as below
     model = off_main(lambda: for_inference(TransformerLM(config), "float32"))
@@ -302,6 +307,11 @@ def main() -> None:
     print(f"{name}, fp32 prepacked, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"load average {os.getloadavg()[0]:.2f} (other processes share these cores)")
     started = time.perf_counter()
+    if args.part == "llama":
+        from serve_prefix import part_llama
+
+        part_llama(config, args.work, torch.get_num_threads())
+        return
     if args.part == "speculative":
         part_speculative(model, shape["vocab_size"], args.requests, args.new, args.rounds)
         print(f"total {time.perf_counter() - started:.0f} s")

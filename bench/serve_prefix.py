@@ -19,10 +19,14 @@ on the same model and requests, in turns.
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
+from dataclasses import replace
+from pathlib import Path
 
-from serve import StubTokenizer, pct, together
+import torch
+from serve import StubTokenizer, off_main, pct, together
 
 from tlm.generate import GenerationConfig
 from tlm.serve.engine import Engine, Job
@@ -180,3 +184,67 @@ def part_arrival(model, vocab: int) -> None:
             f"{max(gaps) * 1e3:8.0f} {ttft:15.2f}"
         )
     print("   (goal: the streams' p99 <= 2.5x their median)")
+
+
+def part_llama(config, work: Path, threads: int) -> None:
+    """Part 5's conversation against llama.cpp (`llama-cpp-python`'s `Llama.generate`, which
+    keeps its context's tokens and evaluates only what a prompt adds after the longest
+    prefix they share: llama.cpp's prompt cache) on the f32 GGUF export of the same random
+    weights; each side goes on with its own replies (the prompts' lengths are the same)."""
+    from pydoc_data.topics import topics
+
+    from _llama import llama_cpp
+
+    from tlm import TransformerLM
+    from tlm.inference import for_inference
+    from tlm.interop.gguf import export_gguf
+    from tlm.tokenizer import train_tokenizer
+
+    here = Path(__file__).resolve().parent  # bench/gguf.py: the gguf package comes first
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here] + [str(here)]
+    llama = llama_cpp(work)
+    torch.manual_seed(0)
+    model = TransformerLM(replace(config, position="learned"))
+    path = work / "gguf" / f"gpt2-124m-{config.context_length}-f32.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    export_gguf(model, train_tokenizer("bpe", list(topics.values()), 1024), path, "f32")
+    T = config.context_length
+    llm = llama.Llama(
+        str(path), n_ctx=T, n_batch=T, n_threads=threads, n_threads_batch=threads, verbose=False
+    )  # fmt: skip
+    theirs = [float("inf")] * TURNS
+    ours = [float("inf")] * TURNS
+    packed = off_main(lambda: for_inference(model, "float32"))
+    for _ in range(ROUNDS):  # in turns
+        ours = [
+            min(a, b)
+            for a, b in zip(ours, conversation(packed, config.vocab_size, None)[0], strict=True)
+        ]
+        theirs = [
+            min(a, b)
+            for a, b in zip(theirs, llama_conversation(llm, config.vocab_size), strict=True)
+        ]
+    print(f"8. conversation against llama.cpp {llama.__version__} (f32 GGUF, its prompt cache)")
+    print("   turn  TTFT ms: llama.cpp   tlm   llama.cpp / tlm")
+    for turn, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+        print(f"   {turn + 1:4d} {a * 1e3:18.0f} {b * 1e3:5.0f} {a / b:9.2f}x")
+    a, b = theirs[-1] * 1e3, ours[-1] * 1e3
+    print(f"   turn {TURNS}: tlm {b:.0f} ms, llama.cpp {a:.0f} ms (goal: tlm's <= llama.cpp's)")
+
+
+def llama_conversation(llm, vocab: int) -> list[float]:
+    """Part 5's turns on llama.cpp: each turn's TTFT (greedy, its own replies)."""
+    llm.reset()
+    rng, text, ttfts = random.Random(3), [], []
+    for _ in range(TURNS):
+        text += [rng.randrange(vocab) for _ in range(TURN_IN)]
+        started, reply = time.perf_counter(), []
+        for token in llm.generate(text, temp=0.0, top_k=1, top_p=1.0, min_p=0.0):
+            if not reply:
+                ttfts.append(time.perf_counter() - started)
+            reply.append(token)
+            if len(reply) == TURN_OUT:
+                break
+        text += reply
+    return ttfts

@@ -17,7 +17,7 @@ from tlm.cli.args import (
 from tlm.generate import GenerationConfig
 from tlm.generate.chat import chat_prompt, reply_room, stream_reply
 from tlm.inference import FORMATS, Decoder
-from tlm.inference.prefix_cache import PrefixCache
+from tlm.inference.prefix_cache import PrefixCache, position_bytes
 from tlm.load import load_language_model, load_tokenizer
 
 EXAMPLE = """examples:
@@ -109,9 +109,8 @@ def conversation_decoder(model) -> Decoder:
     message); once the oldest turns are dropped the text begins anew, and is prefilled
     once more."""
     decoder = Decoder(model)
-    c = model.config
-    per_position = 2 * c.n_layers * c.n_heads * c.d_head * decoder.dtype.itemsize
-    decoder.prefix = PrefixCache(4 * c.context_length * per_position)
+    per_position = position_bytes(model.config, decoder.dtype)
+    decoder.prefix = PrefixCache(4 * model.config.context_length * per_position)
     return decoder
 
 

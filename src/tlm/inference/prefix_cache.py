@@ -144,6 +144,11 @@ class PrefixCache:
         return True
 
 
+def position_bytes(config, dtype: torch.dtype) -> int:
+    """The bytes of one position's keys and values in every layer of a model of `config`."""
+    return 2 * config.n_layers * config.n_heads * config.d_head * dtype.itemsize
+
+
 def shared(held: list[int], text: list[int], most: int | None = None) -> int:
     """How many tokens `text` begins with that `held` begins with too (at most `most`)."""
     n = min(len(held), len(text), len(text) if most is None else most)
