@@ -188,3 +188,34 @@ def test_batched_decoding_steps_use_the_layout_and_prompts_do_not(settings):
     assert qkv.layout is None
     assert torch.equal(model.generate(ids, max_new_tokens=6, **settings), expected)
     assert qkv.layout is not None
+
+
+def test_a_prompt_joining_decoding_rows_takes_their_route(monkeypatch):
+    """A pass that feeds a short prompt beside rows that decode (a server's join, a chunk of
+    a prefill) runs its float32 products on the decoding route, a lone prompt on torch's;
+    every row's tokens are the plain model's."""
+    from tlm.generate import GenerationConfig
+    from tlm.generate.slots import Slots
+    from tlm.inference.formats.kernels import Float32Linear
+
+    model = for_inference(make_model(), "float32")
+    routed = []
+    real = Float32Linear.step
+    record = lambda self, x: routed.append(x.shape[-2]) or real(self, x)  # noqa: E731
+    monkeypatch.setattr(Float32Linear, "step", record)
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (5, 6, 7)]
+    config = GenerationConfig(max_new_tokens=6)
+    loop = Slots(model, 3)
+    rows = [loop.add(p, config) for p in prompts[:2]]
+    loop.step()  # two prompts alone: torch's product
+    assert routed == []
+    loop.step()  # two rows decode (the C step where built, else the route)
+    routed.clear()
+    rows.append(loop.add(prompts[2], config))
+    loop.step()  # a prompt of 7 joins 2 decoding rows: 9 tokens on the route
+    assert routed.count(9) == 4 * model.config.n_layers  # every block's four maps
+    while not loop.idle():
+        loop.step()
+    for prompt, row in zip(prompts, rows, strict=True):
+        alone = make_model().generate(torch.tensor([prompt]), max_new_tokens=6, use_cache=False)
+        assert row.tokens == alone[0, len(prompt) :].tolist()

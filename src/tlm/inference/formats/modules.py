@@ -20,6 +20,7 @@ from tlm.inference.decoding import step
 from tlm.inference.devices.threads import on_threads
 from tlm.inference.formats.blas import needs_one_thread
 from tlm.inference.formats.kernels import Route
+from tlm.inference.slot_cache import SlotPass
 from tlm.model.attention import MultiHeadAttention
 from tlm.model.kv_cache import Cache
 from tlm.model.layers import Embedding, FeedForward
@@ -63,6 +64,15 @@ class FastEmbedding(Embedding):
         return super().tokens(input_ids) if self.lookup is None else self.lookup(input_ids)
 
 
+FEW = 64  # tokens: a pass of at most this many runs its fp32 products on the decoding route
+
+
+def joining(cache: object) -> bool:
+    """Whether a pass feeds a prompt (or a chunk of one) beside rows that decode: a batch
+    already, whose products have their layout (a lone prompt reads the parameters)."""
+    return isinstance(cache, SlotPass) and 1 in cache.counts and max(cache.counts) > 1
+
+
 class InferenceLM(TransformerLM):
     """A `TransformerLM` whose products run in `inference_format`, for generation and
     scoring: hook points, caches and outputs are the trained model's; training is refused."""
@@ -79,13 +89,17 @@ class InferenceLM(TransformerLM):
         last_only: bool = False,
     ) -> Tensor:
         """`TransformerLM.forward`. In a pass without autograd that feeds one token to each
-        row of a cache (a decoding step), the float32 products take their decoding route
-        (`kernels.Route`) for the length of the pass; for one row whose products go through
-        numpy's BLAS, torch keeps one thread meanwhile, since numpy has the cores (`blas.py`)."""
+        row of a cache (a decoding step), or at most `FEW` tokens in all where a prompt joins
+        rows that decode (`joining`: torch's product is slow for so few rows, 131 -> 95 ms
+        for a 32-token prompt joining 7 GPT-2 rows on the 2-core host), the float32
+        products take their decoding route (`kernels.Route`) for the length of the pass;
+        for one row whose products go through numpy's BLAS, torch keeps one thread
+        meanwhile, since numpy has the cores (`blas.py`)."""
         rows = step.rows_of(cache, input_ids)
-        if rows is None or torch.is_grad_enabled() or self.route.rows:
+        few = joining(cache) and input_ids.numel() <= FEW  # a prompt joins decoding rows
+        if (rows is None and not few) or torch.is_grad_enabled() or self.route.rows:
             return super().forward(input_ids, cache, attention_mask, last_only)
-        R = len(rows[0])
+        R = input_ids.numel() if rows is None else len(rows[0])
         one_thread = R == 1 and self.inference_format == "float32" and needs_one_thread()
         self.route.rows = R
         try:
