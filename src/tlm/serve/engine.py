@@ -26,7 +26,7 @@ from tlm.generate.slots import Sequence, Slots
 from tlm.inference.prefix_cache import PrefixCache, host_budget
 from tlm.tokenizer import Tokenizer
 
-PREFILL_CHUNK = 128  # tokens: docs/serve.md, "Chunked prefill", says how it was chosen
+PREFILL_CHUNK = 32  # tokens: docs/serve.md, "Chunked prefill", says how it was chosen
 
 
 class QueueFull(Exception):
