@@ -62,7 +62,7 @@ def texts(n, length, seed=0):
     return [torch.randint(0, 97, (length,), generator=g).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("fmt", ["plain", "float32", "int8"])
+@pytest.mark.parametrize("fmt", ["plain", "float32", "float16", "bfloat16", "int8"])
 def test_shared_prefixes_and_later_turns_decode_as_without_and_prefill_less(make_model, fmt):
     model = make_model(context_length=96, position="rope")
     model = for_decoding(model) if fmt == "plain" else for_inference(model, fmt)
