@@ -53,3 +53,30 @@ def test_a_prompt_with_no_row_decoding_is_fed_whole(make_model):
     while not loop.idle():
         loop.step()
     assert fed[0] == 30 and len(row.tokens) == 3
+
+
+def test_a_prompt_cancelled_between_chunks_leaves_what_it_fed_for_the_next(make_model):
+    """Cancelled after two of its chunks, a long prompt's row gives back what it computed:
+    the same prompt sent again reuses it and decodes what it decodes from nothing."""
+    model = for_decoding(make_model(context_length=64))
+    g = torch.Generator().manual_seed(1)
+    long = torch.randint(0, 97, (40,), generator=g).tolist()
+    config = GenerationConfig(max_new_tokens=5)
+    loop = Slots(model, 2, prefix=PrefixCache(1 << 20, 4), prefill_chunk=8)
+    busy = loop.add(
+        torch.randint(0, 97, (4,), generator=g).tolist(), GenerationConfig(max_new_tokens=30)
+    )
+    loop.step()
+    cut = loop.add(long, config)
+    loop.step()
+    loop.step()  # two chunks of 8 fed beside the decoding row
+    assert loop.cache.lengths[cut.slot] == 16 and cut.tokens == []
+    loop.cancel(cut)
+    again = loop.add(long, config)
+    while not loop.idle():
+        loop.step()
+    alone = Slots(model, 1)
+    want = alone.add(long, config)
+    while not alone.idle():
+        alone.step()
+    assert again.tokens == want.tokens and again.cached == 16 and len(busy.tokens) == 30
