@@ -158,7 +158,11 @@ def draw_rows(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor
         [torch.rand(1, generator=g, device=probs.device, dtype=torch.float64) for g in generators]
     )
     cdf = probs.double().cumsum(dim=-1)  # [k,V]
-    chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    mass = cdf[:, -1]
+    # refused as torch.multinomial refuses it (on a GPU the check would wait on the device)
+    if probs.device.type == "cpu" and not bool(torch.isfinite(mass).all() & (mass > 0).all()):
+        raise RuntimeError("probability tensor contains either inf, nan or no mass")
+    chosen = torch.searchsorted(cdf, (u * mass)[:, None], right=True)[:, 0]
     return chosen.clamp_(max=probs.shape[-1] - 1)
 
 
