@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     metrics.watch(engine)
     name = args.name or Path(args.run).resolve().name
     app = create_app(engine, name, args.api_key, metrics)
-    cached = engine.prefix_bytes / 2**20
+    cached = engine.slots.prefix.budget / 2**20 if engine.slots.prefix else 0
     where = f"{args.slots} slots, prefix cache {cached:,.0f} MB, {describe(device)}"
     print(f"tlm serve: {name} on http://{args.host}:{args.port} ({where})", flush=True)
     try:

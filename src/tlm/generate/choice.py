@@ -77,8 +77,8 @@ class RowChoice:
         self.plain_greedy = config.greedy and not config.adjusts_logits and not top_logprobs
         # a draw whose distribution depends on the settings alone (no penalties' state, no
         # grammar): rows of one config are brought to their distributions together
-        self.plain_draw = not config.greedy and self.seen is None and self.counts is None
-        self.plain_draw = self.plain_draw and self.matcher is None
+        stateless = all(x is None for x in (self.seen, self.counts, self.matcher))
+        self.plain_draw = not config.greedy and stateless
 
     @classmethod
     def of_row(

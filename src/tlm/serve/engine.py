@@ -91,7 +91,7 @@ class Engine:
     ) -> None:
         self.tokenizer, self.max_queue = tokenizer, max_queue
         self.prefill_chunk = prefill_chunk  # while rows decode, a prefill's tokens a step
-        self.prefix_bytes = prefix_cache  # the prefix cache's budget: None sized to the host
+        self.prefix_budget = prefix_cache  # bytes; None: sized to the device once loaded
         self.speculate = speculate or {}  # GenerationConfig's draft settings, for every job
         self.on_token = on_token  # (time to first token, inter-token latency), for metrics
         self.lock = threading.Condition()
@@ -194,10 +194,9 @@ class Engine:
     def _prefix_cache(self, model: nn.Module) -> PrefixCache | None:
         """The cache of prompts' keys and values that requests share (none for a budget of
         0), sized to what the device has free once the model is loaded unless given."""
-        budget = self.prefix_bytes
+        budget = self.prefix_budget
         if budget is None:
             budget = host_budget(placement(model)[0])
-        self.prefix_bytes = budget
         return PrefixCache(budget) if budget > 0 else None
 
     def _fail(self, jobs: list[Job], error: Exception) -> None:

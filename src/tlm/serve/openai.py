@@ -231,7 +231,6 @@ class Completions:
 
     object = chunk_object = "text_completion"
     prompt_tokens = 0
-    jobs: list = []  # the engine's jobs of the request, once submitted
 
     def __init__(self, model, tokenizer, echo, s: Sampling, metrics: Metrics):
         self.model, self.tokenizer, self.echo, self.s, self.metrics = (
@@ -242,6 +241,7 @@ class Completions:
             metrics,
         )
         self.id, self.created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        self.jobs: list = []  # the engine's jobs of the request, once submitted
         self.streaming = False
         self.echo_logprobs: list[dict] | None = None  # per prompt, with echo and logprobs
 
