@@ -1,4 +1,5 @@
-"""One row's fp32 products, on the parameters themselves: tlm's own loops, else numpy's BLAS.
+"""fp32 products on the parameters themselves: one row's (tlm's own loops, else numpy's BLAS),
+and a prompt's rows (tlm's panels where the library has them, else torch's product).
 
 A decoding step multiplies one row per sequence by every weight matrix, so its speed is
 set by how fast the weights stream from memory. Both routes here read the model's own
@@ -17,8 +18,14 @@ copied, and a model that trains on afterwards is still right at the next step.
   numpy, torch's ops run on one thread (`threads.on_threads(1)`, which the forward pass
   and the decoder's step apply where `needs_one_thread()`).
 
-`kernels.Float32Linear` chooses this route for one row; tests hold both routes equal to
-torch's product.
+A prompt's rows (2 to `PANEL_ROWS` of them) take `products.c`'s `float32_panels` where
+the library is an AVX2 build: each thread copies 16 columns of W at a time into its cache
+and runs every row against them six rows at a time, 1.16-1.27x torch's product for a
+prompt of 16-128 tokens on the GPT-2 124M shape (2-core AVX2 host; equal at 512 tokens,
+docs/benchmarks-history.md). An AVX-512 build keeps torch's product, whose kernels use the
+wider registers.
+
+`kernels.Float32Linear` chooses these routes; tests hold each equal to torch's product.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ import torch
 from torch import Tensor
 
 from tlm.inference import native
+
+PANEL_ROWS = 256  # rows a product takes the panels for (512: no faster than torch's)
+PANELS = 8  # products.c's `products_here` bit for float32_panels
 
 
 def product(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
@@ -40,6 +50,31 @@ def product(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
     if b is not None:
         y += b.detach().numpy()
     return torch.from_numpy(y).view(*x.shape[:-1], W.shape[1])
+
+
+def panels(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor | None:
+    """x @ W + b for 2 to `PANEL_ROWS` rows of fp32 on the CPU through `float32_panels`, W
+    [in, out] in place (its rows contiguous); None where that route does not apply (the
+    caller then takes torch's product)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if not (1 < len(rows) <= PANEL_ROWS and W.stride(1) == 1 and _panels_here()):
+        return None
+    if x.device.type != "cpu" or x.dtype != torch.float32 or W.dtype != torch.float32:
+        return None
+    rows, W = rows.detach().contiguous(), W.detach()
+    b = None if b is None else b.detach().contiguous()
+    (inputs, out), y = W.shape, rows.new_empty(len(rows), W.shape[1])
+    done = native.library().float32_panels(
+        W.data_ptr(), W.stride(0), native.address(b), rows.data_ptr(), len(rows), inputs, out,
+        y.data_ptr(),
+    )  # fmt: skip
+    if done == -2:
+        raise MemoryError(f"no memory for the panels of a [{inputs}, {out}] product")
+    return y.view(*x.shape[:-1], out) if done == 0 else None
+
+
+def _panels_here() -> bool:
+    return native.threaded() and bool(native.library().products_here() & PANELS)
 
 
 def _own(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor | None:

@@ -12,7 +12,8 @@ the same x W + b through better kernels:
 |          | with AVX2/512, else a oneDNN   | decoding step of more rows:     |                 |
 |          | layout, made at the first      | tlm's (`blocked.py`) or         |                 |
 |          | decoding step of several rows) | `mkldnn._linear_pointwise`; a   |                 |
-|          |                                | prompt: torch's product         |                 |
+|          |                                | prompt: tlm's panels (AVX2) or  |                 |
+|          |                                | torch's product                 |                 |
 | float16  | fp16 in blocks of 16 rows      | tlm's (`blocked.py`) with       | fp32            |
 |          | (AVX2/512), else prepacked for | AVX2 or AVX-512, else fbgemm's  |                 |
 |          | fbgemm                         | `quantized.linear_dynamic_fp16` |                 |
@@ -139,11 +140,11 @@ class Route:
 
 class Float32Linear:
     """The fp32 maps x W_i + b_i on the parameters themselves. A decoding step of one row
-    reads them in place (`blas.py`), and a prompt (read once) through torch's product,
-    neither with a copy. With `layout`, a decoding step of several rows runs them as one
-    product on a copy of the weights made the first time such a step comes and kept from
-    then on: tlm's fp32 blocks (`blocked.py`) where the CPU has AVX2 or AVX-512, else oneDNN's
-    layout for 4 rows; without it, torch's product."""
+    reads them in place (`blas.py`), and a prompt (read once) through tlm's panels of them
+    (`blas.panels`, AVX2 builds) or torch's product, neither with a copy. With `layout`, a
+    decoding step of several rows runs them as one product on a copy of the weights made the
+    first time such a step comes and kept from then on: tlm's fp32 blocks (`blocked.py`) where
+    the CPU has AVX2 or AVX-512, else oneDNN's layout for 4 rows; without it, torch's product."""
 
     def __init__(
         self, maps: list[tuple[Tensor, Tensor | None]], route: Route, layout: bool = True
@@ -153,10 +154,19 @@ class Float32Linear:
         self.splits = [W.shape[1] for W, _ in maps]
 
     def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
-        if self.route.rows and not torch.is_grad_enabled():
+        if torch.is_grad_enabled():
+            y = tuple(linear(x, W, b) for W, b in self.maps)
+        elif self.route.rows:
             return self.step(x)
-        y = tuple(linear(x, W, b) for W, b in self.maps)
+        else:
+            y = tuple(self._prompt(x, W, b) for W, b in self.maps)
         return y if len(y) > 1 else y[0]
+
+    @staticmethod
+    def _prompt(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
+        """A prompt's rows: tlm's panels where they apply (`blas.panels`), else torch's."""
+        y = blas.panels(x, W, b)
+        return linear(x, W, b) if y is None else y
 
     def step(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
         """The maps for the rows of a decoding step (one token of each sequence; no

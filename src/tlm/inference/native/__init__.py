@@ -83,6 +83,7 @@ SIGNATURES = {  # name: (what it returns, its arguments)
     "float16_product": (i64, [ptr, ptr, ptr, i64, i64, i64, ptr]),
     "float32_product": (i64, [ptr, ptr, ptr, i64, i64, i64, ptr]),
     "float32_rows": (i64, [ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64]),
+    "float32_panels": (i64, [ptr, i64, ptr, ptr, i64, i64, i64, ptr]),
     "float32_dots": (i64, [ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64]),
     "decode_step": (
         i64,

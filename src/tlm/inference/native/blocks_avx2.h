@@ -200,3 +200,44 @@ static inline __attribute__((always_inline)) void float_block(const void *w, int
             store(y + (r + k) * out, _mm256_add_ps(sums[2 * k], b_lo), _mm256_add_ps(sums[2 * k + 1], b_hi), left);
     }
 }
+
+/* The sums of n rows of x (n = 1..6) against a panel p [in][16] (16 outputs, input by
+ * input): twelve sums under way in twelve registers, the panel's two halves loaded once an
+ * input for all n rows (products.c's float32_panels; the 6 x 16 tile of BLIS-like kernels). */
+static inline __attribute__((always_inline)) void panel_rows(const float *p, const float *x,
+                                                             int64_t in, int n, __m256 *sums) {
+    __m256 a[12];
+    for (int k = 0; k < 2 * n; k++) a[k] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < in; i++) {
+        const __m256 lo = _mm256_load_ps(p + i * 16), hi = _mm256_load_ps(p + i * 16 + 8);
+        for (int k = 0; k < n; k++) {
+            const __m256 xi = _mm256_broadcast_ss(x + k * in + i);
+            a[2 * k] = _mm256_fmadd_ps(xi, lo, a[2 * k]);
+            a[2 * k + 1] = _mm256_fmadd_ps(xi, hi, a[2 * k + 1]);
+        }
+    }
+    for (int k = 0; k < 2 * n; k++) sums[k] = a[k];
+}
+
+/* y[r, 0..left) of one panel p for every row r of x [rows, in], y's rows `out` floats apart;
+ * bias the panel's 16 (zero past `left`). */
+static void float_panel(const float *p, const float *bias, const float *x, int64_t rows,
+                        int64_t in, int64_t out, int64_t left, float *y) {
+    const __m256 b_lo = _mm256_loadu_ps(bias), b_hi = _mm256_loadu_ps(bias + 8);
+    for (int64_t r = 0; r < rows; r += 6) {
+        const int n = rows - r < 6 ? (int)(rows - r) : 6;
+        const float *xr = x + r * in;
+        __m256 sums[12];
+        switch (n) { /* each a copy of panel_rows for its n */
+        case 1: panel_rows(p, xr, in, 1, sums); break;
+        case 2: panel_rows(p, xr, in, 2, sums); break;
+        case 3: panel_rows(p, xr, in, 3, sums); break;
+        case 4: panel_rows(p, xr, in, 4, sums); break;
+        case 5: panel_rows(p, xr, in, 5, sums); break;
+        default: panel_rows(p, xr, in, 6, sums);
+        }
+        for (int k = 0; k < n; k++)
+            store(y + (r + k) * out, _mm256_add_ps(sums[2 * k], b_lo),
+                  _mm256_add_ps(sums[2 * k + 1], b_hi), left);
+    }
+}

@@ -46,8 +46,9 @@
 #define BY_SIGNS 0 /* int8 by VNNI: x as xq + 128 */
 #endif
 
-/* Which kernels this build has: bit 0 int8, bit 1 float16 and float32 blocks, and bit 2 set
- * when they run on OpenMP's threads (built with -fopenmp, not -fopenmp-simd). */
+/* Which kernels this build has: bit 0 int8, bit 1 float16 and float32 blocks, bit 2 set
+ * when they run on OpenMP's threads (built with -fopenmp, not -fopenmp-simd), bit 3 float32
+ * panels (a prompt's rows; AVX2 builds only). */
 int64_t products_here(void) {
     int64_t here = 0;
 #if defined(_OPENMP)
@@ -58,6 +59,9 @@ int64_t products_here(void) {
 #endif
 #if defined(WIDE) || defined(HALVES)
     here |= 2;
+#endif
+#if defined(HALVES)
+    here |= 8;
 #endif
     return here;
 }
@@ -244,6 +248,53 @@ int64_t float32_rows(const float *W, int64_t ld, const float *bias, const float 
     }
     free(partial);
     return 0;
+}
+
+/* float32 for the rows of a prompt, on the model's own W [in, out] (rows `ld` floats apart),
+ * nothing kept between calls: each thread copies a panel of 16 outputs input by input
+ * (p [in][16]: 48 KB for in = 768, in the core's L2), then runs every row of x against it
+ * six rows at a time (blocks_avx2.h's float_panel: each panel line loaded once for six rows,
+ * where torch's product for a few dozen rows reached 70-110 GFLOP/s on the 2-core AVX2
+ * host and this 120-145). y [rows, out]. Returns 0, -1 where this build has no such kernel
+ * (an AVX-512 build: torch's product, whose kernels have the wider registers; not measured
+ * against these), or -2 without memory. */
+int64_t float32_panels(const float *W, int64_t ld, const float *bias, const float *x,
+                       int64_t rows, int64_t in, int64_t out, float *y) {
+#if defined(HALVES)
+#if defined(_OPENMP)
+    const int threads = omp_get_max_threads();
+#else
+    const int threads = 1;
+#endif
+    float *panels = aligned_alloc(64, sizeof(float) * 16 * (size_t)(threads * in));
+    if (!panels) return -2;
+    const int64_t n_panels = (out + 15) / 16;
+#pragma omp parallel num_threads(threads)
+    {
+#if defined(_OPENMP)
+        float *p = panels + 16 * in * omp_get_thread_num();
+#else
+        float *p = panels;
+#endif
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n_panels; j++) {
+            const int64_t left = out - j * 16 < 16 ? out - j * 16 : 16;
+            float b[16] = {0};
+            if (bias) memcpy(b, bias + j * 16, sizeof(float) * (size_t)left);
+            for (int64_t i = 0; i < in; i++) {
+                memcpy(p + i * 16, W + i * ld + j * 16, sizeof(float) * (size_t)left);
+                if (left < 16) /* lanes never stored; zeros, not garbage that may be subnormal */
+                    memset(p + i * 16 + left, 0, sizeof(float) * (size_t)(16 - left));
+            }
+            float_panel(p, b, x, rows, in, out, left, y + j * 16);
+        }
+    }
+    free(panels);
+    return 0;
+#else
+    (void)W, (void)ld, (void)bias, (void)x, (void)rows, (void)in, (void)out, (void)y;
+    return -1;
+#endif
 }
 
 /* float32 against a matrix kept as [out, in] with rows `ld` floats apart (a tied head: x E^T
