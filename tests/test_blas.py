@@ -207,7 +207,7 @@ def test_a_prompt_joining_decoding_rows_takes_their_route(monkeypatch):
     config = GenerationConfig(max_new_tokens=6)
     loop = Slots(model, 3)
     rows = [loop.add(p, config) for p in prompts[:2]]
-    loop.step()  # two prompts alone: a prompt's route (`blas.panels`), not the decoding one
+    loop.step()  # two prompts alone: a prompt's route (`blas.prompt`), not the decoding one
     assert routed == []
     loop.step()  # two rows decode (the C step where built, else the route)
     routed.clear()
@@ -234,40 +234,43 @@ def test_panels_are_torchs_product(rows):
     torch.manual_seed(0)
     x, W, b = torch.randn(rows, 37), torch.randn(37, 1007), torch.randn(1007)
     close = lambda a, e: torch.allclose(a, e, atol=1e-4, rtol=1e-5)  # noqa: E731
-    assert close(blas.panels(x, W, b), x @ W + b)
-    assert close(blas.panels(x, W, None), x @ W)
+    assert close(blas.prompt(x, W, b), x @ W + b)
+    assert close(blas.prompt(x, W, None), x @ W)
     wide = torch.randn(37, 1100)
-    assert close(blas.panels(x[None], wide[:, 3:1010], b), (x @ wide[:, 3:1010] + b)[None])
+    assert close(blas.prompt(x[None], wide[:, 3:1010], b), (x @ wide[:, 3:1010] + b)[None])
 
 
-def test_panels_leave_what_they_do_not_serve():
-    """One row, more than PANEL_ROWS rows, a transposed W and other dtypes: None (the caller
-    takes its own route)."""
+def test_a_prompts_route_leaves_what_it_does_not_serve():
+    """One row takes the decoding route's loops (a tied head's E^T too); more than
+    PANEL_ROWS rows, several rows on a transposed W, and other dtypes: None (the caller
+    takes torch's product)."""
     panels_here()
-    W = torch.randn(16, 32)
-    assert blas.panels(torch.randn(1, 16), W, None) is None
-    assert blas.panels(torch.randn(blas.PANEL_ROWS + 1, 16), W, None) is None
-    assert blas.panels(torch.randn(4, 32), W.t(), None) is None
-    assert blas.panels(torch.randn(4, 16).double(), W.double(), None) is None
+    torch.manual_seed(0)
+    W, E, x = torch.randn(16, 32), torch.randn(32, 16), torch.randn(1, 1, 16)
+    assert torch.allclose(blas.prompt(x, W, None), x @ W, atol=1e-5)
+    assert torch.allclose(blas.prompt(x, E.t(), None), x @ E.t(), atol=1e-5)
+    assert blas.prompt(torch.randn(blas.PANEL_ROWS + 1, 16), W, None) is None
+    assert blas.prompt(torch.randn(4, 32), W.t(), None) is None
+    assert blas.prompt(torch.randn(4, 16).double(), W.double(), None) is None
 
 
 def test_a_lone_prompt_takes_the_panels(monkeypatch):
-    """A float32 model's prompt runs every map of every block through the panels (counted;
-    the tied head reads E^T, a transposed view: torch's product), and its logits are the
-    plain model's."""
+    """A float32 model's prompt runs every map of every block through the panels, and its
+    last position's head (E^T) through the decoding route's loops: all counted; its logits
+    are the plain model's."""
     from tlm.inference.formats.kernels import Float32Linear
 
     panels_here()
     model, ids = for_inference(make_model(), "float32"), torch.randint(0, 97, (1, 9))
     kernels = [m for m in vars_of(model) if isinstance(m, Float32Linear)]
-    maps = sum(W.stride(1) == 1 for m in kernels for W, _ in m.maps)  # 6 a block
-    served, real = [], blas.panels
-    monkeypatch.setattr(blas, "panels", lambda *a: served.append(real(*a)) or served[-1])
+    maps = sum(len(m.maps) for m in kernels)  # 6 a block, and the head
+    served, real = [], blas.prompt
+    monkeypatch.setattr(blas, "prompt", lambda *a: served.append(real(*a)) or served[-1])
     with torch.no_grad():
-        logits = model(ids)
-    assert sum(y is not None for y in served) == maps == 6 * model.config.n_layers
+        logits = model(ids, last_only=True)
+    assert sum(y is not None for y in served) == maps == 6 * model.config.n_layers + 1
     with torch.no_grad():
-        assert torch.allclose(logits, make_model()(ids), atol=1e-5)
+        assert torch.allclose(logits, make_model()(ids)[:, -1:], atol=1e-5)
 
 
 def vars_of(model: torch.nn.Module) -> list:

@@ -19,7 +19,8 @@ copied, and a model that trains on afterwards is still right at the next step.
   and the decoder's step apply where `needs_one_thread()`).
 
 A prompt's rows (2 to `PANEL_ROWS` of them) take `products.c`'s `float32_panels` where
-the library is an AVX2 build: each thread copies 16 columns of W at a time into its cache
+the library is an AVX2 build (and the one row of its last position's head, the loops
+above): each thread copies 16 columns of W at a time into its cache
 and runs every row against them six rows at a time, 1.16-1.27x torch's product for a
 prompt of 16-128 tokens on the GPT-2 124M shape (2-core AVX2 host; equal at 512 tokens,
 docs/benchmarks-history.md). An AVX-512 build keeps torch's product, whose kernels use the
@@ -52,25 +53,34 @@ def product(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
     return torch.from_numpy(y).view(*x.shape[:-1], W.shape[1])
 
 
-def panels(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor | None:
-    """x @ W + b for 2 to `PANEL_ROWS` rows of fp32 on the CPU through `float32_panels`, W
-    [in, out] in place (its rows contiguous); None where that route does not apply (the
+def prompt(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor | None:
+    """x @ W + b for a prompt's rows of fp32 on the CPU, W [in, out] in place: one row (the
+    last position's head) through the decoding route's loops (`_own`), 2 to `PANEL_ROWS`
+    rows through `float32_panels` (W's rows contiguous); None where neither applies (the
     caller then takes torch's product)."""
     rows = x.reshape(-1, x.shape[-1])
-    if not (1 < len(rows) <= PANEL_ROWS and W.stride(1) == 1 and _panels_here()):
-        return None
     if x.device.type != "cpu" or x.dtype != torch.float32 or W.dtype != torch.float32:
         return None
     rows, W = rows.detach().contiguous(), W.detach()
     b = None if b is None else b.detach().contiguous()
-    (inputs, out), y = W.shape, rows.new_empty(len(rows), W.shape[1])
+    if len(rows) == 1:
+        y = _own(rows, W, b) if native.threaded() else None
+    elif len(rows) <= PANEL_ROWS and W.stride(1) == 1 and _panels_here():
+        y = _panels(rows, W, b)
+    else:
+        return None
+    return None if y is None else y.view(*x.shape[:-1], W.shape[1])
+
+
+def _panels(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
+    (inputs, out), y = W.shape, x.new_empty(len(x), W.shape[1])
     done = native.library().float32_panels(
-        W.data_ptr(), W.stride(0), native.address(b), rows.data_ptr(), len(rows), inputs, out,
+        W.data_ptr(), W.stride(0), native.address(b), x.data_ptr(), len(x), inputs, out,
         y.data_ptr(),
     )  # fmt: skip
-    if done == -2:
+    if done:
         raise MemoryError(f"no memory for the panels of a [{inputs}, {out}] product")
-    return y.view(*x.shape[:-1], out) if done == 0 else None
+    return y
 
 
 def _panels_here() -> bool:

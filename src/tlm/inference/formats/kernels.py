@@ -141,7 +141,7 @@ class Route:
 class Float32Linear:
     """The fp32 maps x W_i + b_i on the parameters themselves. A decoding step of one row
     reads them in place (`blas.py`), and a prompt (read once) through tlm's panels of them
-    (`blas.panels`, AVX2 builds) or torch's product, neither with a copy. With `layout`, a
+    (`blas.prompt`, AVX2 builds) or torch's product, neither with a copy. With `layout`, a
     decoding step of several rows runs them as one product on a copy of the weights made the
     first time such a step comes and kept from then on: tlm's fp32 blocks (`blocked.py`) where
     the CPU has AVX2 or AVX-512, else oneDNN's layout for 4 rows; without it, torch's product."""
@@ -164,8 +164,8 @@ class Float32Linear:
 
     @staticmethod
     def _prompt(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
-        """A prompt's rows: tlm's panels where they apply (`blas.panels`), else torch's."""
-        y = blas.panels(x, W, b)
+        """A prompt's rows: tlm's loops where they apply (`blas.prompt`), else torch's."""
+        y = blas.prompt(x, W, b)
         return linear(x, W, b) if y is None else y
 
     def step(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
