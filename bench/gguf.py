@@ -46,7 +46,7 @@ from tlm.interop.gguf import export_gguf
 from tlm.tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-TYPES = {"f32": "float32", "f16": "float16", "q8_0": "int8"}  # GGUF type -> tlm's format
+TYPES = {"f32": "float32", "f16": "float16", "q8_0": "int8", "q4_0": "q4_0"}  # GGUF -> tlm
 GPT2 = {"vocab_size": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "context_length": 1024}
 
 

@@ -139,6 +139,23 @@ def test_f16_and_q8_0_store_the_matrices_smaller_and_close(tmp_path, bpe_tokeniz
     assert (tmp_path / "q8_0.gguf").stat().st_size < 0.6 * (tmp_path / "f16.gguf").stat().st_size
 
 
+def test_q4_0_writes_llama_cpps_blocks_and_reads_back_block_exact(tmp_path, bpe_tokenizer):
+    """q4_0: the blocks' matrices as Q4_0 (tlm's q4_0 rounding is llama.cpp's), the token
+    embeddings and head as Q8_0 (wider, as tlm's q4_0 keeps them); read back, each matrix is
+    the dequantized Q4_0 of the model's, exactly."""
+    from tlm.inference.formats import q4
+
+    model = random_model(bpe_tokenizer.vocab_size, position="rope")
+    path = export_gguf(model, bpe_tokenizer, tmp_path / "q4_0.gguf", "q4_0")
+    fields, tensors, types = read_raw(path)
+    assert types["blk.0.attn_qkv.weight"] == types["blk.1.ffn_down.weight"] == "Q4_0"
+    assert types["token_embd.weight"] == types["output.weight"] == "Q8_0"
+    back = read_gguf(path)[0]
+    for mine, theirs in zip(model.blocks, back.blocks, strict=True):
+        W = mine.ffn.W_1.detach().t()  # [out, in], as GGUF keeps it
+        assert torch.equal(theirs.ffn.W_1.detach().t(), q4.dequantize(*q4.quantize(W)))
+
+
 def bpe_by_rank(pieces, merges):
     """llama.cpp's BPE on one pre-token: merge the adjacent pair of lowest rank until none
     is in `merges`."""

@@ -10,7 +10,7 @@ from tlm.generate.sampling import greedy_logprob
 from tlm.inference import Decoder, SlotCache, for_decoding, for_inference, native
 from tlm.inference.decoding import program as whole_program
 from tlm.inference.decoding import step as native_step
-from tlm.inference.formats import blocked
+from tlm.inference.formats import blocked, q4
 from tlm.model.kv_cache import KVCache
 
 # each instruction set this host runs, at one thread and at two
@@ -209,6 +209,7 @@ def test_the_c_step_keeps_the_cache_bounds(make_model):
 WHOLE = [("float32", 1, "learned"), ("float32", 2, "rope"), ("float16", 1, "rope")]
 WHOLE += [("float16", 3, "learned"), ("int8", 1, "learned"), ("int8", 2, "rope")]
 WHOLE += [("float32 blocks", 4, "rope")]  # for_inference(model, "float32"): a copy in blocks
+WHOLE += [("q4_0", 1, "learned"), ("q4_0", 3, "rope")]
 
 
 @needs_native
@@ -218,7 +219,7 @@ def test_the_whole_step_in_c_equals_the_loop(make_model, monkeypatch, dtype, row
     computes what step.py's loop computes with the same kernels."""
     fmt = dtype.split()[0]
     ready = native.threaded() if dtype == "float32" else blocked.here(fmt)
-    if not ready:
+    if not (q4.here() if fmt == "q4_0" else ready):
         pytest.skip(f"no C kernels for {dtype} on this host")
     model = make_model(position=position, qk_norm=position == "rope", bias=True)
     for p in model.parameters():

@@ -48,7 +48,8 @@ from tlm.model import TransformerLM
 from tlm.model.positions import sinusoidal_table
 from tlm.tokenizer import Tokenizer, TokenizerError
 
-TYPES = ("f32", "f16", "q8_0")
+TYPES = ("f32", "f16", "q8_0", "q4_0")
+WIDER = {"q4_0": "q8_0"}  # the embeddings' and the head's type (as tlm's q4_0 keeps them int8)
 ARCHITECTURES = ("gpt2", "gptneox")
 BLOCK = [  # GGUF name after `blk.{l}.`, tlm name after `blocks.{l}.`
     ("attn_norm.weight", "ln1.gamma"),
@@ -70,8 +71,9 @@ def export_gguf(
     model: TransformerLM, tokenizer: Tokenizer, out: str | Path, kind: str = "f32"
 ) -> Path:
     """Write `model` and `tokenizer` as one GGUF file at `out`, its matrices in `kind`
-    ("f32", "f16" or "q8_0"; vectors stay f32, and a matrix whose rows are not a whole
-    number of q8_0's 32-value blocks is written f16). The file appears whole or not at all,
+    ("f32", "f16", "q8_0" or "q4_0": the blocks' matrices in Q4_0, the token embeddings and
+    the head in Q8_0; vectors stay f32, and a matrix whose rows are not a whole number of
+    32-value blocks is written f16). The file appears whole or not at all,
     and an existing one is never replaced."""
     gguf = _gguf()
     if not isinstance(model, TransformerLM):
@@ -145,8 +147,9 @@ def _write_fields(writer, gguf, config: ModelConfig, vocab: dict[str, Any], kind
             writer.add_rope_scaling_yarn_beta_slow(config.yarn_beta_slow)
         writer.add_parallel_residual(False)  # the sequential block
     file_types = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
+    file_types["q4_0"] = "MOSTLY_Q4_0"
     writer.add_file_type(gguf.LlamaFileType[file_types[kind].upper()])
-    if kind == "q8_0":
+    if kind in ("q8_0", "q4_0"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
@@ -196,9 +199,12 @@ def gguf_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
 
 def _add_tensor(writer, gguf, name: str, tensor: np.ndarray, kind: str) -> None:
     matrix = tensor.ndim == 2 and name != "position_embd.weight"
-    if kind == "q8_0" and matrix and tensor.shape[1] % 32 == 0:
-        quantized = gguf.quants.quantize(tensor, gguf.GGMLQuantizationType.Q8_0)
-        writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    if not name.startswith("blk."):
+        kind = WIDER.get(kind, kind)
+    if kind in ("q8_0", "q4_0") and matrix and tensor.shape[1] % 32 == 0:
+        quantization = gguf.GGMLQuantizationType[kind.upper()]
+        quantized = gguf.quants.quantize(tensor, quantization)
+        writer.add_tensor(name, quantized, raw_dtype=quantization)
     elif kind != "f32" and matrix:
         writer.add_tensor(name, tensor.astype(np.float16))
     else:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from tlm.inference import native
-from tlm.inference.formats import blocked
+from tlm.inference.formats import blocked, q4
 from tlm.inference.formats.kernels import Float32Linear, PackedLinear, PackedRows
 from tlm.tensor_files import FileRows
 
@@ -71,7 +71,7 @@ class Block(ctypes.Structure):
     ]
 
 
-INT8, FLOAT16, ROWS, DOTS, FLOAT32 = range(5)  # Product.kind, as step.c's `product`
+INT8, FLOAT16, ROWS, DOTS, FLOAT32, Q4_0 = range(6)  # Product.kind, as step.c's `product`
 
 
 class Rows(ctypes.Structure):
@@ -180,6 +180,11 @@ def _described(model, layers, copies: bool) -> Program:
             keep.extend(t for t in tensors if t is not None)
             addresses = (native.address(t) for t in tensors)
             return [Product(kind, *addresses, kernel.inputs, kernel.in_pad, kernel.out)]
+        if isinstance(kernel, q4.Q4Blocks) and kernel.native:
+            tensors = (kernel.blocks, kernel.scales, None, kernel.b)  # w, scale, wsum, bias
+            keep.extend(t for t in tensors if t is not None)
+            addresses = (native.address(t) for t in tensors)
+            return [Product(Q4_0, *addresses, kernel.inputs, kernel.in_pad, kernel.out)]
         if isinstance(kernel, Float32Linear) and native.threaded():
             parts, offset = [], 0
             for W, b in kernel.maps:

@@ -45,11 +45,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tlm.inference.formats import blas, blocked
+from tlm.inference.formats import blas, blocked, q4
 from tlm.model.functional import linear
 from tlm.tensor_files import LazyMatrix
 
-FORMATS = ("float32", "float16", "bfloat16", "int8")
+FORMATS = ("float32", "float16", "bfloat16", "int8", "q4_0")
+WIDER = {"q4_0": "int8"}  # the format of the embeddings and the head where not the weights'
+
+
+def wider(fmt: str) -> str:
+    """The format the token embeddings and the head take in weight format `fmt` (`q4.py`)."""
+    return WIDER.get(fmt, fmt)
+
+
 CHUNK = 1024  # rows quantized or converted at a time: the temporaries stay a few MB
 
 
@@ -75,7 +83,9 @@ class PackedLinear:
             read, shape = (lambda lo, hi: W_t[lo:hi].detach().float()), W_t.shape
         self.b = None if b is None else b.detach().float()
         self.out_features, self.splits = shape[0], splits
-        if fmt in ("float16", "int8") and blocked.here(fmt):  # tlm's own kernels
+        if fmt == "q4_0":  # tlm's own kernel, or its reference in PyTorch
+            self.weight = self.kernel = q4.Q4Blocks(read, shape, self.b)
+        elif fmt in ("float16", "int8") and blocked.here(fmt):  # tlm's own kernels
             if fmt == "float16":
                 self.weight = self.kernel = blocked.FloatBlocks(read, shape, self.b)
             else:
@@ -272,10 +282,10 @@ def check_format(fmt: str, device: torch.device) -> None:
     """A one-line reason when `fmt` cannot run here."""
     if fmt not in FORMATS:
         raise ValueError(f"dtype must be one of {', '.join(FORMATS)}; got {fmt!r}")
-    if fmt == "int8" and device.type != "cpu":
-        raise ValueError("int8 inference runs on the CPU only")
+    if fmt in ("int8", "q4_0") and device.type != "cpu":
+        raise ValueError(f"{fmt} inference runs on the CPU only")
     fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
-    if device.type == "cpu" and fmt in ("float16", "int8") and not fbgemm:
+    if device.type == "cpu" and wider(fmt) in ("float16", "int8") and not fbgemm:
         raise ValueError(f"{fmt} inference needs PyTorch's fbgemm kernels (x86 CPUs)")
 
 

@@ -36,6 +36,7 @@ from tlm.inference.formats.kernels import (
     Route,
     can_prepack_float32,
     check_format,
+    wider,
 )
 from tlm.inference.formats.modules import SWAP, InferenceLM, Kernel, swapped
 from tlm.model.transformer import TransformerLM
@@ -133,6 +134,7 @@ def _pack_embedding_from_file(model: InferenceLM, E: LazyMatrix, fmt: str) -> No
     head read a block of rows at a time: E is never whole in memory."""
     _release(model.embedding.E)
     model.embedding.lookup = FileRows(E)
+    fmt = wider(fmt)  # the head's format
     if model.W_U is None and (fmt != "float16" or blocked.here(fmt)):  # E^T: [V,d] is [out,in]
         model.head = PackedLinear(E, None, fmt)  # one product, E read a chunk at a time
     elif model.W_U is None:  # fbgemm packs fp16 only from whole fp32 matrices: in blocks
@@ -179,8 +181,8 @@ def pack_part(model: InferenceLM, part: str, fmt: str, layout: bool = True) -> N
     are released."""
     release = fmt != "float32"
 
-    def packed(maps: list[tuple[Tensor, Tensor | None]]) -> Kernel:
-        kernel = PackedLinear.side_by_side(maps, fmt, model.route, layout)
+    def packed(maps: list[tuple[Tensor, Tensor | None]], kind: str = fmt) -> Kernel:
+        kernel = PackedLinear.side_by_side(maps, kind, model.route, layout)
         if release:
             for W, _ in maps:
                 _release(W)
@@ -198,15 +200,15 @@ def pack_part(model: InferenceLM, part: str, fmt: str, layout: bool = True) -> N
             owner.up_kernel = packed([(owner.W_1, owner.b_1)])
         else:
             owner.down_kernel = packed([(owner.W_2, owner.b_2)])
-    elif part == "embedding":
-        E = model.embedding.E
+    elif part == "embedding":  # the lookup and the head in `wider(fmt)`
+        E, fmt = model.embedding.E, wider(fmt)
         if model.W_U is None:  # the tied head is E^T
             model.head = PackedLinear.side_by_side([(E.t(), None)], fmt, model.route, layout)
         if release:
             model.embedding.lookup = PackedRows(E, fmt)
             _release(E)
     elif part == "W_U" and model.W_U is not None:
-        model.head = packed([(model.W_U, None)])
+        model.head = packed([(model.W_U, None)], wider(fmt))
 
 
 def _release(param: Tensor | None) -> None:

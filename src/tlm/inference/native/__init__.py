@@ -47,6 +47,7 @@ SOURCES = [
 HEADERS = [  # included by the sources: keyed too
     Path(__file__).with_name(name)
     for name in ("attention_rows.h", "blocks_avx512.h", "blocks_avx2.h")
+    + ("blocks_q4.h", "store_half.h")  # q4_0's kernel (both builds), a store they share
 ]
 # Compiled with -ffast-math (glibc's vector expf and friends need it) and linked without
 # it: linking with it adds gcc's crtfastmath.o, whose loader sets flush-to-zero for the
@@ -84,6 +85,7 @@ SIGNATURES = {  # name: (what it returns, its arguments)
     "float32_product": (i64, [ptr, ptr, ptr, i64, i64, i64, ptr]),
     "float32_rows": (i64, [ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64]),
     "float32_panels": (i64, [ptr, i64, ptr, ptr, i64, i64, i64, ptr]),
+    "q4_0_product": (i64, [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]),
     "float32_dots": (i64, [ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64]),
     "decode_step": (
         i64,

@@ -10,15 +10,7 @@
  * most 2 * 127 * 127 = 32258, exact, and vpmaddwd adds the pairs into 32 bits. With
  * AVX-VNNI (-march=alderlake and later), vpdpbusd reads xq + 128 as the wide kernel does. */
 
-/* y[0..n) = the first n of v's 8 lanes (n may be 0 or less: nothing). */
-static inline void store_half(float *y, __m256 v, int64_t n) {
-    if (n >= 8) {
-        _mm256_storeu_ps(y, v);
-    } else if (n > 0) {
-        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        _mm256_maskstore_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lanes), v);
-    }
-}
+#include "store_half.h"
 
 /* y[0..n) = the first n of the 16 lanes (lo, hi). */
 static inline void store(float *y, __m256 lo, __m256 hi, int64_t n) {

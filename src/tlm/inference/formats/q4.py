@@ -1,0 +1,131 @@
+"""q4_0: llama.cpp's 4-bit weights (Q4_0), for tlm's own product (`products.c`, `blocks_q4.h`).
+
+A weight row is cut into blocks of 32; a block keeps one scale d (fp16) and 32 values q in
+[0, 15], the weight being (q - 8) d: 4.5 bits a weight, 0.5625 bytes (int8 takes 1 and a
+scale a row). The rounding is llama.cpp's (`quantize_row_q4_0_ref`, and the `gguf`
+package's): d = m / -8 for the block's value m of largest magnitude (the first of equal
+ones), q = min(15, trunc(w / d + 8.5)); so the largest weight is exactly -8 d and the
+others round to the nearest of 16 levels. A test holds `quantize` to `gguf`'s bytes.
+
+The product quantizes each row of x as llama.cpp's Q8_0 does (blocks of 32, xq = round(x /
+dx), dx = max|x| / 127 kept in fp16), sums each block's (q - 8) xq exactly in integers,
+and adds the blocks' sums times d dx in fp32: `reference` is that in PyTorch (the test's
+slow side, and the route where the library has no q4_0 kernel); `Q4Blocks` holds the
+weights in the kernel's layout (16 output rows together, `blocks_q4.h` says how) and runs
+it. The embeddings and the head stay int8 (`WIDER`): llama.cpp's own mixes keep the output
+matrix at 6 bits or more, as the logits are where 4 bits cost the most.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tlm.inference import native
+
+BLOCK = 32  # weights a scale covers
+Q4 = 16  # products.c's `products_here` bit for q4_0
+CHUNK = 1024  # rows quantized at a time: the temporaries stay a few MB
+
+
+def quantize(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows [n, in] (in a multiple of 32) as Q4_0: q uint8 [n, in] in [0, 15], d fp16 [n, in/32]."""
+    n, k = rows.shape
+    blocks = rows.float().reshape(n, k // BLOCK, BLOCK)
+    most = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # signed, the first
+    d = most / -8
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = (blocks * inverse + 8.5).trunc_().clamp_(0, 15).to(torch.uint8)
+    return q.reshape(n, k), d.squeeze(-1).half()
+
+
+def dequantize(q: Tensor, d: Tensor) -> Tensor:
+    """W [n, in] fp32 from q [n, in] and d [n, in/32]: (q - 8) d."""
+    n, k = q.shape
+    w = (q.float() - 8).view(n, k // BLOCK, BLOCK) * d.float()[..., None]
+    return w.view(n, k)
+
+
+def reference(x: Tensor, q: Tensor, d: Tensor, b: Tensor | None) -> Tensor:
+    """The q4_0 product in PyTorch: x [N, in] fp32 against q [out, in_pad], d [out, in_pad/32]
+    (padding q 8, the weight 0), as the kernel computes it (Q8_0 activations, exact block
+    sums, fp32 scales); [N, out]."""
+    (N, inputs), (out, in_pad) = x.shape, q.shape
+    nb = in_pad // BLOCK
+    xb = F.pad(x.float(), (0, in_pad - inputs)).view(N, nb, BLOCK)
+    scale = xb.abs().amax(-1) / 127  # [N, nb]
+    inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+    v = xb * inverse[..., None]
+    whole = v.trunc()
+    xq = torch.where((v - whole).abs() == 0.5, whole + v.sign(), v.round())  # halves away
+    sums = torch.einsum("nbk,obk->nob", xq, q.view(out, nb, BLOCK).float() - 8)  # exact
+    y = (sums * (d.float()[None] * scale.half().float()[:, None, :])).sum(-1)
+    return y if b is None else y + b
+
+
+def here() -> bool:
+    """Whether this host's library has the q4_0 kernel (an AVX2 or AVX-512 build)."""
+    return native.threaded() and bool(native.library().products_here() & Q4)
+
+
+class Q4Blocks:
+    """y = x W^T + b with W [out, in] held as Q4_0 in the kernel's layout: blocks
+    [out_pad/16, in_pad/32, 8, 32] uint8 and scales [out_pad/16, in_pad/32, 16] fp16.
+    `read(lo, hi)` gives rows lo:hi of W in fp32; they are quantized CHUNK rows at a time.
+    Where the library has no q4_0 kernel (`native` False), `reference` runs instead."""
+
+    def __init__(self, read, shape: tuple[int, int], b: Tensor | None) -> None:
+        (self.out, self.inputs), self.native = shape, here()
+        self.lib = native.library() if self.native else None
+        self.in_pad = -(-self.inputs // BLOCK) * BLOCK
+        out_pad = -(-self.out // 16) * 16
+        nb = self.in_pad // BLOCK
+        self.blocks = torch.empty(out_pad // 16, nb, 8, 32, dtype=torch.uint8)
+        self.scales = torch.zeros(out_pad // 16, nb, 16, dtype=torch.float16)
+        for lo in range(0, out_pad, CHUNK):
+            hi = min(lo + CHUNK, out_pad)
+            rows = torch.zeros(hi - lo, self.in_pad)
+            real = read(lo, min(hi, self.out)) if lo < self.out else rows[:0]
+            rows[: len(real), : self.inputs] = real
+            q, d = quantize(rows)
+            self.blocks[lo // 16 : hi // 16] = _interleaved(q)
+            self.scales[lo // 16 : hi // 16] = d.view(-1, 16, nb).transpose(1, 2)
+        self.b = None
+        if b is not None:
+            self.b = torch.zeros(out_pad)
+            self.b[: self.out] = b.detach().float()
+
+    def unpacked(self) -> tuple[Tensor, Tensor]:
+        """(q [out, in_pad], d [out, in_pad/32]) from the layout."""
+        J, nb = self.blocks.shape[:2]
+        both = self.blocks.view(J, nb, 8, 8, 4)  # [J, b, g, r, t]
+        lo, hi = both & 0x0F, both >> 4
+        q = torch.cat([lo, hi], dim=3).permute(0, 3, 1, 2, 4).reshape(J * 16, nb * BLOCK)
+        d = self.scales.transpose(1, 2).reshape(J * 16, nb)
+        return q[: self.out], d[: self.out]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if x.dim() != 2 or x.shape[1] != self.inputs:
+            raise ValueError(f"expected x [N, {self.inputs}], got {list(x.shape)}")
+        x = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        b = None if self.b is None else self.b[: self.out]
+        if not self.native:
+            return reference(x, *self.unpacked(), b)
+        y = x.new_empty(len(x), self.out)
+        done = self.lib.q4_0_product(
+            self.blocks.data_ptr(), self.scales.data_ptr(), native.address(self.b),
+            x.data_ptr(), len(x), self.inputs, self.in_pad, self.out, y.data_ptr(),
+        )  # fmt: skip
+        if done != 0:
+            raise MemoryError(f"q4_0 product of {len(x)} rows: no memory for its operands")
+        return y
+
+
+def _interleaved(q: Tensor) -> Tensor:
+    """q [16J, in_pad] as the kernel's lines [J, in_pad/32, 8, 32]: in group g of block b, byte
+    4r + t holds row r's q of input 4g + t (low nibble) and row r + 8's (high nibble)."""
+    rows, in_pad = q.shape
+    v = q.view(rows // 16, 2, 8, in_pad // BLOCK, 8, 4)  # [J, half, r, b, g, t]
+    lines = v[:, 0] | (v[:, 1] << 4)  # [J, r, b, g, t]
+    return lines.permute(0, 2, 3, 1, 4).reshape(rows // 16, in_pad // BLOCK, 8, 32)

@@ -1,0 +1,83 @@
+/* products.c's q4_0 kernel (AVX2 with FMA and F16C; an AVX-512 build runs the same code).
+ *
+ * Weights as llama.cpp's Q4_0: blocks of 32 inputs of one output row, each a 4-bit q in
+ * [0, 15] standing for (q - 8) * d, one fp16 d a block. Here 16 output rows go together, as
+ * the int8 blocks: block j, input block b, group g of four inputs (4g..4g+3) is one 32-byte
+ * line whose byte 4r + t holds row r's q of input 4g + t in its low nibble and row r + 8's in
+ * its high nibble (r = 0..7). Masking the line gives rows 0-7, shifting it rows 8-15, each
+ * as 8 lanes of 4 bytes: the layout `dot4` of the int8 kernels reads. The 16 rows' d of
+ * input block b follow as 16 fp16 values (`scales`).
+ *
+ * The activations are quantized as llama.cpp's Q8_0 (products.c): per row and block of 32,
+ * xq = round(x / dx) in [-127, 127] with dx = max|x| / 127 (rounded to fp16, as Q8_0 keeps
+ * it). A block's sum over its 32 inputs, sum_i (q_i - 8) xq_i, is exact in 32-bit integers
+ * (vpmaddubsw of |xq| by (q - 8) with xq's signs: a pair is at most 2 * 127 * 8 = 2032, no
+ * saturation), and y[o] = sum_b d[o, b] dx[b] sum_b + bias[o] in fp32, block by block. */
+
+/* The integer sums of one 16-row block for n rows of x (n = 1..4), input block by input
+ * block, scaled by d dx and added into f[2k] (rows 0-7) and f[2k + 1] (rows 8-15) of row k.
+ * vpmaddubsw multiplies q (unsigned, 0..15) by xq (signed) and adds pairs into 16 bits: a
+ * pair is at most 2 * 15 * 127 = 3810, so the 8 groups of a block add up in 16 bits (at most
+ * 30480) before vpmaddwd widens them once a block; the 8 of (q - 8) is taken away as
+ * 8 sum(xq), which products.c counted when it quantized the block (`xsum`). */
+static inline __attribute__((always_inline)) void q4_rows(const uint8_t *w, const uint16_t *d,
+                                                          const int8_t *xs, const int32_t *xsum,
+                                                          const float *dx, int64_t in_pad,
+                                                          int64_t n_in, int n, __m256 *f) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int k = 0; k < 2 * n; k++) f[k] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n_in; b++) {
+        __m256i p[8];
+        for (int k = 0; k < 2 * n; k++) p[k] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (b * 8 + g) * 32));
+            const __m256i lo = _mm256_and_si256(v, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (int k = 0; k < n; k++) {
+                const __m256i x = _mm256_set1_epi32(((const int32_t *)xs)[k * in_pad / 4 + b * 8 + g]);
+                p[2 * k] = _mm256_add_epi16(p[2 * k], _mm256_maddubs_epi16(lo, x));
+                p[2 * k + 1] = _mm256_add_epi16(p[2 * k + 1], _mm256_maddubs_epi16(hi, x));
+            }
+        }
+        const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 16)));
+        const __m256 d_hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 16 + 8)));
+        for (int k = 0; k < n; k++) {
+            const __m256i eight = _mm256_set1_epi32(8 * xsum[k * n_in + b]);
+            const __m256i s_lo = _mm256_sub_epi32(_mm256_madd_epi16(p[2 * k], ones), eight);
+            const __m256i s_hi = _mm256_sub_epi32(_mm256_madd_epi16(p[2 * k + 1], ones), eight);
+            const __m256 sx = _mm256_set1_ps(dx[k * n_in + b]);
+            f[2 * k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_lo), _mm256_mul_ps(d_lo, sx), f[2 * k]);
+            f[2 * k + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_hi), _mm256_mul_ps(d_hi, sx),
+                                           f[2 * k + 1]);
+        }
+    }
+}
+
+#include "store_half.h"
+
+/* y[r, 0..left) of one 16-row block for every row r of x, rows `out` floats apart; bias (or
+ * NULL) the block's 16. */
+static void q4_block(const uint8_t *w, const uint16_t *d, const int8_t *xs, const int32_t *xsum,
+                     const float *dx, const float *bias, int64_t rows, int64_t in_pad,
+                     int64_t out, int64_t left, float *y) {
+    const int64_t n_in = in_pad / 32;
+    const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    const __m256 b_hi = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; r += 4) {
+        const int n = rows - r < 4 ? (int)(rows - r) : 4;
+        const int8_t *xr = xs + r * in_pad;
+        const int32_t *sr = xsum + r * n_in;
+        const float *dr = dx + r * n_in;
+        __m256 f[8];
+        switch (n) { /* each a copy of q4_rows for its n */
+        case 1: q4_rows(w, d, xr, sr, dr, in_pad, n_in, 1, f); break;
+        case 2: q4_rows(w, d, xr, sr, dr, in_pad, n_in, 2, f); break;
+        case 3: q4_rows(w, d, xr, sr, dr, in_pad, n_in, 3, f); break;
+        default: q4_rows(w, d, xr, sr, dr, in_pad, n_in, 4, f);
+        }
+        for (int k = 0; k < n; k++) {
+            store_half(y + (r + k) * out, _mm256_add_ps(f[2 * k], b_lo), left);
+            store_half(y + (r + k) * out + 8, _mm256_add_ps(f[2 * k + 1], b_hi), left - 8);
+        }
+    }
+}

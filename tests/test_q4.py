@@ -1,0 +1,112 @@
+"""q4_0 (`tlm.inference.formats.q4`, `products.c`'s q4_0 kernel): llama.cpp's rounding, the
+kernel held to its PyTorch reference (exact integers where the numbers allow), and a model in
+the format end to end."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tlm.inference import for_inference
+from tlm.inference.formats import q4
+
+# each instruction set this host runs, at one thread and at two
+pytestmark = pytest.mark.usefixtures("kernel_build", "each_thread_count")
+
+
+def needs_kernel() -> None:
+    if not q4.here():
+        pytest.skip("no q4_0 kernel in this host's library (no AVX2, or no OpenMP)")
+
+
+def weights(rows: int, inputs: int) -> torch.Tensor:
+    """Random rows with the cases the rounding must get right: a block of zeros, a block
+    whose largest magnitude is taken by +m and -m (the first wins), a block of one value."""
+    torch.manual_seed(0)
+    W = torch.randn(rows, inputs)
+    W[0, :32] = 0
+    W[1, :32] = torch.linspace(-1, 1, 32)  # -1 first, then 1: d = -1 / -8
+    W[1, 5] = 3.0
+    W[1, 9] = -3.0
+    W[2, 32:64] = 0.25
+    return W
+
+
+def test_quantize_writes_ggufs_bytes():
+    """q and d as llama.cpp lays them out (d in fp16, then q[j] | q[j + 16] << 4) are the
+    `gguf` package's Q4_0 bytes, block for block."""
+    W = weights(8, 96)
+    q, d = q4.quantize(W)
+    blocks = q.view(8, 3, 2, 16)
+    nibbles = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).numpy()  # [8, 3, 16]
+    ours = np.concatenate([d.numpy().view(np.uint8).reshape(8, 3, 2), nibbles], axis=-1)
+    theirs = gguf.quants.quantize(W.numpy(), gguf.GGMLQuantizationType.Q4_0)
+    assert np.array_equal(ours.reshape(8, -1), theirs)
+    back = gguf.quants.dequantize(theirs, gguf.GGMLQuantizationType.Q4_0)
+    assert np.array_equal(q4.dequantize(q, d).numpy(), back)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_kernel_is_the_reference(rows, bias):
+    """37 outputs (a last block of 5), 80 inputs (a last input block of 16, padded): the
+    kernel's product is the reference's to fp32 rounding, for 1 to 9 rows."""
+    needs_kernel()
+    W, b = weights(37, 80), torch.randn(37) if bias else None
+    kernel = q4.Q4Blocks(lambda lo, hi: W[lo:hi], W.shape, b)
+    x = torch.randn(rows, 80) * 3
+    expected = q4.reference(x, *kernel.unpacked(), b)
+    got = kernel(x)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_the_layout_keeps_every_weight():
+    """The kernel's layout unpacks to what `quantize` made (rows past 16, inputs past 32)."""
+    W = weights(37, 96)
+    kernel = q4.Q4Blocks(lambda lo, hi: W[lo:hi], W.shape, None)
+    q, d = kernel.unpacked()
+    q_expected, d_expected = q4.quantize(W)
+    assert torch.equal(q, q_expected) and torch.equal(d, d_expected)
+
+
+def test_exact_integers():
+    """Weights that are levels of d = 1/2 (each block's largest -4, so that d comes back
+    exactly) and activations that are integers up to 127 (dx = 1): every sum is an
+    integer or a half, and the kernel's product is exact."""
+    needs_kernel()
+    torch.manual_seed(1)
+    levels = torch.randint(0, 16, (40, 64))
+    levels[:, ::32] = 0  # -8: each block's largest magnitude
+    W = (levels.float() - 8) / 2
+    x = torch.randint(-127, 128, (3, 64)).float()
+    x[:, ::32] = 127  # each block's max |x|: dx = 1 exactly
+    kernel = q4.Q4Blocks(lambda lo, hi: W[lo:hi], W.shape, None)
+    assert torch.equal(kernel(x), x @ W.t())
+    assert torch.equal(q4.reference(x, *kernel.unpacked(), None), x @ W.t())
+
+
+def test_a_model_in_q4_0_is_its_reference(make_model, monkeypatch):
+    """A model for inference in q4_0: its block products are Q4Blocks and its head int8
+    (`WIDER`); its logits and greedy tokens are those of the same model whose products run
+    the PyTorch reference; and its logits stay near fp32's (4.5 bits a weight)."""
+    needs_kernel()
+    model = make_model(position="rope", bias=True)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    state, ids = model.state_dict(), torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        plain = model(ids)
+    fast = for_inference(model, "q4_0")
+    assert isinstance(fast.blocks[0].ffn.up_kernel.kernel, q4.Q4Blocks)
+    assert type(fast.head.kernel).__name__ == "Int8Blocks"
+    monkeypatch.setattr(q4, "here", lambda: False)
+    slow = make_model(position="rope", bias=True)
+    slow.load_state_dict(state)
+    slow = for_inference(slow, "q4_0")
+    assert not slow.blocks[0].ffn.up_kernel.kernel.native
+    with torch.no_grad():
+        got, expected = fast(ids), slow(ids)
+    assert torch.allclose(got, expected, atol=1e-4)
+    assert 1e-3 < (got - plain).abs().max() < 0.3
+    start, settings = ids[:, :4], {"max_new_tokens": 8}
+    assert torch.equal(fast.generate(start, **settings), slow.generate(start, **settings))
