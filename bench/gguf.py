@@ -119,17 +119,29 @@ def part_agreement(llama, run: Path, data: Path, files, tokens: int, threads: in
         f"first {scored['tokens']:,} validation tokens in {len(windows)} windows of {T}"
     )
     print(f"tlm float32 (tlm eval): perplexity {scored['perplexity']:.4f}")
-    print("llama.cpp  same greedy tokens   perplexity   vs tlm")
+    print(
+        "llama.cpp  same greedy tokens: as tlm float32 / tlm in its format   perplexity   "
+        "vs tlm float32   tlm in its format   vs it"
+    )
     for kind, path in files.items():
         llm = open_llama(llama, path, T, threads, all_logits=True)
         greedy = llama_greedy(llama, llm, prompt, new)
-        parted = next(
-            (i for i, (a, b) in enumerate(zip(greedy, ours, strict=True)) if a != b), None
-        )
-        agree = f"{new}/{new}" if parted is None else f"first {parted}/{new}"
+        packed = load_model(run, dtype=TYPES[kind])  # tlm's own format of the same weights
+        own = packed.generate(torch.tensor([prompt]), max_new_tokens=new)[0, len(prompt) :]
+        own_ppl = evaluate_tokens(packed, val, tokenizer.token_bytes(), max_tokens=tokens)
         total, count = llama_nll(llm, windows)
         ppl = math.exp(total / count)
-        print(f"{kind:10s} {agree:>19s} {ppl:12.4f} {ppl / scored['perplexity'] - 1:+8.2%}")
+        print(
+            f"{kind:10s} {agreement(greedy, ours):>27s} / {agreement(greedy, own.tolist()):<16s} "
+            f"{ppl:12.4f} {ppl / scored['perplexity'] - 1:+13.2%} "
+            f"{own_ppl['perplexity']:19.4f} {ppl / own_ppl['perplexity'] - 1:+7.2%}"
+        )
+
+
+def agreement(theirs: list[int], ours: list[int]) -> str:
+    """`n/n` where two greedy continuations agree throughout, else where they part."""
+    parted = next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=True)) if a != b), None)
+    return f"{len(ours)}/{len(ours)}" if parted is None else f"first {parted}/{len(ours)}"
 
 
 def part_chat(llama, run: Path, data: Path, files, questions: int, threads: int) -> None:
