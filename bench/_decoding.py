@@ -121,6 +121,7 @@ def weight_bytes(config: ModelConfig, fmt: str) -> int:
     """Bytes a decoding step reads: every matrix once (the head's E^T too), biases and
     LayerNorms in fp32."""
     d, L, V = config.d_model, config.n_layers, config.vocab_size
-    matrices = L * (4 * d * d + 2 * d * config.d_ff) + V * d
-    size = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[fmt]
-    return matrices * size + 4 * L * (4 * d + config.d_ff + d + 4 * d)
+    blocks, head = L * (4 * d * d + 2 * d * config.d_ff), V * d
+    size = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "q4_0": 18 / 32}[fmt]
+    head_size = 1 if fmt == "q4_0" else size  # q4_0 keeps the head int8
+    return int(blocks * size + head * head_size) + 4 * L * (4 * d + config.d_ff + d + 4 * d)

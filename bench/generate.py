@@ -167,7 +167,8 @@ def part_limit(rounds: int, work: Path) -> None:
     Each round times both, and the medians over rounds are reported. The limit of every
     format is its weight bytes over one bandwidth: the fastest reading of weights seen in
     the run, by the plain readers (`read_bandwidth`) or by a format's products alone."""
-    threads, models = torch.get_num_threads(), user_models(saved_gpt2(work))
+    threads = torch.get_num_threads()
+    models = user_models(saved_gpt2(work), ("float16", "int8", "q4_0"))
     smallest = min(weight_bytes(model.config, fmt) for fmt, model in models.items())
     rows = {}
     for fmt, model in models.items():
