@@ -47,6 +47,7 @@ from tlm.tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TYPES = {"f32": "float32", "f16": "float16", "q8_0": "int8", "q4_0": "q4_0"}  # GGUF -> tlm
+TYPES["q4_k"] = None  # written by tlm, read by llama.cpp; not yet a format tlm decodes in
 GPT2 = {"vocab_size": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "context_length": 1024}
 
 
@@ -126,14 +127,18 @@ def part_agreement(llama, run: Path, data: Path, files, tokens: int, threads: in
     for kind, path in files.items():
         llm = open_llama(llama, path, T, threads, all_logits=True)
         greedy = llama_greedy(llama, llm, prompt, new)
+        total, count = llama_nll(llm, windows)
+        ppl = math.exp(total / count)
+        line = f"{kind:10s} {agreement(greedy, ours):>27s} / "
+        if TYPES[kind] is None:
+            print(f"{line}{'-':16s} {ppl:12.4f} {ppl / scored['perplexity'] - 1:+13.2%}")
+            continue
         packed = load_model(run, dtype=TYPES[kind])  # tlm's own format of the same weights
         own = packed.generate(torch.tensor([prompt]), max_new_tokens=new)[0, len(prompt) :]
         own_ppl = evaluate_tokens(packed, val, tokenizer.token_bytes(), max_tokens=tokens)
-        total, count = llama_nll(llm, windows)
-        ppl = math.exp(total / count)
         print(
-            f"{kind:10s} {agreement(greedy, ours):>27s} / {agreement(greedy, own.tolist()):<16s} "
-            f"{ppl:12.4f} {ppl / scored['perplexity'] - 1:+13.2%} "
+            f"{line}{agreement(greedy, own.tolist()):<16s} {ppl:12.4f} "
+            f"{ppl / scored['perplexity'] - 1:+13.2%} "
             f"{own_ppl['perplexity']:19.4f} {ppl / own_ppl['perplexity'] - 1:+7.2%}"
         )
 
@@ -198,6 +203,12 @@ def part_speed(llama, label: str, source, files, new: int, rounds: int, threads:
     print(f"{label}: batch 1, 1-token prompt, {new} new tokens, greedy; tok/s, best of {rounds}")
     print("llama.cpp  tlm        llama.cpp tok/s   tlm tok/s   tlm / llama.cpp")
     for kind, path in files.items():
+        if TYPES[kind] is None:  # llama.cpp alone
+            llm = open_llama(llama, path, min(1024, new + 2), threads)
+            decode_rate_llama(llama, llm, 4)
+            peer = max(decode_rate_llama(llama, llm, new) for _ in range(rounds))
+            print(f"{kind:10s} {'-':10s} {peer:15.1f}")
+            continue
         model = load_model(source, dtype=TYPES[kind])
         context = min(model.config.context_length, new + 2)
         llm = open_llama(llama, path, context, threads)

@@ -156,6 +156,24 @@ def test_q4_0_writes_llama_cpps_blocks_and_reads_back_block_exact(tmp_path, bpe_
         assert torch.equal(theirs.ffn.W_1.detach().t(), q4.dequantize(*q4.quantize(W)))
 
 
+def test_q4_k_writes_its_super_blocks_and_q4_0_where_rows_are_shorter(tmp_path, bpe_tokenizer):
+    """q4_k: a matrix whose rows are whole super-blocks of 256 in Q4_K (tlm's rounding,
+    read back exactly as `q4k.dequantize` gives it); shorter rows in Q4_0; the token
+    embeddings and head in Q8_0."""
+    from tlm.interop import q4k
+
+    model = random_model(bpe_tokenizer.vocab_size, position="rope")
+    assert model.config.d_model % 256 != 0 and model.config.d_ff % 256 == 0
+    path = export_gguf(model, bpe_tokenizer, tmp_path / "q4_k.gguf", "q4_k")
+    fields, tensors, types = read_raw(path)
+    assert types["blk.0.ffn_down.weight"] == "Q4_K" and types["blk.0.ffn_up.weight"] == "Q4_0"
+    assert types["token_embd.weight"] == types["output.weight"] == "Q8_0"
+    back = read_gguf(path)[0]
+    for mine, theirs in zip(model.blocks, back.blocks, strict=True):
+        W = mine.ffn.W_2.detach().t()  # [out, in]: rows of d_ff
+        assert torch.equal(theirs.ffn.W_2.detach().t(), q4k.dequantize(*q4k.quantize(W)))
+
+
 def bpe_by_rank(pieces, merges):
     """llama.cpp's BPE on one pre-token: merge the adjacent pair of lowest rank until none
     is in `merges`."""

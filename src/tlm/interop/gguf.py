@@ -35,6 +35,7 @@ import torch
 
 from tlm.chat import JINJA_PLAIN
 from tlm.config import ConfigError, ModelConfig
+from tlm.interop import q4k
 from tlm.interop.gguf_tokens import (
     GGUFError,
     _gguf,
@@ -48,8 +49,8 @@ from tlm.model import TransformerLM
 from tlm.model.positions import sinusoidal_table
 from tlm.tokenizer import Tokenizer, TokenizerError
 
-TYPES = ("f32", "f16", "q8_0", "q4_0")
-WIDER = {"q4_0": "q8_0"}  # the embeddings' and the head's type (as tlm's q4_0 keeps them int8)
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_k")
+WIDER = {"q4_0": "q8_0", "q4_k": "q8_0"}  # the embeddings' and the head's (tlm keeps them int8)
 ARCHITECTURES = ("gpt2", "gptneox")
 BLOCK = [  # GGUF name after `blk.{l}.`, tlm name after `blocks.{l}.`
     ("attn_norm.weight", "ln1.gamma"),
@@ -71,9 +72,10 @@ def export_gguf(
     model: TransformerLM, tokenizer: Tokenizer, out: str | Path, kind: str = "f32"
 ) -> Path:
     """Write `model` and `tokenizer` as one GGUF file at `out`, its matrices in `kind`
-    ("f32", "f16", "q8_0" or "q4_0": the blocks' matrices in Q4_0, the token embeddings and
-    the head in Q8_0; vectors stay f32, and a matrix whose rows are not a whole number of
-    32-value blocks is written f16). The file appears whole or not at all,
+    ("f32", "f16", "q8_0", "q4_0" or "q4_k": the blocks' matrices in Q4_0 or Q4_K, the token
+    embeddings and the head in Q8_0; vectors stay f32, a matrix whose rows are not a whole
+    number of Q4_K's 256-value super-blocks is written Q4_0, and one whose rows are not a
+    whole number of 32-value blocks f16). The file appears whole or not at all,
     and an existing one is never replaced."""
     gguf = _gguf()
     if not isinstance(model, TransformerLM):
@@ -147,9 +149,9 @@ def _write_fields(writer, gguf, config: ModelConfig, vocab: dict[str, Any], kind
             writer.add_rope_scaling_yarn_beta_slow(config.yarn_beta_slow)
         writer.add_parallel_residual(False)  # the sequential block
     file_types = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
-    file_types["q4_0"] = "MOSTLY_Q4_0"
+    file_types |= {"q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_S"}
     writer.add_file_type(gguf.LlamaFileType[file_types[kind].upper()])
-    if kind in ("q8_0", "q4_0"):
+    if kind in ("q8_0", "q4_0", "q4_k"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
@@ -199,12 +201,15 @@ def gguf_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
 
 def _add_tensor(writer, gguf, name: str, tensor: np.ndarray, kind: str) -> None:
     matrix = tensor.ndim == 2 and name != "position_embd.weight"
-    if not name.startswith("blk."):
-        kind = WIDER.get(kind, kind)
-    if kind in ("q8_0", "q4_0") and matrix and tensor.shape[1] % 32 == 0:
+    kind = kind if name.startswith("blk.") else WIDER.get(kind, kind)
+    if kind == "q4_k" and matrix and tensor.shape[1] % q4k.SUPER != 0:
+        kind = "q4_0"  # rows that are not whole super-blocks: the same bits in Q4_0's blocks
+    if kind == "q4_k" and matrix:
+        quantized = q4k.to_gguf(*q4k.quantize(torch.from_numpy(tensor)))
+        writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    elif kind in ("q8_0", "q4_0") and matrix and tensor.shape[1] % 32 == 0:
         quantization = gguf.GGMLQuantizationType[kind.upper()]
-        quantized = gguf.quants.quantize(tensor, quantization)
-        writer.add_tensor(name, quantized, raw_dtype=quantization)
+        writer.add_tensor(name, gguf.quants.quantize(tensor, quantization), raw_dtype=quantization)
     elif kind != "f32" and matrix:
         writer.add_tensor(name, tensor.astype(np.float16))
     else:
