@@ -47,7 +47,7 @@ from tlm.tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TYPES = {"f32": "float32", "f16": "float16", "q8_0": "int8", "q4_0": "q4_0"}  # GGUF -> tlm
-TYPES["q4_k"] = None  # written by tlm, read by llama.cpp; not yet a format tlm decodes in
+TYPES["q4_k"] = "q4_k"
 GPT2 = {"vocab_size": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "context_length": 1024}
 
 

@@ -75,6 +75,7 @@ FORMAT_ERROR = {
     "bfloat16": (2e-4, 6e-3),
     "int8": (1e-3, 3e-2),
     "q4_0": (5e-3, 0.1),
+    "q4_k": (5e-3, 0.1),  # here q4_0 but for W_2 (rows of 256)
 }
 KERNEL = {  # the op each product runs through once packed (none of them is aten::mm)
     "float32": "mkldnn::_linear_pointwise",
@@ -82,6 +83,7 @@ KERNEL = {  # the op each product runs through once packed (none of them is aten
     "bfloat16": "aten::linear",
     "int8": "quantized::linear_dynamic",
     "q4_0": "aten::einsum",  # its PyTorch reference (`q4.reference`)
+    "q4_k": "aten::einsum",
 }
 
 
@@ -101,7 +103,7 @@ class BlockedCalls:
 
     def __init__(self, monkeypatch) -> None:
         self.count = 0
-        for kind in (blocked.Int8Blocks, blocked.FloatBlocks, q4.Q4Blocks):
+        for kind in (blocked.Int8Blocks, blocked.FloatBlocks, q4.Q4Blocks, q4.Q4KBlocks):
             monkeypatch.setattr(kind, "__call__", self.counted(kind.__call__))
 
     def counted(self, call):
@@ -115,7 +117,7 @@ class BlockedCalls:
 def kernels_of(dtype: str, kernels: str) -> str:
     """The kernels a format's products run on this host: tlm's own ("blocked"), or those
     `KERNEL` names (with `kernels="torch"`, the blocked ones are switched off)."""
-    if dtype == "q4_0":  # its blocks tlm's, its head int8's
+    if dtype in ("q4_0", "q4_k"):  # its blocks tlm's, its head int8's
         return "blocked" if q4.here() and blocked.here("int8") else pytest.skip("no q4_0 kernel")
     return "blocked" if kernels == "own" and blocked.here(dtype) else KERNEL[dtype]
 

@@ -209,7 +209,7 @@ def test_the_c_step_keeps_the_cache_bounds(make_model):
 WHOLE = [("float32", 1, "learned"), ("float32", 2, "rope"), ("float16", 1, "rope")]
 WHOLE += [("float16", 3, "learned"), ("int8", 1, "learned"), ("int8", 2, "rope")]
 WHOLE += [("float32 blocks", 4, "rope")]  # for_inference(model, "float32"): a copy in blocks
-WHOLE += [("q4_0", 1, "learned"), ("q4_0", 3, "rope")]
+WHOLE += [("q4_0", 1, "learned"), ("q4_0", 3, "rope"), ("q4_k", 2, "rope")]
 
 
 @needs_native
@@ -219,7 +219,7 @@ def test_the_whole_step_in_c_equals_the_loop(make_model, monkeypatch, dtype, row
     computes what step.py's loop computes with the same kernels."""
     fmt = dtype.split()[0]
     ready = native.threaded() if dtype == "float32" else blocked.here(fmt)
-    if not (q4.here() if fmt == "q4_0" else ready):
+    if not (q4.here() if fmt.startswith("q4") else ready):
         pytest.skip(f"no C kernels for {dtype} on this host")
     model = make_model(position=position, qk_norm=position == "rope", bias=True)
     for p in model.parameters():

@@ -1,6 +1,6 @@
-"""q4_0 (`tlm.inference.formats.q4`, `products.c`'s q4_0 kernel): llama.cpp's rounding, the
+"""q4_0 and q4_k (`tlm.inference.formats.q4`, `q4.c`'s kernels): llama.cpp's rounding, each
 kernel held to its PyTorch reference (exact integers where the numbers allow), and a model in
-the format end to end."""
+each format end to end."""
 
 import gguf
 import numpy as np
@@ -110,3 +110,47 @@ def test_a_model_in_q4_0_is_its_reference(make_model, monkeypatch):
     assert 1e-3 < (got - plain).abs().max() < 0.3
     start, settings = ids[:, :4], {"max_new_tokens": 8}
     assert torch.equal(fast.generate(start, **settings), slow.generate(start, **settings))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_q4_k_kernel_is_its_reference(rows, bias):
+    """37 outputs (a last block of 5), 512 inputs (two super-blocks): the q4_k kernel's
+    product is `reference_k`'s to fp32 rounding; the layout unpacks to the quantizer's."""
+    from tlm.interop import q4k
+
+    needs_kernel()
+    W, b = weights(37, 512) * 0.1, torch.randn(37) if bias else None
+    kernel = q4.Q4KBlocks(lambda lo, hi: W[lo:hi], W.shape, b)
+    assert all(torch.equal(a, e) for a, e in zip(kernel.unpacked(), q4k.quantize(W), strict=True))
+    x = torch.randn(rows, 512) * 3
+    expected = q4.reference_k(x, kernel.unpacked(), b)
+    got = kernel(x)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_a_model_in_q4_k_takes_q4_0_where_rows_are_short(make_model, monkeypatch):
+    """d_model 256: every product's rows are whole super-blocks of 256 (all Q4_K); d_model 64:
+    only W_2's (d_ff 256), the rest q4_0, as llama.cpp falls back; either way the logits are
+    those of the PyTorch references, and the greedy tokens the same."""
+    needs_kernel()
+    for d_model, d_ff in ((256, 1024), (64, 256)):
+        model = make_model(d_model=d_model, d_ff=d_ff, bias=True)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        state, ids = model.state_dict(), torch.randint(0, 97, (2, 10))
+        fast = for_inference(model, "q4_k")
+        kinds = {
+            type(fast.blocks[0].attn.qkv_kernel.kernel),
+            type(fast.blocks[0].ffn.down_kernel.kernel),
+        }
+        assert kinds == ({q4.Q4KBlocks} if d_model == 256 else {q4.Q4Blocks, q4.Q4KBlocks})
+        with monkeypatch.context() as m:
+            m.setattr(q4, "here", lambda: False)
+            slow = make_model(d_model=d_model, d_ff=d_ff, bias=True)
+            slow.load_state_dict(state)
+            slow = for_inference(slow, "q4_k")
+        with torch.no_grad():
+            assert torch.allclose(fast(ids), slow(ids), atol=1e-4)
+        start, settings = ids[:, :3], {"max_new_tokens": 6}
+        assert torch.equal(fast.generate(start, **settings), slow.generate(start, **settings))

@@ -71,7 +71,7 @@ class Block(ctypes.Structure):
     ]
 
 
-INT8, FLOAT16, ROWS, DOTS, FLOAT32, Q4_0 = range(6)  # Product.kind, as step.c's `product`
+INT8, FLOAT16, ROWS, DOTS, FLOAT32, Q4_0, Q4_K = range(7)  # Product.kind: step.c's `product`
 
 
 class Rows(ctypes.Structure):
@@ -185,6 +185,11 @@ def _described(model, layers, copies: bool) -> Program:
             keep.extend(t for t in tensors if t is not None)
             addresses = (native.address(t) for t in tensors)
             return [Product(Q4_0, *addresses, kernel.inputs, kernel.in_pad, kernel.out)]
+        if isinstance(kernel, q4.Q4KBlocks) and kernel.native:
+            tensors = (kernel.blocks, kernel.dd, kernel.scm, kernel.b)  # w, scale, wsum, bias
+            keep.extend(t for t in tensors if t is not None)
+            addresses = (native.address(t) for t in tensors)
+            return [Product(Q4_K, *addresses, kernel.inputs, kernel.in_pad, kernel.out)]
         if isinstance(kernel, Float32Linear) and native.threaded():
             parts, offset = [], 0
             for W, b in kernel.maps:

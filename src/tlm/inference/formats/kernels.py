@@ -49,8 +49,8 @@ from tlm.inference.formats import blas, blocked, q4
 from tlm.model.functional import linear
 from tlm.tensor_files import LazyMatrix
 
-FORMATS = ("float32", "float16", "bfloat16", "int8", "q4_0")
-WIDER = {"q4_0": "int8"}  # the format of the embeddings and the head where not the weights'
+FORMATS = ("float32", "float16", "bfloat16", "int8", "q4_0", "q4_k")
+WIDER = {"q4_0": "int8", "q4_k": "int8"}  # the embeddings' and the head's, where not the weights'
 
 
 def wider(fmt: str) -> str:
@@ -83,7 +83,9 @@ class PackedLinear:
             read, shape = (lambda lo, hi: W_t[lo:hi].detach().float()), W_t.shape
         self.b = None if b is None else b.detach().float()
         self.out_features, self.splits = shape[0], splits
-        if fmt == "q4_0":  # tlm's own kernel, or its reference in PyTorch
+        if fmt == "q4_k" and shape[1] % 256 == 0:  # tlm's own kernels, or their references
+            self.weight = self.kernel = q4.Q4KBlocks(read, shape, self.b)
+        elif fmt in ("q4_0", "q4_k"):  # q4_k's rows not whole super-blocks: q4_0, as llama.cpp
             self.weight = self.kernel = q4.Q4Blocks(read, shape, self.b)
         elif fmt in ("float16", "int8") and blocked.here(fmt):  # tlm's own kernels
             if fmt == "float16":
@@ -282,7 +284,7 @@ def check_format(fmt: str, device: torch.device) -> None:
     """A one-line reason when `fmt` cannot run here."""
     if fmt not in FORMATS:
         raise ValueError(f"dtype must be one of {', '.join(FORMATS)}; got {fmt!r}")
-    if fmt in ("int8", "q4_0") and device.type != "cpu":
+    if fmt in ("int8", "q4_0", "q4_k") and device.type != "cpu":
         raise ValueError(f"{fmt} inference runs on the CPU only")
     fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
     if device.type == "cpu" and wider(fmt) in ("float16", "int8") and not fbgemm:

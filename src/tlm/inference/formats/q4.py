@@ -1,4 +1,4 @@
-"""q4_0: llama.cpp's 4-bit weights (Q4_0), for tlm's own product (`products.c`, `blocks_q4.h`).
+"""q4_0: llama.cpp's 4-bit weights (Q4_0), for tlm's own product (`q4.c`, `blocks_q4.h`).
 
 A weight row is cut into blocks of 32; a block keeps one scale d (fp16) and 32 values q in
 [0, 15], the weight being (q - 8) d: 4.5 bits a weight, 0.5625 bytes (int8 takes 1 and a
@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tlm.inference import native
+from tlm.inference.formats.blocked import _operands
+from tlm.interop import q4k
 
 BLOCK = 32  # weights a scale covers
-Q4 = 16  # products.c's `products_here` bit for q4_0
 CHUNK = 1024  # rows quantized at a time: the temporaries stay a few MB
 
 
@@ -51,22 +52,43 @@ def reference(x: Tensor, q: Tensor, d: Tensor, b: Tensor | None) -> Tensor:
     """The q4_0 product in PyTorch: x [N, in] fp32 against q [out, in_pad], d [out, in_pad/32]
     (padding q 8, the weight 0), as the kernel computes it (Q8_0 activations, exact block
     sums, fp32 scales); [N, out]."""
-    (N, inputs), (out, in_pad) = x.shape, q.shape
-    nb = in_pad // BLOCK
-    xb = F.pad(x.float(), (0, in_pad - inputs)).view(N, nb, BLOCK)
-    scale = xb.abs().amax(-1) / 127  # [N, nb]
+    out, in_pad = q.shape
+    xq, dx = _q8_0(x, in_pad)
+    sums = torch.einsum("nbk,obk->nob", xq, q.view(out, -1, BLOCK).float() - 8)  # exact
+    y = (sums * (d.float()[None] * dx[:, None, :])).sum(-1)
+    return y if b is None else y + b
+
+
+def reference_k(x: Tensor, parts: tuple[Tensor, ...], b: Tensor | None) -> Tensor:
+    """The q4_k product in PyTorch, as the kernel computes it: `parts` (q [out, in], sc and m
+    [out, in/32], d and dmin [out, in/256], `interop.q4k.quantize`'s) stand for d sc q - dmin
+    m; each sub-block adds S d sc dx - dmin m dx sum(xq), S its exact sum of q xq."""
+    q, sc, m, d, dmin = parts
+    out, inputs = q.shape
+    xq, dx = _q8_0(x, inputs)
+    sums = torch.einsum("nbk,obk->nob", xq, q.view(out, -1, BLOCK).float())  # exact
+    step = d.float().repeat_interleave(8, dim=1) * sc.float()  # [out, in/32]
+    shift = dmin.float().repeat_interleave(8, dim=1) * m.float()
+    y = sums * (step[None] * dx[:, None, :]) - shift[None] * (dx * xq.sum(-1))[:, None, :]
+    y = y.sum(-1)
+    return y if b is None else y + b
+
+
+def _q8_0(x: Tensor, in_pad: int) -> tuple[Tensor, Tensor]:
+    """x [N, in] as llama.cpp's Q8_0, padded to in_pad: xq [N, in_pad/32, 32] (integers, in
+    fp32) and dx [N, in_pad/32] (its fp16 value): the kernel's activations."""
+    xb = F.pad(x.float(), (0, in_pad - x.shape[1])).view(len(x), -1, BLOCK)
+    scale = xb.abs().amax(-1) / 127
     inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
     v = xb * inverse[..., None]
     whole = v.trunc()
     xq = torch.where((v - whole).abs() == 0.5, whole + v.sign(), v.round())  # halves away
-    sums = torch.einsum("nbk,obk->nob", xq, q.view(out, nb, BLOCK).float() - 8)  # exact
-    y = (sums * (d.float()[None] * scale.half().float()[:, None, :])).sum(-1)
-    return y if b is None else y + b
+    return xq, scale.half().float()
 
 
 def here() -> bool:
     """Whether this host's library has the q4_0 kernel (an AVX2 or AVX-512 build)."""
-    return native.threaded() and bool(native.library().products_here() & Q4)
+    return native.library() is not None and bool(native.library().q4_here())
 
 
 class Q4Blocks:
@@ -106,13 +128,9 @@ class Q4Blocks:
         return q[: self.out], d[: self.out]
 
     def __call__(self, x: Tensor) -> Tensor:
-        if x.dim() != 2 or x.shape[1] != self.inputs:
-            raise ValueError(f"expected x [N, {self.inputs}], got {list(x.shape)}")
-        x = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-        b = None if self.b is None else self.b[: self.out]
+        x, y = _operands(x, self.inputs, self.out)
         if not self.native:
-            return reference(x, *self.unpacked(), b)
-        y = x.new_empty(len(x), self.out)
+            return reference(x, *self.unpacked(), None if self.b is None else self.b[: self.out])
         done = self.lib.q4_0_product(
             self.blocks.data_ptr(), self.scales.data_ptr(), native.address(self.b),
             x.data_ptr(), len(x), self.inputs, self.in_pad, self.out, y.data_ptr(),
@@ -129,3 +147,60 @@ def _interleaved(q: Tensor) -> Tensor:
     v = q.view(rows // 16, 2, 8, in_pad // BLOCK, 8, 4)  # [J, half, r, b, g, t]
     lines = v[:, 0] | (v[:, 1] << 4)  # [J, r, b, g, t]
     return lines.permute(0, 2, 3, 1, 4).reshape(rows // 16, in_pad // BLOCK, 8, 32)
+
+
+class Q4KBlocks:
+    """y = x W^T + b with W [out, in] (in a multiple of 256) held as Q4_K (`interop.q4k`'s
+    rounding) in the kernel's layout: the q4_0 lines of nibbles, scm [out_pad/16, in/32, 32]
+    (the 16 rows' 6-bit sc, then their m) and dd [out_pad/16, in/256, 32] fp16 (their d,
+    then their dmin). Where the library has no kernel, `reference_k` runs instead."""
+
+    def __init__(self, read, shape: tuple[int, int], b: Tensor | None) -> None:
+        (self.out, self.inputs), self.native = shape, here()
+        if self.inputs % q4k.SUPER:
+            raise ValueError(f"q4_k needs rows of whole 256-blocks; these have {self.inputs}")
+        self.lib, self.in_pad = native.library() if self.native else None, self.inputs
+        out_pad, nb = -(-self.out // 16) * 16, self.inputs // BLOCK
+        self.blocks = torch.empty(out_pad // 16, nb, 8, 32, dtype=torch.uint8)
+        self.scm = torch.zeros(out_pad // 16, nb, 32, dtype=torch.uint8)
+        self.dd = torch.zeros(out_pad // 16, nb // 8, 32, dtype=torch.float16)
+        for lo in range(0, out_pad, CHUNK):
+            hi = min(lo + CHUNK, out_pad)
+            rows = torch.zeros(hi - lo, self.inputs)
+            real = read(lo, min(hi, self.out)) if lo < self.out else rows[:0]
+            rows[: len(real)] = real
+            q, sc, m, d, dmin = q4k.quantize(rows)
+            self.blocks[lo // 16 : hi // 16] = _interleaved(q)
+            self.scm[lo // 16 : hi // 16] = torch.cat([_by_16(sc), _by_16(m)], dim=-1)
+            self.dd[lo // 16 : hi // 16] = torch.cat([_by_16(d), _by_16(dmin)], dim=-1)
+        self.b = None
+        if b is not None:
+            self.b = torch.zeros(out_pad)
+            self.b[: self.out] = b.detach().float()
+
+    def unpacked(self) -> tuple[Tensor, ...]:
+        """(q, sc, m, d, dmin) as `interop.q4k.quantize` gives them, from the layout."""
+        J, nb = self.blocks.shape[:2]
+        both = self.blocks.view(J, nb, 8, 8, 4)
+        q = torch.cat([both & 0x0F, both >> 4], dim=3).permute(0, 3, 1, 2, 4).reshape(J * 16, -1)
+        rows = lambda t: t.transpose(1, 2).reshape(J * 16, -1)[: self.out]  # noqa: E731
+        sc, m = rows(self.scm[..., :16]), rows(self.scm[..., 16:])
+        return q[: self.out], sc, m, rows(self.dd[..., :16]), rows(self.dd[..., 16:])
+
+    def __call__(self, x: Tensor) -> Tensor:
+        x, y = _operands(x, self.inputs, self.out)
+        if not self.native:
+            return reference_k(x, self.unpacked(), None if self.b is None else self.b[: self.out])
+        done = self.lib.q4_k_product(
+            self.blocks.data_ptr(), self.dd.data_ptr(), self.scm.data_ptr(),
+            native.address(self.b), x.data_ptr(), len(x), self.inputs, self.in_pad, self.out,
+            y.data_ptr(),
+        )  # fmt: skip
+        if done != 0:
+            raise MemoryError(f"q4_k product of {len(x)} rows: no memory for its operands")
+        return y
+
+
+def _by_16(t: Tensor) -> Tensor:
+    """[16J, k] per-row values as [J, k, 16]: the 16 rows of a block side by side."""
+    return t.view(-1, 16, t.shape[1]).transpose(1, 2)

@@ -1,21 +1,21 @@
-"""`step.c`, `products.c`, `attention.c` and `attention32.c`, compiled for this machine at
-first use, called through ctypes.
+"""`step.c`, `products.c`, `q4.c`, `attention.c` and `attention32.c`, compiled for this machine
+at first use, called through ctypes.
 
-`step.c` holds the work between a decoding step's weight products (`step.py`),
-`products.c` the products of weights kept in blocks (`blocked.py`), `attention.c` and
-`attention32.c` causal attention for bf16 and fp32 training on a CPU (`attention.py`).
-All four are compiled once per machine, into one library, with the system's C compiler
-(`$CC`, else `cc`) for the host's own instruction set (-march=native), or for the one
-`TLM_NATIVE_ARCH` names (`BUILDS`: `haswell` builds the AVX2 kernels, which an AVX-512
-host runs too, so that its tests cover both kinds; `builds_here` lists what this host can
-run). Each source picks its kernels by what the compiler targets (`#if __AVX512F__`, ...):
-one binding, one dispatch, made when the library is built on the host it runs on. They are
-built with OpenMP (where the compiler has no OpenMP runtime, without it: attention then
-runs on one core, and the blocked products are not used), into tlm's cache folder
-(`$TLM_CACHE`, else ~/.cache/tlm; the temporary folder where that cannot be made), under a
-name made of the sources, the flags and the CPU, so that a changed file or another host
-compiles anew and a process that finds the library runs no compiler; the compiler writes
-to a temporary name that is renamed when done. It takes about a second, and needs no
+`step.c` holds the work between a decoding step's weight products (`step.py`), `products.c`
+the products of weights kept in blocks (`blocked.py`), `q4.c` the 4-bit ones (`q4.py`),
+`attention.c` and `attention32.c` causal attention for bf16 and fp32 training on a CPU
+(`attention.py`). All five are compiled once per machine, into one library, with the
+system's C compiler (`$CC`, else `cc`) for the host's own instruction set (-march=native),
+or for the one `TLM_NATIVE_ARCH` names (`BUILDS`: `haswell` builds the AVX2 kernels, which
+an AVX-512 host runs too, so that its tests cover both kinds; `builds_here` lists what this
+host can run). Each source picks its kernels by what the compiler targets (`#if
+__AVX512F__`, ...): one binding, one dispatch, made when the library is built on the host it
+runs on. They are built with OpenMP (where the compiler has no OpenMP runtime, without it:
+attention then runs on one core, and the blocked products are not used), into tlm's cache
+folder (`$TLM_CACHE`, else ~/.cache/tlm; the temporary folder where that cannot be made),
+under a name made of the sources, the flags and the CPU, so that a changed file or another
+host compiles anew and a process that finds the library runs no compiler; the compiler
+writes to a temporary name that is renamed when done. It takes about a second, and needs no
 torch headers.
 
 Where no compiler works, or `TLM_NATIVE=0`, `library()` is None: decoding runs the
@@ -42,7 +42,7 @@ from tlm.errors import UserError
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("step.c", "products.c", "attention.c", "attention32.c")
+    for name in ("step.c", "products.c", "q4.c", "attention.c", "attention32.c")
 ]
 HEADERS = [  # included by the sources: keyed too
     Path(__file__).with_name(name)
@@ -85,7 +85,9 @@ SIGNATURES = {  # name: (what it returns, its arguments)
     "float32_product": (i64, [ptr, ptr, ptr, i64, i64, i64, ptr]),
     "float32_rows": (i64, [ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64]),
     "float32_panels": (i64, [ptr, i64, ptr, ptr, i64, i64, i64, ptr]),
+    "q4_here": (i64, []),
     "q4_0_product": (i64, [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]),
+    "q4_k_product": (i64, [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]),
     "float32_dots": (i64, [ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64]),
     "decode_step": (
         i64,

@@ -1,4 +1,8 @@
-/* products.c's q4_0 kernel (AVX2 with FMA and F16C; an AVX-512 build runs the same code).
+/* products.c's q4_0 and q4_k kernel (AVX2 with FMA and F16C; an AVX-512 build runs the same
+ * code). q4_k (llama.cpp's Q4_K) keeps the same lines of nibbles; a sub-block of 32 inputs
+ * has a 6-bit scale sc and min m of each row (`scm`: the 16 rows' sc, then their m), and a
+ * super-block of 256 an fp16 d and dmin of each row (`d`: the 16 d, then the 16 dmin), the
+ * weight being d sc q - dmin m.
  *
  * Weights as llama.cpp's Q4_0: blocks of 32 inputs of one output row, each a 4-bit q in
  * [0, 15] standing for (q - 8) * d, one fp16 d a block. Here 16 output rows go together, as
@@ -14,6 +18,14 @@
  * (vpmaddubsw of |xq| by (q - 8) with xq's signs: a pair is at most 2 * 127 * 8 = 2032, no
  * saturation), and y[o] = sum_b d[o, b] dx[b] sum_b + bias[o] in fp32, block by block. */
 
+/* 8 fp16 values, and 8 bytes, as 8 fp32 lanes. */
+static inline __m256 half8(const uint16_t *h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+static inline __m256 byte8(const uint8_t *b) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b)));
+}
+
 /* The integer sums of one 16-row block for n rows of x (n = 1..4), input block by input
  * block, scaled by d dx and added into f[2k] (rows 0-7) and f[2k + 1] (rows 8-15) of row k.
  * vpmaddubsw multiplies q (unsigned, 0..15) by xq (signed) and adds pairs into 16 bits: a
@@ -21,6 +33,7 @@
  * 30480) before vpmaddwd widens them once a block; the 8 of (q - 8) is taken away as
  * 8 sum(xq), which products.c counted when it quantized the block (`xsum`). */
 static inline __attribute__((always_inline)) void q4_rows(const uint8_t *w, const uint16_t *d,
+                                                          const uint8_t *scm, int kquant,
                                                           const int8_t *xs, const int32_t *xsum,
                                                           const float *dx, int64_t in_pad,
                                                           int64_t n_in, int n, __m256 *f) {
@@ -38,6 +51,24 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *w, cons
                 p[2 * k] = _mm256_add_epi16(p[2 * k], _mm256_maddubs_epi16(lo, x));
                 p[2 * k + 1] = _mm256_add_epi16(p[2 * k + 1], _mm256_maddubs_epi16(hi, x));
             }
+        }
+        if (kquant) { /* q4_k: w = d sc q - dmin m, so f += S d sc dx - dmin m dx sum(xq) */
+            const uint16_t *dk = d + (b / 8) * 32;
+            const uint8_t *sm = scm + b * 32;
+            const __m256 step_lo = _mm256_mul_ps(half8(dk), byte8(sm));
+            const __m256 step_hi = _mm256_mul_ps(half8(dk + 8), byte8(sm + 8));
+            const __m256 off_lo = _mm256_mul_ps(half8(dk + 16), byte8(sm + 16));
+            const __m256 off_hi = _mm256_mul_ps(half8(dk + 24), byte8(sm + 24));
+            for (int k = 0; k < n; k++) {
+                const float sx = dx[k * n_in + b];
+                const __m256 sxv = _mm256_set1_ps(sx), sums = _mm256_set1_ps(sx * (float)xsum[k * n_in + b]);
+                const __m256 s_lo = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[2 * k], ones));
+                const __m256 s_hi = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[2 * k + 1], ones));
+                f[2 * k] = _mm256_fnmadd_ps(off_lo, sums, _mm256_fmadd_ps(s_lo, _mm256_mul_ps(step_lo, sxv), f[2 * k]));
+                f[2 * k + 1] = _mm256_fnmadd_ps(off_hi, sums,
+                                                _mm256_fmadd_ps(s_hi, _mm256_mul_ps(step_hi, sxv), f[2 * k + 1]));
+            }
+            continue;
         }
         const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 16)));
         const __m256 d_hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 16 + 8)));
@@ -57,9 +88,9 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *w, cons
 
 /* y[r, 0..left) of one 16-row block for every row r of x, rows `out` floats apart; bias (or
  * NULL) the block's 16. */
-static void q4_block(const uint8_t *w, const uint16_t *d, const int8_t *xs, const int32_t *xsum,
-                     const float *dx, const float *bias, int64_t rows, int64_t in_pad,
-                     int64_t out, int64_t left, float *y) {
+static void q4_block(const uint8_t *w, const uint16_t *d, const uint8_t *scm, int kquant,
+                     const int8_t *xs, const int32_t *xsum, const float *dx, const float *bias,
+                     int64_t rows, int64_t in_pad, int64_t out, int64_t left, float *y) {
     const int64_t n_in = in_pad / 32;
     const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
     const __m256 b_hi = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
@@ -69,11 +100,15 @@ static void q4_block(const uint8_t *w, const uint16_t *d, const int8_t *xs, cons
         const int32_t *sr = xsum + r * n_in;
         const float *dr = dx + r * n_in;
         __m256 f[8];
-        switch (n) { /* each a copy of q4_rows for its n */
-        case 1: q4_rows(w, d, xr, sr, dr, in_pad, n_in, 1, f); break;
-        case 2: q4_rows(w, d, xr, sr, dr, in_pad, n_in, 2, f); break;
-        case 3: q4_rows(w, d, xr, sr, dr, in_pad, n_in, 3, f); break;
-        default: q4_rows(w, d, xr, sr, dr, in_pad, n_in, 4, f);
+        switch (n + 4 * kquant) { /* each a copy of q4_rows for its n and kind */
+        case 1: q4_rows(w, d, scm, 0, xr, sr, dr, in_pad, n_in, 1, f); break;
+        case 2: q4_rows(w, d, scm, 0, xr, sr, dr, in_pad, n_in, 2, f); break;
+        case 3: q4_rows(w, d, scm, 0, xr, sr, dr, in_pad, n_in, 3, f); break;
+        case 4: q4_rows(w, d, scm, 0, xr, sr, dr, in_pad, n_in, 4, f); break;
+        case 5: q4_rows(w, d, scm, 1, xr, sr, dr, in_pad, n_in, 1, f); break;
+        case 6: q4_rows(w, d, scm, 1, xr, sr, dr, in_pad, n_in, 2, f); break;
+        case 7: q4_rows(w, d, scm, 1, xr, sr, dr, in_pad, n_in, 3, f); break;
+        default: q4_rows(w, d, scm, 1, xr, sr, dr, in_pad, n_in, 4, f);
         }
         for (int k = 0; k < n; k++) {
             store_half(y + (r + k) * out, _mm256_add_ps(f[2 * k], b_lo), left);

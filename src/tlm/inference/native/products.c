@@ -40,9 +40,6 @@
 #define HALVES 1
 #define INT8_KERNEL 1
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) /* both builds: blocks_q4.h */
-#define Q4_KERNEL 1
-#endif
 #if defined(HALVES) && !defined(__AVXVNNI__)
 #define BY_SIGNS 1 /* int8 by vpmaddubsw: x as |xq| and its signs */
 #else
@@ -51,7 +48,7 @@
 
 /* Which kernels this build has: bit 0 int8, bit 1 float16 and float32 blocks, bit 2 set
  * when they run on OpenMP's threads (built with -fopenmp, not -fopenmp-simd), bit 3 float32
- * panels (a prompt's rows; AVX2 builds only), bit 4 q4_0. */
+ * panels (a prompt's rows; AVX2 builds only); q4.c's kernels say so themselves (q4_here). */
 int64_t products_here(void) {
     int64_t here = 0;
 #if defined(_OPENMP)
@@ -65,9 +62,6 @@ int64_t products_here(void) {
 #endif
 #if defined(HALVES)
     here |= 8;
-#endif
-#if defined(Q4_KERNEL)
-    here |= 16;
 #endif
     return here;
 }
@@ -99,9 +93,6 @@ int64_t isa_here(void) {
 #include "blocks_avx512.h"
 #elif defined(HALVES)
 #include "blocks_avx2.h"
-#endif
-#if defined(Q4_KERNEL)
-#include "blocks_q4.h"
 #endif
 
 /* int8: W ~ scale[o] * q[o, i], q in [-127, 127] (one scale per output row). Each row of x
@@ -150,54 +141,6 @@ int64_t int8_product(const int8_t *blocks, const float *scale, const int32_t *ws
     free(xu), free(sx);
     return 0;
 #else
-    return -1;
-#endif
-}
-
-/* q4_0 (blocks_q4.h): blocks [out_pad/16][in_pad/32][8][32] uint8 and scales
- * [out_pad/16][in_pad/32][16] fp16 (as uint16_t), in_pad a multiple of 32 (padding: q = 8,
- * the weight 0); bias [out_pad] or NULL; x [rows, in] fp32; y [rows, out] fp32. Each row of x
- * is quantized first as llama.cpp's Q8_0 (blocks of 32: dx = max|x| / 127 kept in fp16, xq =
- * round(x / dx) with 1 / dx in fp32, halves away from zero). Returns 0, -1 where this build
- * has no q4_0 kernel, -2 without memory. */
-int64_t q4_0_product(const uint8_t *blocks, const uint16_t *scales, const float *bias,
-                     const float *x, int64_t rows, int64_t in, int64_t in_pad, int64_t out,
-                     float *y) {
-#if defined(Q4_KERNEL)
-    const int64_t n_in = in_pad / 32;
-    int8_t *xs = aligned_alloc(64, (size_t)(rows * in_pad));
-    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(rows * n_in));
-    float *dx = malloc(sizeof(float) * (size_t)(rows * n_in));
-    if (!xs || !xsum || !dx) {
-        free(xs), free(xsum), free(dx);
-        return -2;
-    }
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < n_in; b++) {
-            const float *xb = x + r * in + b * 32;
-            const int64_t n = in - b * 32 < 32 ? in - b * 32 : 32; /* the last may be short */
-            float most = 0.0f;
-            for (int64_t i = 0; i < n; i++) most = fabsf(xb[i]) > most ? fabsf(xb[i]) : most;
-            const float scale = most / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-            dx[r * n_in + b] = _cvtsh_ss(_cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT));
-            int8_t *sb = xs + r * in_pad + b * 32;
-            int32_t sum = 0;
-            for (int64_t i = 0; i < 32; i++) {
-                sb[i] = (int8_t)(i < n ? (int32_t)roundf(xb[i] * inv) : 0);
-                sum += sb[i];
-            }
-            xsum[r * n_in + b] = sum;
-        }
-    const int64_t n_blocks = (out + 15) / 16;
-#pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n_blocks; j++)
-        q4_block(blocks + j * 8 * in_pad, scales + j * 16 * n_in, xs, xsum, dx,
-                 bias ? bias + j * 16 : NULL, rows, in_pad, out, out - j * 16, y + j * 16);
-    free(xs), free(xsum), free(dx);
-    return 0;
-#else
-    (void)blocks, (void)scales, (void)bias, (void)x, (void)rows, (void)in, (void)in_pad;
-    (void)out, (void)y;
     return -1;
 #endif
 }

@@ -321,10 +321,14 @@ int64_t float32_dots(const float *E, int64_t ld, const float *bias, const float 
 int64_t q4_0_product(const uint8_t *blocks, const uint16_t *scales, const float *bias,
                      const float *x, int64_t rows, int64_t in, int64_t in_pad, int64_t out,
                      float *y);
+int64_t q4_k_product(const uint8_t *blocks, const uint16_t *d, const uint8_t *scm,
+                     const float *bias, const float *x, int64_t rows, int64_t in, int64_t in_pad,
+                     int64_t out, float *y);
 
 /* One product, y = x W^T + b, written at `offset` of each output row: kind 0 int8 blocks,
  * 1 float16 blocks, 2 fp32 W [in, out] (rows ld apart), 3 fp32 W^T [out, in] (rows ld
- * apart), 4 float32 blocks, 5 q4_0 blocks (`scale`: their fp16 scales). Only kinds 2 and 3 write at an offset, into rows wider than
+ * apart), 4 float32 blocks, 5 q4_0 blocks (`scale`: their fp16 scales), 6 q4_k blocks
+ * (`scale`: their fp16 d and dmin, `wsum`: their 6-bit sc and m). Only kinds 2 and 3 write at an offset, into rows wider than
  * their own output (Q, K and V as three products; program.py checks). */
 typedef struct {
     int64_t kind;
@@ -359,6 +363,9 @@ static int64_t product(const Product *p, const float *x, int64_t rows, float *y,
     case 2: return float32_rows(p->w, p->ld, p->bias, x, rows, p->in, p->out, y + p->offset, ldy);
     case 3: return float32_dots(p->w, p->ld, p->bias, x, rows, p->in, p->out, y + p->offset, ldy);
     case 5: return q4_0_product(p->w, (const uint16_t *)p->scale, p->bias, x, rows, p->in, p->in_pad, p->out, y);
+    case 6:
+        return q4_k_product(p->w, (const uint16_t *)p->scale, (const uint8_t *)p->wsum, p->bias, x, rows, p->in,
+                            p->in_pad, p->out, y);
     default: return float32_product(p->w, p->bias, x, rows, p->in, p->out, y);
     }
 }
