@@ -241,3 +241,28 @@ def test_beam_search_json_gives_each_tokens_logprob(run, capsys):
     with torch.no_grad():
         logp = model(ids[:, :-1]).log_softmax(-1)[0, -n:].gather(1, ids[0, -n:, None])[:, 0]
     assert beam["logprobs"] == pytest.approx(logp.tolist(), abs=1e-4)
+
+
+def test_eval_and_score_take_the_weight_formats(run, capsys, tmp_path):
+    """`tlm eval --dtype` and `tlm score --dtype` read the run in that format: figures near
+    float32's, not equal; a task that reads float32 refuses it in one line."""
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    figures = {}
+    for dtype in (None, "q4_0"):
+        flags = [] if dtype is None else ["--dtype", dtype]
+        assert main(["eval", str(run), "--text", str(text), "--json", *flags]) == 0
+        loss = json.loads(capsys.readouterr().out)["loss"]
+        assert (
+            main(
+                ["score", str(run), "--context", "The", "--continuation", " fox", "--json", *flags]
+            )
+            == 0
+        )
+        logprob = json.loads(capsys.readouterr().out)["continuations"][0]["logprob"]
+        figures[dtype] = (loss, logprob)
+    (loss, logprob), (q_loss, q_logprob) = figures[None], figures["q4_0"]
+    assert loss != q_loss and abs(q_loss - loss) < 0.05 * loss
+    assert logprob != q_logprob and abs(q_logprob - logprob) < 0.5
+    assert main(["eval", str(run), "--task", "translate", "--dtype", "int8"]) != 0
+    assert "--dtype goes with --task lm, verify and chat" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from tlm.data import (
     resolve_sources,
 )
 from tlm.evaluate import evaluate_text, evaluate_tokens
+from tlm.inference import FORMATS
 from tlm.load import load_language_model, load_tokenizer, load_translation_model, source_of
 from tlm.model.transformer import TransformerLM
 from tlm.tasks.chat import evaluate_chat
@@ -64,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--dtype", choices=FORMATS, help="weights (as trained: float32; --task lm, verify, chat)"
+    )
     add_model_flags(parser)
     add_long_context_flags(parser)
     pairs = parser.add_argument_group("translation (--task translate): BLEU and chrF")
@@ -103,7 +107,11 @@ def run_chat(args: argparse.Namespace) -> int:
     if not isinstance(data, ChatData):
         fail(f"{args.data} holds no conversations; prepare them with tlm prepare --task chat")
     model = load_language_model(
-        args.run, model_device(args), args.weights, **long_context_flags(args)
+        args.run,
+        model_device(args, args.dtype),
+        args.weights,
+        args.dtype,
+        **long_context_flags(args),
     )
     tokenizer = load_tokenizer(args.run)
     theirs = load_tokenizer(data.folder)
@@ -215,7 +223,7 @@ def run_verify(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(source)
     if tokenizer.to_json() != load_tokenizer(data.folder).to_json():
         fail(f"{args.data} was not prepared with the tokenizer of {args.run} (--tokenizer RUN)")
-    model = load_language_model(source, model_device(args), args.weights)
+    model = load_language_model(source, model_device(args, args.dtype), args.weights, args.dtype)
     results = evaluate_verify(
         model, tokenizer, data, reward, args.split, args.samples, args.max_new_tokens, args.seed
     )
@@ -233,6 +241,8 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.task in ("preference", "translate") and args.dtype is not None:
+        fail(f"--dtype goes with --task lm, verify and chat (--task {args.task} reads float32)")
     if args.task == "verify":
         return run_verify(args)
     if args.task == "preference":
@@ -246,8 +256,9 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.data) == bool(args.text):
         fail("give either --data DIR (with --split) or --text FILE...")
     source = source_of(args.run)
+    device = model_device(args, args.dtype)
     model = load_language_model(
-        source, model_device(args), args.weights, **long_context_flags(args)
+        source, device, args.weights, args.dtype, **long_context_flags(args)
     )
     tokenizer = load_tokenizer(source)
     if args.data:

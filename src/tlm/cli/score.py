@@ -13,6 +13,7 @@ from tlm.cli.args import (
     long_context_flags,
     model_device,
 )
+from tlm.inference import FORMATS
 from tlm.load import load_language_model, load_tokenizer, source_of
 from tlm.tasks import multiple_choice, score
 from tlm.tasks.inputs import read_choices
@@ -35,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--continuation", action="append", default=[], help="(repeat)")
     parser.add_argument("--choices", metavar="FILE.jsonl", help="multiple-choice items")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--dtype", choices=FORMATS, help="weights (as trained: float32)")
     add_model_flags(parser)
     add_long_context_flags(parser, context=False)
     parser.set_defaults(handler=run)
@@ -44,8 +46,9 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.choices) == bool(args.continuation):
         fail("give --continuation (with --context) or --choices FILE.jsonl")
     source = source_of(args.run)
+    device = model_device(args, args.dtype)
     model = load_language_model(
-        source, model_device(args), args.weights, **long_context_flags(args)
+        source, device, args.weights, args.dtype, **long_context_flags(args)
     )
     tokenizer = load_tokenizer(source)
     if args.choices:

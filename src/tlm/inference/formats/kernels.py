@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tlm.device import CPU_ONLY
 from tlm.inference.formats import blas, blocked, q4
 from tlm.model.functional import linear
 from tlm.tensor_files import LazyMatrix
@@ -284,7 +285,7 @@ def check_format(fmt: str, device: torch.device) -> None:
     """A one-line reason when `fmt` cannot run here."""
     if fmt not in FORMATS:
         raise ValueError(f"dtype must be one of {', '.join(FORMATS)}; got {fmt!r}")
-    if fmt in ("int8", "q4_0", "q4_k") and device.type != "cpu":
+    if fmt in CPU_ONLY and device.type != "cpu":
         raise ValueError(f"{fmt} inference runs on the CPU only")
     fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
     if device.type == "cpu" and wider(fmt) in ("float16", "int8") and not fbgemm:
