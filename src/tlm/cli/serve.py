@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     metrics.watch(engine)
     name = args.name or Path(args.run).resolve().name
     app = create_app(engine, name, args.api_key, metrics)
-    cached = engine.slots.prefix.budget / 2**20 if engine.slots.prefix else 0
+    cache = engine.slots.prefix  # a PrefixCache has a length: an empty one is not "none"
+    cached = cache.budget / 2**20 if cache is not None else 0
     where = f"{args.slots} slots, prefix cache {cached:,.0f} MB, {describe(device)}"
     print(f"tlm serve: {name} on http://{args.host}:{args.port} ({where})", flush=True)
     try:
