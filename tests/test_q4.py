@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tlm.inference import for_inference
-from tlm.inference.formats import q4
+from tlm.inference.formats import blocked, q4
 
 # each instruction set this host runs, at one thread and at two
 pytestmark = pytest.mark.usefixtures("kernel_build", "each_thread_count")
@@ -98,7 +98,7 @@ def test_a_model_in_q4_0_is_its_reference(make_model, monkeypatch):
         plain = model(ids)
     fast = for_inference(model, "q4_0")
     assert isinstance(fast.blocks[0].ffn.up_kernel.kernel, q4.Q4Blocks)
-    assert type(fast.head.kernel).__name__ == "Int8Blocks"
+    assert isinstance(fast.head.kernel, blocked.Int8Blocks)
     monkeypatch.setattr(q4, "here", lambda: False)
     slow = make_model(position="rope", bias=True)
     slow.load_state_dict(state)

@@ -168,6 +168,13 @@ def _described(model, layers, copies: bool) -> Program:
         keep.extend(t for t in (gamma, beta) if t is not None)
         return Norm(gamma.data_ptr(), native.address(beta), eps)
 
+    def in_blocks(kind: int, kernel, scale: Tensor | None, wsum: Tensor | None) -> list[Product]:
+        """A kernel of products.c's or q4.c's blocks: its tensors' addresses (kept alive)."""
+        tensors = (kernel.blocks, scale, wsum, kernel.b)  # as Product's w, scale, wsum, bias
+        keep.extend(t for t in tensors if t is not None)
+        addresses = (native.address(t) for t in tensors)
+        return [Product(kind, *addresses, kernel.inputs, kernel.in_pad, kernel.out)]
+
     def products(kernel) -> list[Product]:
         if isinstance(kernel, Float32Linear) and copies:  # fp32 blocks, a copy
             kernel = kernel.made_layout()
@@ -176,20 +183,11 @@ def _described(model, layers, copies: bool) -> Program:
         if isinstance(kernel, blocked.Int8Blocks | blocked.FloatBlocks):
             kind = FLOAT32 if kernel.blocks.dtype == torch.float32 else FLOAT16
             kind = INT8 if isinstance(kernel, blocked.Int8Blocks) else kind
-            tensors = (kernel.blocks, kernel.scale, kernel.wsum, kernel.b)  # w, scale, wsum, bias
-            keep.extend(t for t in tensors if t is not None)
-            addresses = (native.address(t) for t in tensors)
-            return [Product(kind, *addresses, kernel.inputs, kernel.in_pad, kernel.out)]
+            return in_blocks(kind, kernel, kernel.scale, kernel.wsum)
         if isinstance(kernel, q4.Q4Blocks) and kernel.native:
-            tensors = (kernel.blocks, kernel.scales, None, kernel.b)  # w, scale, wsum, bias
-            keep.extend(t for t in tensors if t is not None)
-            addresses = (native.address(t) for t in tensors)
-            return [Product(Q4_0, *addresses, kernel.inputs, kernel.in_pad, kernel.out)]
+            return in_blocks(Q4_0, kernel, kernel.scales, None)
         if isinstance(kernel, q4.Q4KBlocks) and kernel.native:
-            tensors = (kernel.blocks, kernel.dd, kernel.scm, kernel.b)  # w, scale, wsum, bias
-            keep.extend(t for t in tensors if t is not None)
-            addresses = (native.address(t) for t in tensors)
-            return [Product(Q4_K, *addresses, kernel.inputs, kernel.in_pad, kernel.out)]
+            return in_blocks(Q4_K, kernel, kernel.dd, kernel.scm)
         if isinstance(kernel, Float32Linear) and native.threaded():
             parts, offset = [], 0
             for W, b in kernel.maps:

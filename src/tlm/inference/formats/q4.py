@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tlm.inference import native
-from tlm.inference.formats.blocked import _operands
+from tlm.inference.formats.blocked import _operands, _padded_vector
 from tlm.interop import q4k
 
 BLOCK = 32  # weights a scale covers
@@ -105,27 +105,15 @@ class Q4Blocks:
         nb = self.in_pad // BLOCK
         self.blocks = torch.empty(out_pad // 16, nb, 8, 32, dtype=torch.uint8)
         self.scales = torch.zeros(out_pad // 16, nb, 16, dtype=torch.float16)
-        for lo in range(0, out_pad, CHUNK):
-            hi = min(lo + CHUNK, out_pad)
-            rows = torch.zeros(hi - lo, self.in_pad)
-            real = read(lo, min(hi, self.out)) if lo < self.out else rows[:0]
-            rows[: len(real), : self.inputs] = real
+        for at, rows in _chunks(read, self.out, out_pad, self.in_pad):
             q, d = quantize(rows)
-            self.blocks[lo // 16 : hi // 16] = _interleaved(q)
-            self.scales[lo // 16 : hi // 16] = d.view(-1, 16, nb).transpose(1, 2)
-        self.b = None
-        if b is not None:
-            self.b = torch.zeros(out_pad)
-            self.b[: self.out] = b.detach().float()
+            self.blocks[at] = _interleaved(q)
+            self.scales[at] = _by_16(d)
+        self.b = None if b is None else _padded_vector(b.float(), out_pad)
 
     def unpacked(self) -> tuple[Tensor, Tensor]:
         """(q [out, in_pad], d [out, in_pad/32]) from the layout."""
-        J, nb = self.blocks.shape[:2]
-        both = self.blocks.view(J, nb, 8, 8, 4)  # [J, b, g, r, t]
-        lo, hi = both & 0x0F, both >> 4
-        q = torch.cat([lo, hi], dim=3).permute(0, 3, 1, 2, 4).reshape(J * 16, nb * BLOCK)
-        d = self.scales.transpose(1, 2).reshape(J * 16, nb)
-        return q[: self.out], d[: self.out]
+        return _nibbles(self.blocks)[: self.out], _of_rows(self.scales)[: self.out]
 
     def __call__(self, x: Tensor) -> Tensor:
         x, y = _operands(x, self.inputs, self.out)
@@ -164,28 +152,19 @@ class Q4KBlocks:
         self.blocks = torch.empty(out_pad // 16, nb, 8, 32, dtype=torch.uint8)
         self.scm = torch.zeros(out_pad // 16, nb, 32, dtype=torch.uint8)
         self.dd = torch.zeros(out_pad // 16, nb // 8, 32, dtype=torch.float16)
-        for lo in range(0, out_pad, CHUNK):
-            hi = min(lo + CHUNK, out_pad)
-            rows = torch.zeros(hi - lo, self.inputs)
-            real = read(lo, min(hi, self.out)) if lo < self.out else rows[:0]
-            rows[: len(real)] = real
+        for at, rows in _chunks(read, self.out, out_pad, self.inputs):
             q, sc, m, d, dmin = q4k.quantize(rows)
-            self.blocks[lo // 16 : hi // 16] = _interleaved(q)
-            self.scm[lo // 16 : hi // 16] = torch.cat([_by_16(sc), _by_16(m)], dim=-1)
-            self.dd[lo // 16 : hi // 16] = torch.cat([_by_16(d), _by_16(dmin)], dim=-1)
-        self.b = None
-        if b is not None:
-            self.b = torch.zeros(out_pad)
-            self.b[: self.out] = b.detach().float()
+            self.blocks[at] = _interleaved(q)
+            self.scm[at] = torch.cat([_by_16(sc), _by_16(m)], dim=-1)
+            self.dd[at] = torch.cat([_by_16(d), _by_16(dmin)], dim=-1)
+        self.b = None if b is None else _padded_vector(b.float(), out_pad)
 
     def unpacked(self) -> tuple[Tensor, ...]:
         """(q, sc, m, d, dmin) as `interop.q4k.quantize` gives them, from the layout."""
-        J, nb = self.blocks.shape[:2]
-        both = self.blocks.view(J, nb, 8, 8, 4)
-        q = torch.cat([both & 0x0F, both >> 4], dim=3).permute(0, 3, 1, 2, 4).reshape(J * 16, -1)
-        rows = lambda t: t.transpose(1, 2).reshape(J * 16, -1)[: self.out]  # noqa: E731
-        sc, m = rows(self.scm[..., :16]), rows(self.scm[..., 16:])
-        return q[: self.out], sc, m, rows(self.dd[..., :16]), rows(self.dd[..., 16:])
+        rows = lambda t: _of_rows(t)[: self.out]  # noqa: E731
+        sc, m, d, dmin = (rows(t) for t in (self.scm[..., :16], self.scm[..., 16:],
+                                             self.dd[..., :16], self.dd[..., 16:]))  # fmt: skip
+        return _nibbles(self.blocks)[: self.out], sc, m, d, dmin
 
     def __call__(self, x: Tensor) -> Tensor:
         x, y = _operands(x, self.inputs, self.out)
@@ -204,3 +183,26 @@ class Q4KBlocks:
 def _by_16(t: Tensor) -> Tensor:
     """[16J, k] per-row values as [J, k, 16]: the 16 rows of a block side by side."""
     return t.view(-1, 16, t.shape[1]).transpose(1, 2)
+
+
+def _of_rows(t: Tensor) -> Tensor:
+    """[J, k, 16] -> [16J, k]: `_by_16` undone."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])
+
+
+def _nibbles(lines: Tensor) -> Tensor:
+    """The kernel's lines [J, in_pad/32, 8, 32] -> q [16J, in_pad]: `_interleaved` undone."""
+    J, nb = lines.shape[:2]
+    both = lines.view(J, nb, 8, 8, 4)  # [J, b, g, r, t]
+    return torch.cat([both & 0x0F, both >> 4], dim=3).permute(0, 3, 1, 2, 4).reshape(J * 16, -1)
+
+
+def _chunks(read, out: int, out_pad: int, width: int):
+    """(rows of blocks, rows [n, width] fp32) of W, CHUNK rows at a time, zero past `out`
+    (and past read's columns): what a format quantizes while its matrix is read."""
+    for lo in range(0, out_pad, CHUNK):
+        hi = min(lo + CHUNK, out_pad)
+        rows = torch.zeros(hi - lo, width)
+        real = read(lo, min(hi, out)) if lo < out else rows[:0]
+        rows[: len(real), : real.shape[1]] = real
+        yield slice(lo // 16, hi // 16), rows
