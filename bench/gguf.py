@@ -6,7 +6,7 @@ perplexity, and decoding speed beside tlm's, in one run.
     python bench/gguf.py --run runs/demo-chat --data data/demo-chat   # also chat (tlm demo chat)
     python bench/gguf.py --gpt2                       # also decode speed, GPT-2 124M shape
 
-`tlm export-gguf` writes the run as f32, f16 and q8_0; llama.cpp reads each through
+`tlm export-gguf` writes the run as f32, f16, q8_0, q4_0 and q4_k; llama.cpp reads each through
 `llama-cpp-python` (PyPI's package, compiled here for this CPU, about 6 minutes on 2
 cores, the first time only: it is installed under --work, one folder per CPU's flags).
 
@@ -22,7 +22,8 @@ cores, the first time only: it is installed under --work, one folder per CPU's f
    --questions held-out conversations, every type.
 5. Decoding, batch 1: 1-token prompt, 128 new tokens (the demo: up to its context), greedy;
    tlm `load_model(path, dtype=...)` + `generate` against llama.cpp's `eval` one token at a
-   time, alternating, best of --rounds: f32 / f16 / q8_0 against float32 / float16 / int8.
+   time, alternating, best of --rounds: each GGUF type against tlm's format of the same
+   name (f32, f16: float32, float16), and q8_0 also against tlm's int8.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from tlm.interop.gguf import export_gguf
 from tlm.tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-TYPES = {"f32": "float32", "f16": "float16", "q8_0": "int8", "q4_0": "q4_0"}  # GGUF -> tlm
-TYPES["q4_k"] = "q4_k"
+TYPES = {"f32": "float32", "f16": "float16", "q8_0": "q8_0", "q4_0": "q4_0", "q4_k": "q4_k"}
+ALSO = {"q8_0": ["int8"]}  # tlm's other formats timed beside a type (int8: a scale a row)
 GPT2 = {"vocab_size": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "context_length": 1024}
 
 
@@ -209,16 +210,17 @@ def part_speed(llama, label: str, source, files, new: int, rounds: int, threads:
             peer = max(decode_rate_llama(llama, llm, new) for _ in range(rounds))
             print(f"{kind:10s} {'-':10s} {peer:15.1f}")
             continue
-        model = load_model(source, dtype=TYPES[kind])
-        context = min(model.config.context_length, new + 2)
-        llm = open_llama(llama, path, context, threads)
-        decode_rate_llama(llama, llm, 4), decode_rate_tlm(model, 4)
-        ours, theirs = [], []
-        for _ in range(rounds):
-            theirs.append(decode_rate_llama(llama, llm, new))
-            ours.append(decode_rate_tlm(model, new))
-        mine, peer = max(ours), max(theirs)
-        print(f"{kind:10s} {TYPES[kind]:10s} {peer:15.1f} {mine:11.1f} {mine / peer:13.2f}x")
+        for fmt in [TYPES[kind], *ALSO.get(kind, [])]:
+            model = load_model(source, dtype=fmt)
+            context = min(model.config.context_length, new + 2)
+            llm = open_llama(llama, path, context, threads)
+            decode_rate_llama(llama, llm, 4), decode_rate_tlm(model, 4)
+            ours, theirs = [], []
+            for _ in range(rounds):
+                theirs.append(decode_rate_llama(llama, llm, new))
+                ours.append(decode_rate_tlm(model, new))
+            mine, peer = max(ours), max(theirs)
+            print(f"{kind:10s} {fmt:10s} {peer:15.1f} {mine:11.1f} {mine / peer:13.2f}x")
 
 
 def gpt2_shape(work: Path) -> tuple[Path, dict[str, Path]]:

@@ -125,7 +125,7 @@ def library(run, prompt, dtype="float32", prompt_logprobs=False, **settings):
     return completion
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8", "q4_0", "q4_k"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8", "q8_0", "q4_0", "q4_k"])
 def test_generate_command_other_weight_formats(run, capsys, dtype):
     """--dtype reaches the model: the CLI scores as the library does in that format, and the
     format's scores differ from float32's by far more than the tolerance."""

@@ -5,7 +5,7 @@ import torch
 
 from conftest import NORMS, POSITIONS, written_out
 from tlm.inference import for_inference
-from tlm.inference.formats import blas, blocked, q4
+from tlm.inference.formats import blas, blocked, q4, q8
 from tlm.model.kv_cache import KVCache
 
 pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
@@ -74,6 +74,7 @@ FORMAT_ERROR = {
     "float16": (1e-5, 5e-4),
     "bfloat16": (2e-4, 6e-3),
     "int8": (1e-3, 3e-2),
+    "q8_0": (1e-4, 3e-2),
     "q4_0": (5e-3, 0.1),
     "q4_k": (5e-3, 0.1),  # here q4_0 but for W_2 (rows of 256)
 }
@@ -82,6 +83,7 @@ KERNEL = {  # the op each product runs through once packed (none of them is aten
     "float16": "quantized::linear_dynamic_fp16",
     "bfloat16": "aten::linear",
     "int8": "quantized::linear_dynamic",
+    "q8_0": "aten::einsum",  # its PyTorch reference (`q8.reference`)
     "q4_0": "aten::einsum",  # its PyTorch reference (`q4.reference`)
     "q4_k": "aten::einsum",
 }
@@ -103,7 +105,8 @@ class BlockedCalls:
 
     def __init__(self, monkeypatch) -> None:
         self.count = 0
-        for kind in (blocked.Int8Blocks, blocked.FloatBlocks, q4.Q4Blocks, q4.Q4KBlocks):
+        kinds = (blocked.Int8Blocks, blocked.FloatBlocks, q4.Q4Blocks, q4.Q4KBlocks, q8.Q8Blocks)
+        for kind in kinds:
             monkeypatch.setattr(kind, "__call__", self.counted(kind.__call__))
 
     def counted(self, call):
@@ -117,8 +120,8 @@ class BlockedCalls:
 def kernels_of(dtype: str, kernels: str) -> str:
     """The kernels a format's products run on this host: tlm's own ("blocked"), or those
     `KERNEL` names (with `kernels="torch"`, the blocked ones are switched off)."""
-    if dtype in ("q4_0", "q4_k"):  # its blocks tlm's, its head int8's
-        return "blocked" if q4.here() and blocked.here("int8") else pytest.skip("no q4_0 kernel")
+    if dtype in ("q8_0", "q4_0", "q4_k"):  # its blocks and its head (q8_0) tlm's
+        return "blocked" if q4.here() else pytest.skip("no kernel of blocks of 32")
     return "blocked" if kernels == "own" and blocked.here(dtype) else KERNEL[dtype]
 
 

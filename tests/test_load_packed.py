@@ -13,7 +13,7 @@ from conftest import hf_model, tiny_config
 from tlm import TransformerLM, load_model
 from tlm.checkpoint import CheckpointError, save_weights, write_config
 from tlm.inference import for_inference
-from tlm.inference.formats import blocked, kernels, prepare
+from tlm.inference.formats import blocked, kernels, prepare, q4
 from tlm.tensor_files import FileRows, LazyMatrix, TensorFileError, TensorFiles
 
 pytestmark = pytest.mark.usefixtures("kernel_build")  # each instruction set this host runs
@@ -41,6 +41,7 @@ def small_head_blocks(monkeypatch):
     monkeypatch.setattr(prepare, "HEAD_ROWS", 16)
     monkeypatch.setattr(kernels, "CHUNK", 16)
     monkeypatch.setattr(blocked, "ROWS", 16)
+    monkeypatch.setattr(q4, "CHUNK", 16)
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
@@ -64,13 +65,14 @@ def test_streamed_equals_the_plain_model_within_the_format(tmp_path, dtype, tie,
 @pytest.mark.parametrize(
     "dtype, route",
     [("float16", "own"), ("bfloat16", "own"), ("int8", "own"), ("float16", "torch")]
-    + [("int8", "torch")],
+    + [("int8", "torch"), ("q8_0", "own"), ("q4_0", "own")],
 )
 def test_each_product_is_the_one_for_inference_makes(
     tmp_path, monkeypatch, dtype, route, small_head_blocks
 ):
     """Blocks and head: the same packed products as packing the loaded model; the token
-    lookup reads E's rows from the file exactly (for_inference keeps them in the format).
+    lookup reads E's rows from the file exactly (for_inference keeps them in the format), but
+    in q8_0 (also q4's) it keeps Q8_0 rows, made from the file as for_inference makes them.
     With `route="torch"`, tlm's own blocked kernels are switched off (fbgemm's run)."""
     if route == "torch":
         monkeypatch.setattr(blocked, "here", lambda fmt: False)
@@ -93,7 +95,11 @@ def test_each_product_is_the_one_for_inference_makes(
     else:  # one product, read a chunk of rows at a time
         assert isinstance(streamed.head, kernels.PackedLinear)
     assert torch.allclose(streamed.unembed(x), packed_model.unembed(x), atol=1e-5)
-    assert torch.equal(streamed.embedding.tokens(ids), E[ids])
+    if kernels.wider(dtype) == "q8_0":  # rows of Q8_0 blocks, as llama.cpp's lookups
+        assert torch.equal(streamed.embedding.tokens(ids), packed_model.embedding.tokens(ids))
+        assert not torch.equal(streamed.embedding.tokens(ids), E[ids])
+    else:
+        assert torch.equal(streamed.embedding.tokens(ids), E[ids])
 
 
 @pytest.mark.parametrize("files", ["one", "shards", "bin"])
@@ -120,7 +126,7 @@ def test_a_hugging_face_directory_streams_too(tmp_path, small_head_blocks, files
     assert (exact - expected).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("dtype", ["int8", "float16"])
+@pytest.mark.parametrize("dtype", ["int8", "float16", "q4_0"])
 def test_no_more_than_one_part_is_ever_held_in_fp32(
     tmp_path, monkeypatch, small_head_blocks, dtype
 ):

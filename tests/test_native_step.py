@@ -209,7 +209,7 @@ def test_the_c_step_keeps_the_cache_bounds(make_model):
 WHOLE = [("float32", 1, "learned"), ("float32", 2, "rope"), ("float16", 1, "rope")]
 WHOLE += [("float16", 3, "learned"), ("int8", 1, "learned"), ("int8", 2, "rope")]
 WHOLE += [("float32 blocks", 4, "rope")]  # for_inference(model, "float32"): a copy in blocks
-WHOLE += [("q4_0", 1, "learned"), ("q4_0", 3, "rope"), ("q4_k", 2, "rope")]
+WHOLE += [("q4_0", 1, "learned"), ("q4_0", 3, "rope"), ("q4_k", 2, "rope"), ("q8_0", 2, "learned")]
 
 
 @needs_native

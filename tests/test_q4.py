@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tlm.inference import for_inference
-from tlm.inference.formats import blocked, q4
+from tlm.inference.formats import q4, q8
 
 # each instruction set this host runs, at one thread and at two
 pytestmark = pytest.mark.usefixtures("kernel_build", "each_thread_count")
@@ -86,7 +86,7 @@ def test_exact_integers():
 
 
 def test_a_model_in_q4_0_is_its_reference(make_model, monkeypatch):
-    """A model for inference in q4_0: its block products are Q4Blocks and its head int8
+    """A model for inference in q4_0: its block products are Q4Blocks and its head q8_0
     (`WIDER`); its logits and greedy tokens are those of the same model whose products run
     the PyTorch reference; and its logits stay near fp32's (4.5 bits a weight)."""
     needs_kernel()
@@ -98,7 +98,7 @@ def test_a_model_in_q4_0_is_its_reference(make_model, monkeypatch):
         plain = model(ids)
     fast = for_inference(model, "q4_0")
     assert isinstance(fast.blocks[0].ffn.up_kernel.kernel, q4.Q4Blocks)
-    assert isinstance(fast.head.kernel, blocked.Int8Blocks)
+    assert isinstance(fast.head.kernel, q8.Q8Blocks)
     monkeypatch.setattr(q4, "here", lambda: False)
     slow = make_model(position="rope", bias=True)
     slow.load_state_dict(state)

@@ -126,3 +126,29 @@ def qkx2(x: np.ndarray, w: np.ndarray):
 
 def nearest(v) -> int:
     return int(np.rint(v))  # half to even, as llama.cpp's nearest_int
+
+
+def test_the_activations_are_llama_cpps_q8_k():
+    """q4_k's activations (`q4._q8_k`) are quantize_row_q8_K_ref's, value for value: a
+    super-block whose largest magnitude is negative, one that is all zeros, one whose values
+    land on halves (rounded to even)."""
+    from tlm.inference.formats import q4
+
+    torch.manual_seed(2)
+    x = torch.randn(3, 768) * 4
+    x[1, 256:512] = 0
+    x[2, :256] = torch.arange(256) / 2 - 63.5  # max |x| = 63.5 -> iscale = 2: halves stay
+    x[2, 600] = -40.0
+    xq, dx = q4._q8_k(x)
+    f = np.float32
+    for row, (got_q, got_d) in enumerate(zip(xq.view(3, -1, 256), dx[:, ::8], strict=True)):
+        for s in range(3):
+            block = x[row, 256 * s : 256 * s + 256].numpy()
+            most = block[np.abs(block).argmax()]  # the first of the largest
+            if most == 0:
+                assert got_d[s] == 0 and not got_q[s].any()
+                continue
+            iscale = f(f(-127) / f(most))
+            expected = [min(127, nearest(f(iscale * v))) for v in block]
+            assert got_q[s].tolist() == expected
+            assert got_d[s].item() == f(f(1) / iscale)

@@ -13,7 +13,7 @@ import torch
 
 from tlm.errors import UserError
 
-CPU_ONLY = ("int8", "q4_0", "q4_k")  # weight formats whose kernels are tlm's C, for x86 CPUs
+CPU_ONLY = ("int8", "q8_0", "q4_0", "q4_k")  # formats whose kernels are tlm's C, for x86 CPUs
 
 
 class DeviceError(UserError):

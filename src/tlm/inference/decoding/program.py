@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from tlm.inference import native
-from tlm.inference.formats import blocked, q4
+from tlm.inference.formats import blocked, q4, q8
 from tlm.inference.formats.kernels import Float32Linear, PackedLinear, PackedRows
 from tlm.tensor_files import FileRows
 
@@ -71,7 +71,7 @@ class Block(ctypes.Structure):
     ]
 
 
-INT8, FLOAT16, ROWS, DOTS, FLOAT32, Q4_0, Q4_K = range(7)  # Product.kind: step.c's `product`
+INT8, FLOAT16, ROWS, DOTS, FLOAT32, Q4_0, Q4_K, Q8_0 = range(8)  # Product.kind: step.c's `product`
 
 
 class Rows(ctypes.Structure):
@@ -89,6 +89,7 @@ class Rows(ctypes.Structure):
 
 
 ROW_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
+Q8_ROWS = 4  # int8 with a scale a block of 32 (`PackedRows` in q8_0)
 
 
 class Program:
@@ -188,6 +189,8 @@ def _described(model, layers, copies: bool) -> Program:
             return in_blocks(Q4_0, kernel, kernel.scales, None)
         if isinstance(kernel, q4.Q4KBlocks) and kernel.native:
             return in_blocks(Q4_K, kernel, kernel.dd, kernel.scm)
+        if isinstance(kernel, q8.Q8Blocks) and kernel.native:
+            return in_blocks(Q8_0, kernel, kernel.scales, None)
         if isinstance(kernel, Float32Linear) and native.threaded():
             parts, offset = [], 0
             for W, b in kernel.maps:
@@ -257,4 +260,5 @@ def _rows(embedding, keep: list[Tensor]) -> tuple[Rows | None, object]:
         keep.append(scale)
     keep.append(table)
     kind, address = ROW_KINDS[table.dtype], native.address(scale)
+    kind = Q8_ROWS if getattr(lookup, "fmt", None) == "q8_0" else kind
     return Rows(kind, table.data_ptr(), address, -1, 0, len(table), times), lookup

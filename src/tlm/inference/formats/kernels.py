@@ -22,6 +22,10 @@ the same x W + b through better kernels:
 | int8     | int8, one scale per output     | tlm's (`blocked.py`) with       | int8 products   |
 |          | row: in blocks of 16 rows      | AVX2 or AVX-512 VNNI, else      | (activations    |
 |          | (AVX2/512), else for fbgemm    | fbgemm's `quantized.linear_dyn.`| quantized/row)  |
+| q8_0     | int8, a scale per 32 (`q8.py`) | tlm's (`q4.c`, AVX2; AVX-512    | int8 products   |
+| q4_0     | 4 bits, a scale per 32 (`q4`)  | builds run it too), else the    | (activations    |
+| q4_k     | 4 bits, scales and mins per 32 | PyTorch reference; embeddings   | quantized per   |
+|          | under fp16 ones per 256        | and head in q8_0 (`WIDER`)      | 32, q4_k: 256)  |
 
 Everything between the products (LayerNorm, attention, the residual stream, the KV cache)
 stays fp32. Memory follows the format: float16, bfloat16 and int8 keep the weight
@@ -46,12 +50,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tlm.device import CPU_ONLY
-from tlm.inference.formats import blas, blocked, q4
+from tlm.inference.formats import blas, blocked, q4, q8
 from tlm.model.functional import linear
 from tlm.tensor_files import LazyMatrix
 
-FORMATS = ("float32", "float16", "bfloat16", "int8", "q4_0", "q4_k")
-WIDER = {"q4_0": "int8", "q4_k": "int8"}  # the embeddings' and the head's, where not the weights'
+FORMATS = ("float32", "float16", "bfloat16", "int8", "q8_0", "q4_0", "q4_k")
+WIDER = {"q4_0": "q8_0", "q4_k": "q8_0"}  # the embeddings' and the head's, where not the weights'
 
 
 def wider(fmt: str) -> str:
@@ -88,6 +92,8 @@ class PackedLinear:
             self.weight = self.kernel = q4.Q4KBlocks(read, shape, self.b)
         elif fmt in ("q4_0", "q4_k"):  # q4_k's rows not whole super-blocks: q4_0, as llama.cpp
             self.weight = self.kernel = q4.Q4Blocks(read, shape, self.b)
+        elif fmt == "q8_0":
+            self.weight = self.kernel = q8.Q8Blocks(read, shape, self.b)
         elif fmt in ("float16", "int8") and blocked.here(fmt):  # tlm's own kernels
             if fmt == "float16":
                 self.weight = self.kernel = blocked.FloatBlocks(read, shape, self.b)
@@ -227,9 +233,15 @@ class HeadBlocks:
 
 
 class PackedRows:
-    """Token embeddings held in `fmt`, looked up and widened to fp32: E[ids] -> [..., d]."""
+    """Token embeddings held in `fmt`, looked up and widened to fp32: E[ids] -> [..., d].
+    int8 keeps one scale a row (`scale` [V, 1]), q8_0 one a block of 32 ([V, ceil(d/32)])."""
 
-    def __init__(self, E: Tensor, fmt: str) -> None:
+    def __init__(self, E: Tensor | LazyMatrix, fmt: str) -> None:
+        self.fmt = fmt
+        if fmt == "q8_0":  # E may be left in its file: read a chunk of rows at a time
+            read = E.rows if isinstance(E, LazyMatrix) else (lambda lo, hi: E[lo:hi].detach())
+            self.rows, self.scale = q8.rows(read, E.shape)
+            return
         E = E.detach()
         if fmt == "int8":  # one scale per row, as the products' weights
             self.rows, scale = _int8(lambda lo, hi: E[lo:hi], E.shape)
@@ -239,7 +251,12 @@ class PackedRows:
 
     def __call__(self, ids: Tensor) -> Tensor:
         x = F.embedding(ids, self.rows).float()  # [..., d]
-        return x if self.scale is None else x * F.embedding(ids, self.scale)
+        if self.scale is None:
+            return x
+        scale = F.embedding(ids, self.scale)
+        if self.fmt == "q8_0":
+            scale = scale.repeat_interleave(q4.BLOCK, dim=-1)[..., : x.shape[-1]]
+        return x * scale
 
 
 Rows = Callable[[int, int], Tensor]  # read(lo, hi) -> rows lo:hi of a matrix, in fp32

@@ -130,11 +130,12 @@ def load_prepared(
 
 
 def _pack_embedding_from_file(model: InferenceLM, E: LazyMatrix, fmt: str) -> None:
-    """The token lookup from the file (each lookup reads its rows, as stored) and a tied
-    head read a block of rows at a time: E is never whole in memory."""
+    """The token lookup from the file (each lookup reads its rows, as stored; in q8_0, rows
+    of Q8_0 blocks made a chunk at a time, so that a lookup gives the values llama.cpp's
+    does) and a tied head read a block of rows at a time: E is never whole in memory."""
     _release(model.embedding.E)
-    model.embedding.lookup = FileRows(E)
-    fmt = wider(fmt)  # the head's format
+    fmt = wider(fmt)  # the lookup's and the head's format
+    model.embedding.lookup = PackedRows(E, fmt) if fmt == "q8_0" else FileRows(E)
     if model.W_U is None and (fmt != "float16" or blocked.here(fmt)):  # E^T: [V,d] is [out,in]
         model.head = PackedLinear(E, None, fmt)  # one product, E read a chunk at a time
     elif model.W_U is None:  # fbgemm packs fp16 only from whole fp32 matrices: in blocks

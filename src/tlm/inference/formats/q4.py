@@ -12,7 +12,9 @@ dx), dx = max|x| / 127 kept in fp16), sums each block's (q - 8) xq exactly in in
 and adds the blocks' sums times d dx in fp32: `reference` is that in PyTorch (the test's
 slow side, and the route where the library has no q4_0 kernel); `Q4Blocks` holds the
 weights in the kernel's layout (16 output rows together, `blocks_q4.h` says how) and runs
-it. The embeddings and the head stay int8 (`WIDER`): llama.cpp's own mixes keep the output
+it. q4_k (`Q4KBlocks`, `reference_k`) quantizes x as llama.cpp's Q8_K instead (one fp32
+dx a super-block of 256), the activations llama.cpp pairs with Q4_K. The embeddings and the
+head stay int8 (`WIDER`): llama.cpp's own mixes keep the output
 matrix at 6 bits or more, as the logits are where 4 bits cost the most.
 """
 
@@ -62,10 +64,11 @@ def reference(x: Tensor, q: Tensor, d: Tensor, b: Tensor | None) -> Tensor:
 def reference_k(x: Tensor, parts: tuple[Tensor, ...], b: Tensor | None) -> Tensor:
     """The q4_k product in PyTorch, as the kernel computes it: `parts` (q [out, in], sc and m
     [out, in/32], d and dmin [out, in/256], `interop.q4k.quantize`'s) stand for d sc q - dmin
-    m; each sub-block adds S d sc dx - dmin m dx sum(xq), S its exact sum of q xq."""
+    m; x is quantized as Q8_K (`_q8_k`), and each sub-block adds S d sc dx - dmin m dx
+    sum(xq), S its exact sum of q xq."""
     q, sc, m, d, dmin = parts
     out, inputs = q.shape
-    xq, dx = _q8_0(x, inputs)
+    xq, dx = _q8_k(x)
     sums = torch.einsum("nbk,obk->nob", xq, q.view(out, -1, BLOCK).float())  # exact
     step = d.float().repeat_interleave(8, dim=1) * sc.float()  # [out, in/32]
     shift = dmin.float().repeat_interleave(8, dim=1) * m.float()
@@ -84,6 +87,19 @@ def _q8_0(x: Tensor, in_pad: int) -> tuple[Tensor, Tensor]:
     whole = v.trunc()
     xq = torch.where((v - whole).abs() == 0.5, whole + v.sign(), v.round())  # halves away
     return xq, scale.half().float()
+
+
+def _q8_k(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [N, in] (in a multiple of 256) as llama.cpp's Q8_K, the activations it pairs with
+    Q4_K: per super-block of 256, iscale = -127 / (its value of largest magnitude, the first),
+    xq = min(127, round(iscale x)) (halves to even), dx = 1 / iscale in fp32. As `_q8_0`
+    gives them: xq [N, in/32, 32] and dx [N, in/32], each super-block's dx eight times."""
+    xs = x.float().view(len(x), -1, q4k.SUPER)
+    most = xs.gather(-1, xs.abs().argmax(-1, keepdim=True))  # signed, the first
+    iscale = torch.where(most != 0, -127 / most, torch.zeros_like(most))
+    xq = (xs * iscale).round().clamp_(max=127)
+    dx = torch.where(most != 0, 1 / iscale, torch.zeros_like(most))
+    return xq.view(len(x), -1, BLOCK), dx.expand(-1, -1, 8).reshape(len(x), -1)
 
 
 def here() -> bool:

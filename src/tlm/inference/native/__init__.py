@@ -88,6 +88,7 @@ SIGNATURES = {  # name: (what it returns, its arguments)
     "q4_here": (i64, []),
     "q4_0_product": (i64, [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]),
     "q4_k_product": (i64, [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]),
+    "q8_0_product": (i64, [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]),
     "float32_dots": (i64, [ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64]),
     "decode_step": (
         i64,

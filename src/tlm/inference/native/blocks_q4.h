@@ -1,5 +1,5 @@
-/* products.c's q4_0 and q4_k kernel (AVX2 with FMA and F16C; an AVX-512 build runs the same
- * code). q4_k (llama.cpp's Q4_K) keeps the same lines of nibbles; a sub-block of 32 inputs
+/* q4.c's kernel of blocks of 32 inputs, q4_0, q4_k and q8_0 (AVX2 with FMA and F16C; an
+ * AVX-512 build runs the same code). q4_k (llama.cpp's Q4_K) keeps the same lines of nibbles; a sub-block of 32 inputs
  * has a 6-bit scale sc and min m of each row (`scm`: the 16 rows' sc, then their m), and a
  * super-block of 256 an fp16 d and dmin of each row (`d`: the 16 d, then the 16 dmin), the
  * weight being d sc q - dmin m.
@@ -12,11 +12,18 @@
  * as 8 lanes of 4 bytes: the layout `dot4` of the int8 kernels reads. The 16 rows' d of
  * input block b follow as 16 fp16 values (`scales`).
  *
- * The activations are quantized as llama.cpp's Q8_0 (products.c): per row and block of 32,
- * xq = round(x / dx) in [-127, 127] with dx = max|x| / 127 (rounded to fp16, as Q8_0 keeps
- * it). A block's sum over its 32 inputs, sum_i (q_i - 8) xq_i, is exact in 32-bit integers
- * (vpmaddubsw of |xq| by (q - 8) with xq's signs: a pair is at most 2 * 127 * 8 = 2032, no
- * saturation), and y[o] = sum_b d[o, b] dx[b] sum_b + bias[o] in fp32, block by block. */
+ * The activations are quantized in q4.c: for q4_0 as llama.cpp's Q8_0, per row and block of
+ * 32, xq = round(x / dx) in [-127, 127] with dx = max|x| / 127 (rounded to fp16, as Q8_0
+ * keeps it); for q4_k as its Q8_K, one fp32 dx for a super-block of 256 (written for each of
+ * its eight blocks). A block's sum over its 32 inputs, sum_i (q_i - 8) xq_i, is exact in
+ * 32-bit integers, and y[o] = sum_b d[o, b] dx[b] sum_b + bias[o] in fp32, block by block.
+ *
+ * q8_0 (llama.cpp's Q8_0: a signed q in [-127, 127] a weight, one fp16 d a block of 32, with
+ * Q8_0 activations) keeps q4_0's scales; its group g of block b is 64 bytes, rows 0-7 (byte
+ * 4r + t: row r's q of input 4g + t) then rows 8-15. vpmaddubsw takes |q| times xq with q's
+ * signs (a pair at most 2 * 127 * 127 = 32258: no saturation), widened to 32 bits each group. */
+
+enum { Q4_0 = 0, Q4_K = 1, Q8_0 = 2 }; /* the kinds of block */
 
 /* 8 fp16 values, and 8 bytes, as 8 fp32 lanes. */
 static inline __m256 half8(const uint16_t *h) {
@@ -33,7 +40,7 @@ static inline __m256 byte8(const uint8_t *b) {
  * 30480) before vpmaddwd widens them once a block; the 8 of (q - 8) is taken away as
  * 8 sum(xq), which products.c counted when it quantized the block (`xsum`). */
 static inline __attribute__((always_inline)) void q4_rows(const uint8_t *w, const uint16_t *d,
-                                                          const uint8_t *scm, int kquant,
+                                                          const uint8_t *scm, int kind,
                                                           const int8_t *xs, const int32_t *xsum,
                                                           const float *dx, int64_t in_pad,
                                                           int64_t n_in, int n, __m256 *f) {
@@ -42,6 +49,28 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *w, cons
     for (int64_t b = 0; b < n_in; b++) {
         __m256i p[8];
         for (int k = 0; k < 2 * n; k++) p[k] = _mm256_setzero_si256();
+        if (kind == Q8_0) { /* signed bytes: |w| times x with w's signs, pairs widened each group */
+            for (int g = 0; g < 8; g++) {
+                const __m256i lo = _mm256_loadu_si256((const __m256i *)(w + (b * 8 + g) * 64));
+                const __m256i hi = _mm256_loadu_si256((const __m256i *)(w + (b * 8 + g) * 64 + 32));
+                const __m256i a_lo = _mm256_abs_epi8(lo), a_hi = _mm256_abs_epi8(hi);
+                for (int k = 0; k < n; k++) {
+                    const __m256i x = _mm256_set1_epi32(((const int32_t *)xs)[k * in_pad / 4 + b * 8 + g]);
+                    const __m256i m_lo = _mm256_maddubs_epi16(a_lo, _mm256_sign_epi8(x, lo));
+                    const __m256i m_hi = _mm256_maddubs_epi16(a_hi, _mm256_sign_epi8(x, hi));
+                    p[2 * k] = _mm256_add_epi32(p[2 * k], _mm256_madd_epi16(m_lo, ones));
+                    p[2 * k + 1] = _mm256_add_epi32(p[2 * k + 1], _mm256_madd_epi16(m_hi, ones));
+                }
+            }
+            const __m256 d_lo = half8(d + b * 16), d_hi = half8(d + b * 16 + 8);
+            for (int k = 0; k < n; k++) {
+                const __m256 sx = _mm256_set1_ps(dx[k * n_in + b]);
+                f[2 * k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[2 * k]), _mm256_mul_ps(d_lo, sx), f[2 * k]);
+                f[2 * k + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[2 * k + 1]), _mm256_mul_ps(d_hi, sx),
+                                               f[2 * k + 1]);
+            }
+            continue;
+        }
         for (int g = 0; g < 8; g++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (b * 8 + g) * 32));
             const __m256i lo = _mm256_and_si256(v, low);
@@ -52,7 +81,7 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *w, cons
                 p[2 * k + 1] = _mm256_add_epi16(p[2 * k + 1], _mm256_maddubs_epi16(hi, x));
             }
         }
-        if (kquant) { /* q4_k: w = d sc q - dmin m, so f += S d sc dx - dmin m dx sum(xq) */
+        if (kind == Q4_K) { /* q4_k: w = d sc q - dmin m, so f += S d sc dx - dmin m dx sum(xq) */
             const uint16_t *dk = d + (b / 8) * 32;
             const uint8_t *sm = scm + b * 32;
             const __m256 step_lo = _mm256_mul_ps(half8(dk), byte8(sm));
@@ -88,7 +117,7 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *w, cons
 
 /* y[r, 0..left) of one 16-row block for every row r of x, rows `out` floats apart; bias (or
  * NULL) the block's 16. */
-static void q4_block(const uint8_t *w, const uint16_t *d, const uint8_t *scm, int kquant,
+static void q4_block(const uint8_t *w, const uint16_t *d, const uint8_t *scm, int kind,
                      const int8_t *xs, const int32_t *xsum, const float *dx, const float *bias,
                      int64_t rows, int64_t in_pad, int64_t out, int64_t left, float *y) {
     const int64_t n_in = in_pad / 32;
@@ -100,15 +129,19 @@ static void q4_block(const uint8_t *w, const uint16_t *d, const uint8_t *scm, in
         const int32_t *sr = xsum + r * n_in;
         const float *dr = dx + r * n_in;
         __m256 f[8];
-        switch (n + 4 * kquant) { /* each a copy of q4_rows for its n and kind */
-        case 1: q4_rows(w, d, scm, 0, xr, sr, dr, in_pad, n_in, 1, f); break;
-        case 2: q4_rows(w, d, scm, 0, xr, sr, dr, in_pad, n_in, 2, f); break;
-        case 3: q4_rows(w, d, scm, 0, xr, sr, dr, in_pad, n_in, 3, f); break;
-        case 4: q4_rows(w, d, scm, 0, xr, sr, dr, in_pad, n_in, 4, f); break;
-        case 5: q4_rows(w, d, scm, 1, xr, sr, dr, in_pad, n_in, 1, f); break;
-        case 6: q4_rows(w, d, scm, 1, xr, sr, dr, in_pad, n_in, 2, f); break;
-        case 7: q4_rows(w, d, scm, 1, xr, sr, dr, in_pad, n_in, 3, f); break;
-        default: q4_rows(w, d, scm, 1, xr, sr, dr, in_pad, n_in, 4, f);
+        switch (n + 4 * kind) { /* each a copy of q4_rows for its n and kind */
+        case 1: q4_rows(w, d, scm, Q4_0, xr, sr, dr, in_pad, n_in, 1, f); break;
+        case 2: q4_rows(w, d, scm, Q4_0, xr, sr, dr, in_pad, n_in, 2, f); break;
+        case 3: q4_rows(w, d, scm, Q4_0, xr, sr, dr, in_pad, n_in, 3, f); break;
+        case 4: q4_rows(w, d, scm, Q4_0, xr, sr, dr, in_pad, n_in, 4, f); break;
+        case 5: q4_rows(w, d, scm, Q4_K, xr, sr, dr, in_pad, n_in, 1, f); break;
+        case 6: q4_rows(w, d, scm, Q4_K, xr, sr, dr, in_pad, n_in, 2, f); break;
+        case 7: q4_rows(w, d, scm, Q4_K, xr, sr, dr, in_pad, n_in, 3, f); break;
+        case 8: q4_rows(w, d, scm, Q4_K, xr, sr, dr, in_pad, n_in, 4, f); break;
+        case 9: q4_rows(w, d, scm, Q8_0, xr, sr, dr, in_pad, n_in, 1, f); break;
+        case 10: q4_rows(w, d, scm, Q8_0, xr, sr, dr, in_pad, n_in, 2, f); break;
+        case 11: q4_rows(w, d, scm, Q8_0, xr, sr, dr, in_pad, n_in, 3, f); break;
+        default: q4_rows(w, d, scm, Q8_0, xr, sr, dr, in_pad, n_in, 4, f);
         }
         for (int k = 0; k < n; k++) {
             store_half(y + (r + k) * out, _mm256_add_ps(f[2 * k], b_lo), left);

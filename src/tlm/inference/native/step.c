@@ -235,12 +235,12 @@ int64_t greedy_pick(const float *logits, int64_t n, float *logprob) {
 }
 
 /* Where a step's token embeddings E[w] come from (inference/formats/prepare.py keeps them three
- * ways): rows in memory (`table`), fp32, fp16, bf16, or int8 with one scale per row
- * (kernels.PackedRows); or rows left in the model's file (`table` NULL: read from `fd`,
+ * ways): rows in memory (`table`), fp32, fp16, bf16, or int8 with one scale per row or per
+ * block of 32 (kernels.PackedRows: int8, q8_0); or rows left in the model's file (`table` NULL: read from `fd`,
  * the rows starting at byte `start`, as tensor_files.FileRows reads them). Each row is
  * widened to fp32 and multiplied by `times`, the embedding's scale. */
 typedef struct {
-    int64_t kind; /* 0 fp32, 1 fp16, 2 bf16, 3 int8 */
+    int64_t kind; /* 0 fp32, 1 fp16, 2 bf16, 3 int8, 4 q8_0 (int8, a scale a block of 32) */
     const void *table;
     const float *scale;
     int64_t fd, start, n;
@@ -269,7 +269,7 @@ static float from_half(uint16_t h) { /* IEEE binary16 to binary32, exactly */
 /* x[r] = times * E[ids[r]] for `rows` rows of width d. Returns 0, -3 where an id is not a
  * row of E, -4 where the file holds fewer bytes than a row (changed since it was opened). */
 int64_t look_up(const Rows *E, const int64_t *ids, int64_t rows, int64_t d, float *x) {
-    const size_t width = E->kind == 0 ? 4 : E->kind == 3 ? 1 : 2;
+    const size_t width = E->kind == 0 ? 4 : E->kind >= 3 ? 1 : 2;
     const size_t bytes = width * (size_t)d;
     for (int64_t r = 0; r < rows; r++)
         if (ids[r] < 0 || ids[r] >= E->n) return -3;
@@ -294,9 +294,12 @@ int64_t look_up(const Rows *E, const int64_t *ids, int64_t rows, int64_t d, floa
                 const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
                 memcpy(xr + i, &bits, sizeof(float));
             }
-        } else {
+        } else if (E->kind == 3) {
             const float s = E->scale[ids[r]];
             for (int64_t i = 0; i < d; i++) xr[i] = (float)((const int8_t *)row)[i] * s;
+        } else {
+            const float *s = E->scale + ids[r] * ((d + 31) / 32);
+            for (int64_t i = 0; i < d; i++) xr[i] = (float)((const int8_t *)row)[i] * s[i / 32];
         }
         if (E->times != 1.0f)
             for (int64_t i = 0; i < d; i++) xr[i] *= E->times;
@@ -324,12 +327,16 @@ int64_t q4_0_product(const uint8_t *blocks, const uint16_t *scales, const float 
 int64_t q4_k_product(const uint8_t *blocks, const uint16_t *d, const uint8_t *scm,
                      const float *bias, const float *x, int64_t rows, int64_t in, int64_t in_pad,
                      int64_t out, float *y);
+int64_t q8_0_product(const int8_t *blocks, const uint16_t *scales, const float *bias,
+                     const float *x, int64_t rows, int64_t in, int64_t in_pad, int64_t out,
+                     float *y);
 
 /* One product, y = x W^T + b, written at `offset` of each output row: kind 0 int8 blocks,
  * 1 float16 blocks, 2 fp32 W [in, out] (rows ld apart), 3 fp32 W^T [out, in] (rows ld
  * apart), 4 float32 blocks, 5 q4_0 blocks (`scale`: their fp16 scales), 6 q4_k blocks
- * (`scale`: their fp16 d and dmin, `wsum`: their 6-bit sc and m). Only kinds 2 and 3 write at an offset, into rows wider than
- * their own output (Q, K and V as three products; program.py checks). */
+ * (`scale`: their fp16 d and dmin, `wsum`: their 6-bit sc and m), 7 q8_0 blocks (`scale`:
+ * their fp16 scales). Only kinds 2 and 3 write at an offset, into rows wider than their own
+ * output (Q, K and V as three products; program.py checks). */
 typedef struct {
     int64_t kind;
     const void *w;
@@ -366,6 +373,7 @@ static int64_t product(const Product *p, const float *x, int64_t rows, float *y,
     case 6:
         return q4_k_product(p->w, (const uint16_t *)p->scale, (const uint8_t *)p->wsum, p->bias, x, rows, p->in,
                             p->in_pad, p->out, y);
+    case 7: return q8_0_product(p->w, (const uint16_t *)p->scale, p->bias, x, rows, p->in, p->in_pad, p->out, y);
     default: return float32_product(p->w, p->bias, x, rows, p->in, p->out, y);
     }
 }

@@ -1,0 +1,119 @@
+"""q8_0 (`tlm.inference.formats.q8`, `q4.c`'s kernel): llama.cpp's Q8_0 rounding and bytes,
+the kernel held to its PyTorch reference (exact integers where the numbers allow), the
+embedding rows, and the 4-bit formats keeping their embeddings and head in it."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tlm.inference import for_inference
+from tlm.inference.formats import kernels, q4, q8
+
+# each instruction set this host runs, at one thread and at two
+pytestmark = pytest.mark.usefixtures("kernel_build", "each_thread_count")
+
+
+def needs_kernel() -> None:
+    if not q4.here():
+        pytest.skip("no kernel of blocks of 32 in this host's library (no AVX2, or no OpenMP)")
+
+
+def weights(rows: int, inputs: int) -> torch.Tensor:
+    """Random rows with a block of zeros, a block of one value, a block of halves (rounded
+    away from zero), and a large outlier."""
+    torch.manual_seed(0)
+    W = torch.randn(rows, inputs)
+    W[0, :32] = 0
+    W[1, 32:64] = 0.25
+    W[2, :32] = torch.arange(32) - 15.5  # max 15.5: d = 15.5 / 127, halves land between levels
+    W[3, 50] = 9.0
+    return W
+
+
+def test_quantize_writes_ggufs_bytes():
+    """d in fp16 then the 32 q of each block are the `gguf` package's Q8_0 bytes, and its
+    dequantization is ours."""
+    W = weights(8, 96)
+    q, d = q8.quantize(W)
+    ours = np.concatenate(
+        [d.numpy().view(np.uint8).reshape(8, 3, 2), q.numpy().view(np.uint8).reshape(8, 3, 32)],
+        axis=-1,
+    )
+    theirs = gguf.quants.quantize(W.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(ours.reshape(8, -1), theirs)
+    back = gguf.quants.dequantize(theirs, gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(q8.dequantize(q, d).numpy(), back)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_kernel_is_the_reference(rows, bias):
+    """37 outputs (a last block of 5), 80 inputs (a last input block of 16, padded): the
+    kernel's product is the reference's to fp32 rounding, for 1 to 9 rows; the layout
+    unpacks to what `quantize` made."""
+    needs_kernel()
+    W, b = weights(37, 80), torch.randn(37) if bias else None
+    kernel = q8.Q8Blocks(lambda lo, hi: W[lo:hi], W.shape, b)
+    q, d = kernel.unpacked()
+    q_expected, d_expected = q8.quantize(torch.nn.functional.pad(W, (0, 16)))
+    assert torch.equal(q, q_expected) and torch.equal(d, d_expected)
+    x = torch.randn(rows, 80) * 3
+    expected = q8.reference(x, q, d, b)
+    got = kernel(x)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_exact_integers():
+    """Weights that are integers with each block's largest 127 (d = 1) and activations the
+    same (dx = 1): every product is an integer, and the kernel's is exact, signs and all."""
+    needs_kernel()
+    torch.manual_seed(1)
+    W = torch.randint(-127, 128, (40, 64)).float()
+    W[:, ::32] = -127  # each block's max |w|
+    x = torch.randint(-127, 128, (3, 64)).float()
+    x[:, ::32] = 127
+    kernel = q8.Q8Blocks(lambda lo, hi: W[lo:hi], W.shape, None)
+    assert torch.equal(kernel(x), x @ W.t())
+    assert torch.equal(q8.reference(x, *kernel.unpacked(), None), x @ W.t())
+
+
+def test_embedding_rows_are_the_blocks_values():
+    """`PackedRows` in q8_0 looks up each row as its blocks dequantize (d = 70: the last
+    block of 6 values padded)."""
+    E = weights(12, 70)
+    rows = kernels.PackedRows(E, "q8_0")
+    ids = torch.tensor([[3, 0, 11], [2, 2, 1]])
+    q, d = q8.quantize(torch.nn.functional.pad(E, (0, 26)))
+    assert torch.equal(rows(ids), q8.dequantize(q, d)[:, :70][ids])
+
+
+def test_a_model_in_q8_0_is_its_reference(make_model, monkeypatch):
+    """A model for inference in q8_0, and one in q4_0 (whose embeddings and head are q8_0):
+    its logits and greedy tokens (the C step where it runs) are those of the same model
+    whose products run the PyTorch references, and near fp32's."""
+    needs_kernel()
+    model = make_model(position="learned", bias=True)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    state, ids = model.state_dict(), torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        plain = model(ids)
+    for fmt, worst in (("q8_0", 0.03), ("q4_0", 0.3)):
+        fast = make_model(position="learned", bias=True)
+        fast.load_state_dict(state)
+        fast = for_inference(fast, fmt)
+        assert isinstance(fast.head.kernel, q8.Q8Blocks)
+        assert fast.embedding.lookup.fmt == "q8_0"
+        with monkeypatch.context() as patch:
+            patch.setattr(q4, "here", lambda: False)
+            slow = make_model(position="learned", bias=True)
+            slow.load_state_dict(state)
+            slow = for_inference(slow, fmt)
+        assert not slow.head.kernel.native
+        with torch.no_grad():
+            got, expected = fast(ids), slow(ids)
+        assert torch.allclose(got, expected, atol=1e-4)
+        assert 1e-4 < (got - plain).abs().max() < worst
+        start, settings = ids[:, :4], {"max_new_tokens": 8}
+        assert torch.equal(fast.generate(start, **settings), slow.generate(start, **settings))
