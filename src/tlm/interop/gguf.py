@@ -35,7 +35,7 @@ import torch
 
 from tlm.chat import JINJA_PLAIN
 from tlm.config import ConfigError, ModelConfig
-from tlm.interop import q4k
+from tlm.interop import q4k, q6k
 from tlm.interop.gguf_tokens import (
     GGUFError,
     _gguf,
@@ -49,7 +49,7 @@ from tlm.model import TransformerLM
 from tlm.model.positions import sinusoidal_table
 from tlm.tokenizer import Tokenizer, TokenizerError
 
-TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_k")
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_k", "q4_k_m")
 WIDER = {"q4_0": "q8_0", "q4_k": "q8_0"}  # the embeddings' and the head's (tlm keeps them int8)
 ARCHITECTURES = ("gpt2", "gptneox")
 BLOCK = [  # GGUF name after `blk.{l}.`, tlm name after `blocks.{l}.`
@@ -73,10 +73,11 @@ def export_gguf(
 ) -> Path:
     """Write `model` and `tokenizer` as one GGUF file at `out`, its matrices in `kind`
     ("f32", "f16", "q8_0", "q4_0" or "q4_k": the blocks' matrices in Q4_0 or Q4_K, the token
-    embeddings and the head in Q8_0; vectors stay f32, a matrix whose rows are not a whole
-    number of Q4_K's 256-value super-blocks is written Q4_0, and one whose rows are not a
-    whole number of 32-value blocks f16). The file appears whole or not at all,
-    and an existing one is never replaced."""
+    embeddings and the head in Q8_0, as tlm runs them; vectors stay f32, a matrix whose rows
+    are not a whole number of Q4_K's 256-value super-blocks is written Q4_0, and one whose
+    rows are not a whole number of 32-value blocks f16; "q4_k_m": llama.cpp's Q4_K_M mix,
+    `mixed`, with its fallbacks). The file appears whole or not at all, and an existing one
+    is never replaced."""
     gguf = _gguf()
     if not isinstance(model, TransformerLM):
         raise GGUFError("llama.cpp's gpt2 and gptneox are decoders: a translation run has no GGUF")
@@ -99,8 +100,10 @@ def export_gguf(
     with atomic_path(out) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
         _write_fields(writer, gguf, config, vocab, kind)
-        for name, tensor in gguf_tensors(model.state_dict(), config).items():
-            _add_tensor(writer, gguf, name, tensor, kind)
+        tensors = gguf_tensors(model.state_dict(), config)
+        mix = (config.n_layers, "output.weight" in tensors)  # what q4_k_m's types depend on
+        for name, tensor in tensors.items():
+            _add_tensor(writer, gguf, name, tensor, kind, mix)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -149,9 +152,9 @@ def _write_fields(writer, gguf, config: ModelConfig, vocab: dict[str, Any], kind
             writer.add_rope_scaling_yarn_beta_slow(config.yarn_beta_slow)
         writer.add_parallel_residual(False)  # the sequential block
     file_types = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
-    file_types |= {"q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_S"}
+    file_types |= {"q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_S", "q4_k_m": "MOSTLY_Q4_K_M"}
     writer.add_file_type(gguf.LlamaFileType[file_types[kind].upper()])
-    if kind in ("q8_0", "q4_0", "q4_k"):
+    if kind not in ("f32", "f16"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
@@ -199,15 +202,43 @@ def gguf_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     return {name: t.contiguous().numpy() for name, t in tensors.items()}
 
 
-def _add_tensor(writer, gguf, name: str, tensor: np.ndarray, kind: str) -> None:
+def mixed(name: str, n_layers: int, head: bool) -> str:
+    """The GGUF type of matrix `name` in llama.cpp's Q4_K_M mix (llama_tensor_get_type, for
+    the gpt2 and gptneox architectures: Q4_K, with Q5_K for the fused attn_qkv and Q6_K for
+    the head and for ffn_down in a layer that `use_more_bits`; the token embeddings are the
+    head where the file has no output.weight)."""
+    if name == "output.weight" or (name == "token_embd.weight" and not head):
+        return "q6_k"
+    if ".attn_qkv." in name:
+        return "q5_k"
+    if ".ffn_down." in name:
+        i = int(name.split(".")[1])
+        more = i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2
+        return "q6_k" if more else "q4_k"
+    return "q4_k"
+
+
+K_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}  # llama.cpp's, rows not of 256
+
+
+def _add_tensor(writer, gguf, name: str, tensor: np.ndarray, kind: str, mix) -> None:
     matrix = tensor.ndim == 2 and name != "position_embd.weight"
-    kind = kind if name.startswith("blk.") else WIDER.get(kind, kind)
+    if kind == "q4_k_m" and matrix:
+        kind = mixed(name, *mix)
+        kind = K_FALLBACK[kind] if tensor.shape[1] % q4k.SUPER else kind
+    elif not name.startswith("blk."):
+        kind = WIDER.get(kind, kind)
     if kind == "q4_k" and matrix and tensor.shape[1] % q4k.SUPER != 0:
-        kind = "q4_0"  # rows that are not whole super-blocks: the same bits in Q4_0's blocks
-    if kind == "q4_k" and matrix:
-        quantized = q4k.to_gguf(*q4k.quantize(torch.from_numpy(tensor)))
-        writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-    elif kind in ("q8_0", "q4_0") and matrix and tensor.shape[1] % 32 == 0:
+        kind = "q4_0"  # rows that are not whole super-blocks: tlm's q4_k takes q4_0's blocks
+    rows = torch.from_numpy(tensor)
+    if kind in ("q4_k", "q5_k", "q6_k") and matrix:
+        quantized = {
+            "q4_k": lambda: q4k.to_gguf(*q4k.quantize(rows)),
+            "q5_k": lambda: q4k.q5_to_gguf(*q4k.quantize(rows, 31)),
+            "q6_k": lambda: q6k.to_gguf(*q6k.quantize(rows)),
+        }[kind]()
+        writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType[kind.upper()])
+    elif kind in ("q8_0", "q4_0", "q5_0", "q5_1") and matrix and tensor.shape[1] % 32 == 0:
         quantization = gguf.GGMLQuantizationType[kind.upper()]
         writer.add_tensor(name, gguf.quants.quantize(tensor, quantization), raw_dtype=quantization)
     elif kind != "f32" and matrix:
