@@ -6,10 +6,12 @@ perplexity, and decoding speed beside tlm's, in one run.
     python bench/gguf.py --run runs/demo-chat --data data/demo-chat   # also chat (tlm demo chat)
     python bench/gguf.py --gpt2                       # also decode speed, GPT-2 124M shape
 
-`tlm export-gguf` writes the run as f32, f16, q8_0, q4_0 and q4_k; llama.cpp reads each through
-`llama-cpp-python` (PyPI's package, compiled here for this CPU, about 6 minutes on 2
-cores, the first time only: it is installed under --work, one folder per CPU's flags).
+`tlm export-gguf` writes the run as f32, f16, q8_0, q4_0, q4_k and q4_k_m; llama.cpp reads
+each through `llama-cpp-python` (PyPI's package, compiled here for this CPU, about 6 minutes
+on 2 cores, the first time only: it is installed under --work, one folder per CPU's flags).
 
+0. Quantizer: llama.cpp's own Q4_K_M of the f32 file against tlm's q4_k_m file, matrix by
+   matrix: the same type, and the share of blocks byte for byte the same.
 1. Tokens: llama.cpp's gpt2 tokenizer on the validation text gives tlm's ids.
 2. Greedy: 64 new tokens after a 32-token prompt from the validation split, llama.cpp's
    (every type) against tlm's float32 `generate`; where they part, the position.
@@ -48,6 +50,7 @@ from tlm.tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TYPES = {"f32": "float32", "f16": "float16", "q8_0": "q8_0", "q4_0": "q4_0", "q4_k": "q4_k"}
+TYPES["q4_k_m"] = None  # llama.cpp's mix: tlm has no format of that name, llama.cpp runs alone
 ALSO = {"q8_0": ["int8"]}  # tlm's other formats timed beside a type (int8: a scale a row)
 GPT2 = {"vocab_size": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "context_length": 1024}
 
@@ -142,6 +145,40 @@ def part_agreement(llama, run: Path, data: Path, files, tokens: int, threads: in
             f"{ppl / scored['perplexity'] - 1:+13.2%} "
             f"{own_ppl['perplexity']:19.4f} {ppl / own_ppl['perplexity'] - 1:+7.2%}"
         )
+
+
+def part_quantizer(llama, files, work: Path) -> None:
+    """llama.cpp's own quantizer (`llama_model_quantize`, Q4_K_M) on the f32 file, against
+    `tlm export-gguf --type q4_k_m`: the type of each matrix, and the share of its blocks
+    whose bytes are the same."""
+    import ctypes
+
+    from gguf import GGML_QUANT_SIZES, GGUFReader
+
+    params = llama.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama.LLAMA_FTYPE_MOSTLY_Q4_K_M, torch.get_num_threads()
+    out = work / "llama-q4_k_m.gguf"
+    out.unlink(missing_ok=True)
+    if llama.llama_model_quantize(
+        str(files["f32"]).encode(), str(out).encode(), ctypes.byref(params)
+    ):
+        raise SystemExit("llama.cpp could not quantize the f32 file")
+    theirs = {t.name: t for t in GGUFReader(out).tensors if len(t.shape) == 2}
+    ours = {t.name: t for t in GGUFReader(files["q4_k_m"]).tensors if len(t.shape) == 2}
+    same_type, blocks = 0, {}
+    for name, mine in ours.items():
+        kind = mine.tensor_type
+        if kind != theirs[name].tensor_type or kind.name == "F32":
+            same_type += kind == theirs[name].tensor_type
+            continue
+        size = GGML_QUANT_SIZES[kind][1]
+        a, b = (np.asarray(t.data).view(np.uint8).reshape(-1, size) for t in (mine, theirs[name]))
+        equal, total = blocks.get(kind.name, (0, 0))
+        blocks[kind.name] = (equal + int(np.all(a == b, axis=1).sum()), total + len(a))
+        same_type += 1
+    shares = ", ".join(f"{k} {e / t:.1%} of {t:,}" for k, (e, t) in sorted(blocks.items()))
+    print(f"q4_k_m against llama.cpp's own quantizer of the f32 file: the same type for "
+          f"{same_type}/{len(ours)} matrices; blocks byte for byte the same: {shares}")  # fmt: skip
 
 
 def agreement(theirs: list[int], ours: list[int]) -> str:
@@ -260,6 +297,7 @@ def main() -> None:
     llama = llama_cpp(args.work)
     print(f"{host()}, {threads} threads; llama-cpp-python {llama.__version__}")
     files = write_files(load_model(args.run), load_tokenizer(args.run), args.work / "gguf", "run")
+    part_quantizer(llama, files, args.work / "gguf")
     part_agreement(llama, args.run, args.data, files, args.tokens, threads)
     part_chat(llama, args.run, args.data, files, args.questions, threads)
     new = min(128, load_model(args.run).config.context_length - 2)

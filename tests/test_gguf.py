@@ -292,35 +292,36 @@ def test_a_chat_run_carries_its_template_and_ends_at_end_of_turn(
 
 
 def test_q4_k_m_writes_llama_cpps_mix_and_reads_back_block_exact(tmp_path, bpe_tokenizer):
-    """q4_k_m, llama.cpp's Q4_K_M: Q5_K for attn_qkv, Q6_K for ffn_down in the layers that
+    """q4_k_m, llama.cpp's Q4_K_M: Q6_K for attn_qkv and ffn_down in the layers that
     `use_more_bits` (of 8: 0, 3, 6, 7) and for a tied head written as token_embd, Q4_K
     elsewhere; each read back exactly as tlm's port of its rounding dequantizes. Rows that
-    are not whole super-blocks take llama.cpp's fallbacks (Q5_0, Q5_1, Q8_0)."""
+    are not whole super-blocks take llama.cpp's fallbacks (Q5_0, Q8_0)."""
     from tlm.interop import q4k, q6k
 
     model = random_model(bpe_tokenizer.vocab_size, d_model=256, n_layers=8, position="learned")
     path = export_gguf(model, bpe_tokenizer, tmp_path / "q4_k_m.gguf", "q4_k_m")
     fields, tensors, types = read_raw(path)
-    downs = [types[f"blk.{i}.ffn_down.weight"] for i in range(8)]
-    assert downs == ["Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K"]
-    assert types["blk.0.attn_qkv.weight"] == "Q5_K" and types["blk.5.ffn_up.weight"] == "Q4_K"
+    for part in ("ffn_down", "attn_qkv"):
+        kinds = [types[f"blk.{i}.{part}.weight"] for i in range(8)]
+        assert kinds == ["Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert types["blk.5.ffn_up.weight"] == "Q4_K"
     assert types["token_embd.weight"] == "Q6_K" and "output.weight" not in types
     assert types["blk.2.attn_output.weight"] == "Q4_K" and types["position_embd.weight"] == "F32"
     assert fields["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q4_K_M
     back = read_gguf(path)[0]
     for i, (mine, theirs) in enumerate(zip(model.blocks, back.blocks, strict=True)):
+        kind = q6k if i in (0, 3, 6, 7) else q4k
         W_2 = mine.ffn.W_2.detach().t()
-        six = i in (0, 3, 6, 7)
-        expected = q6k.dequantize(*q6k.quantize(W_2)) if six else q4k.dequantize(*q4k.quantize(W_2))
-        assert torch.equal(theirs.ffn.W_2.detach().t(), expected)
+        assert torch.equal(theirs.ffn.W_2.detach().t(), kind.dequantize(*kind.quantize(W_2)))
         qkv = torch.cat([mine.attn.W_Q, mine.attn.W_K, mine.attn.W_V], dim=-1).detach().t()
         got = torch.cat([theirs.attn.W_Q, theirs.attn.W_K, theirs.attn.W_V], dim=-1).t()
-        assert torch.equal(got.detach(), q4k.dequantize(*q4k.quantize(qkv, 31)))
+        assert torch.equal(got.detach(), kind.dequantize(*kind.quantize(qkv)))
     E = model.embedding.E.detach()
     assert torch.equal(back.embedding.E.detach(), q6k.dequantize(*q6k.quantize(E)))
     small = random_model(bpe_tokenizer.vocab_size, position="rope")  # d 64, d_ff 256
     path = export_gguf(small, bpe_tokenizer, tmp_path / "small.gguf", "q4_k_m")
     types = read_raw(path)[2]
-    assert types["blk.0.attn_qkv.weight"] == "Q5_1" and types["blk.0.ffn_up.weight"] == "Q5_0"
+    assert types["blk.0.attn_qkv.weight"] == "Q5_0" and types["blk.1.attn_qkv.weight"] == "Q8_0"
+    assert types["blk.0.ffn_up.weight"] == "Q5_0"
     assert types["blk.0.ffn_down.weight"] == "Q4_K" and types["blk.1.ffn_down.weight"] == "Q6_K"
     assert types["output.weight"] == "Q8_0" and types["token_embd.weight"] == "Q5_0"

@@ -203,22 +203,21 @@ def gguf_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
 
 
 def mixed(name: str, n_layers: int, head: bool) -> str:
-    """The GGUF type of matrix `name` in llama.cpp's Q4_K_M mix (llama_tensor_get_type, for
-    the gpt2 and gptneox architectures: Q4_K, with Q5_K for the fused attn_qkv and Q6_K for
-    the head and for ffn_down in a layer that `use_more_bits`; the token embeddings are the
-    head where the file has no output.weight)."""
+    """The GGUF type of matrix `name` in llama.cpp's Q4_K_M mix: Q4_K, and Q6_K for the head
+    and, in a layer that `use_more_bits` (the first and last eighth, and every third between),
+    for attn_qkv and ffn_down; the token embeddings are the head where the file has no
+    output.weight. Measured: llama.cpp's own quantizer (llama-cpp-python 0.3.36) gives every
+    tensor of tlm's gpt2 and gptneox files these types (`bench/gguf.py`)."""
     if name == "output.weight" or (name == "token_embd.weight" and not head):
         return "q6_k"
-    if ".attn_qkv." in name:
-        return "q5_k"
-    if ".ffn_down." in name:
+    if ".attn_qkv." in name or ".ffn_down." in name:
         i = int(name.split(".")[1])
         more = i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2
         return "q6_k" if more else "q4_k"
     return "q4_k"
 
 
-K_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}  # llama.cpp's, rows not of 256
+K_FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}  # llama.cpp's, for rows not whole super-blocks
 
 
 def _add_tensor(writer, gguf, name: str, tensor: np.ndarray, kind: str, mix) -> None:
@@ -231,14 +230,11 @@ def _add_tensor(writer, gguf, name: str, tensor: np.ndarray, kind: str, mix) -> 
     if kind == "q4_k" and matrix and tensor.shape[1] % q4k.SUPER != 0:
         kind = "q4_0"  # rows that are not whole super-blocks: tlm's q4_k takes q4_0's blocks
     rows = torch.from_numpy(tensor)
-    if kind in ("q4_k", "q5_k", "q6_k") and matrix:
-        quantized = {
-            "q4_k": lambda: q4k.to_gguf(*q4k.quantize(rows)),
-            "q5_k": lambda: q4k.q5_to_gguf(*q4k.quantize(rows, 31)),
-            "q6_k": lambda: q6k.to_gguf(*q6k.quantize(rows)),
-        }[kind]()
+    if kind in ("q4_k", "q6_k") and matrix:
+        ours = q4k if kind == "q4_k" else q6k
+        quantized = ours.to_gguf(*ours.quantize(rows))
         writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType[kind.upper()])
-    elif kind in ("q8_0", "q4_0", "q5_0", "q5_1") and matrix and tensor.shape[1] % 32 == 0:
+    elif kind in ("q8_0", "q4_0", "q5_0") and matrix and tensor.shape[1] % 32 == 0:
         quantization = gguf.GGMLQuantizationType[kind.upper()]
         writer.add_tensor(name, gguf.quants.quantize(tensor, quantization), raw_dtype=quantization)
     elif kind != "f32" and matrix:

@@ -33,16 +33,15 @@ import torch
 from torch import Tensor
 
 SUPER, SUB = 256, 32  # weights a super-block and a sub-block hold
-TRIALS = {15: (-1.0, 20), 31: (-0.5, 15)}  # make_qkx2_quants's rmin and steps: Q4_K's, Q5_K's
+STEPS = 20  # make_qkx2_quants's trial scales after its first guess: 21 in all
 
 
-def quantize(rows: Tensor, top: int = 15) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Rows [n, in] (in a multiple of 256) as Q4_K (`top` 15), or Q5_K (`top` 31: its
-    levels, q5_k below): q uint8 [n, in] in [0, top], sc and m uint8 [n, in/32] in [0, 63],
-    d and dmin fp16 [n, in/256]."""
+def quantize(rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Rows [n, in] (in a multiple of 256) as Q4_K: q uint8 [n, in] in [0, 15], sc and m
+    uint8 [n, in/32] in [0, 63], d and dmin fp16 [n, in/256]."""
     n, k = rows.shape
     x = rows.float().reshape(-1, SUB)  # every sub-block
-    levels, scale, least = _fit(x, top, *TRIALS[top])
+    levels, scale, least = _fit(x)
     per = lambda t: t.view(n * k // SUPER, SUPER // SUB)  # noqa: E731  [super-blocks, 8]
     scales, mins = per(scale), per(-least)
     top_scale = scales.amax(-1, keepdim=True).clamp(min=0)
@@ -52,29 +51,29 @@ def quantize(rows: Tensor, top: int = 15) -> tuple[Tensor, Tensor, Tensor, Tenso
     d, dmin = (top_scale / 63).half(), (top_min / 63).half()
     step = (d.float() * sc).view(-1, 1)  # [sub-blocks, 1]
     shift = (dmin.float() * m).view(-1, 1)
-    again = _nearest((x + shift) / step).clamp(0, top)
+    again = _nearest((x + shift) / step).clamp(0, 15)
     q = torch.where(step != 0, again, levels)
     as_bytes = lambda t: t.to(torch.uint8).view(n, -1)  # noqa: E731
     return as_bytes(q), as_bytes(sc), as_bytes(m), d.view(n, -1), dmin.view(n, -1)
 
 
-def _fit(x: Tensor, top: int, rmin: float, steps: int) -> tuple[Tensor, Tensor, Tensor]:
-    """`make_qkx2_quants(32, top, x, w, L, &min, Laux, rmin, 0.1, steps, false)` for every
-    row of x [S, 32]: (levels [S, 32], scale [S], min [S], the min <= 0)."""
+def _fit(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`make_qkx2_quants(32, 15, x, w, L, &min, Laux, -1, 0.1, 20, false)` for every row of
+    x [S, 32]: (levels [S, 32], scale [S], min [S], the min <= 0)."""
     w = (x.square().sum(-1, keepdim=True) / SUB).sqrt() + x.abs()
     lo = x.amin(-1, keepdim=True).clamp(max=0)
     hi = x.amax(-1, keepdim=True)
     flat = hi == lo
     span = torch.where(flat, torch.ones_like(hi), hi - lo)
     sum_w, sum_x = w.sum(-1, keepdim=True), (w * x).sum(-1, keepdim=True)
-    first = top / span
-    levels = _nearest(first * (x - lo)).clamp(0, top)
+    first = 15 / span
+    levels = _nearest(first * (x - lo)).clamp(0, 15)
     scale, least = 1 / first, lo
     best = (w * (scale * levels + least - x).square()).sum(-1, keepdim=True)
-    for trial in range(steps + 1):  # the min kept so far moves each trial's levels
+    for trial in range(STEPS + 1):  # the min kept so far moves each trial's levels
         width = torch.where(flat, torch.ones_like(hi), hi - least)
-        trial_top = torch.tensor(rmin) + torch.tensor(0.1) * trial + top  # in fp32, as C's
-        guess = _nearest(trial_top / width * (x - least)).clamp(0, top)
+        top = torch.tensor(-1.0) + torch.tensor(0.1) * trial + 15  # in fp32, as llama.cpp's
+        guess = _nearest(top / width * (x - least)).clamp(0, 15)
         sum_l, sum_l2 = (w * guess).sum(-1, keepdim=True), (w * guess * guess).sum(-1, keepdim=True)
         sum_xl = (w * guess * x).sum(-1, keepdim=True)
         D = sum_w * sum_l2 - sum_l * sum_l
@@ -127,16 +126,3 @@ def to_gguf(q: Tensor, sc: Tensor, m: Tensor, d: Tensor, dmin: Tensor) -> np.nda
     halves = lambda t: t.reshape(-1, 1).numpy().view(np.uint8).reshape(-1, 2)  # noqa: E731
     blocks = np.concatenate([halves(d), halves(dmin), packed, nibbles], axis=1)
     return blocks.reshape(n, -1)
-
-
-def q5_to_gguf(q: Tensor, sc: Tensor, m: Tensor, d: Tensor, dmin: Tensor) -> np.ndarray:
-    """Q5_K's bytes [n, in/256 * 176] from `quantize(rows, 31)`: d, dmin, the 12 bytes of sc
-    and m as Q4_K's, 32 bytes of fifth bits (in each 64 values, bit 2i of byte j for the
-    value j of the first 32, bit 2i + 1 for the next 32), then Q4_K's 128 bytes of nibbles."""
-    n = q.shape[0]
-    values = q.view(-1, 4, 2, 32).numpy()  # [super-blocks, 64s, first/next 32, 32]
-    fifth = (values >> 4).astype(np.uint8)
-    shifts = (2 * np.arange(4)[:, None, None] + np.arange(2)[None, :, None]).astype(np.uint8)
-    high = np.bitwise_or.reduce((fifth << shifts).reshape(len(values), 8, 32), axis=1)
-    four = to_gguf(q & 0x0F, sc, m, d, dmin).reshape(len(values), 144)
-    return np.concatenate([four[:, :16], high, four[:, 16:]], axis=1).reshape(n, -1)
