@@ -14,7 +14,9 @@ on 2 cores, the first time only: it is installed under --work, one folder per CP
    matrix: the same type, and the share of blocks byte for byte the same.
 1. Tokens: llama.cpp's gpt2 tokenizer on the validation text gives tlm's ids.
 2. Greedy: 64 new tokens after a 32-token prompt from the validation split, llama.cpp's
-   (every type) against tlm's float32 `generate`; where they part, the position.
+   (every type) against tlm's float32 `generate` and tlm's in the format of the same name
+   (for q4_k_m, which tlm has no format of, and for llama.cpp's own Q4_K_M file: tlm reading
+   the file, its blocks dequantized); where they part, the position.
 3. Perplexity on the first --tokens of the validation split, in the windows `tlm eval`
    scores (context-length windows, each token a target once): tlm's `evaluate_tokens`
    (what `tlm eval` prints) and llama.cpp's logits of the same windows.
@@ -134,10 +136,9 @@ def part_agreement(llama, run: Path, data: Path, files, tokens: int, threads: in
         total, count = llama_nll(llm, windows)
         ppl = math.exp(total / count)
         line = f"{kind:10s} {agreement(greedy, ours):>27s} / "
-        if TYPES[kind] is None:
-            print(f"{line}{'-':16s} {ppl:12.4f} {ppl / scored['perplexity'] - 1:+13.2%}")
-            continue
-        packed = load_model(run, dtype=TYPES[kind])  # tlm's own format of the same weights
+        # tlm's own format of the same weights; for a type tlm has no format of, the file
+        # itself read into tlm (each block dequantized to fp32 as the gguf package does)
+        packed = load_model(path) if TYPES.get(kind) is None else load_model(run, dtype=TYPES[kind])
         own = packed.generate(torch.tensor([prompt]), max_new_tokens=new)[0, len(prompt) :]
         own_ppl = evaluate_tokens(packed, val, tokenizer.token_bytes(), max_tokens=tokens)
         print(
@@ -147,10 +148,10 @@ def part_agreement(llama, run: Path, data: Path, files, tokens: int, threads: in
         )
 
 
-def part_quantizer(llama, files, work: Path) -> None:
+def part_quantizer(llama, files, work: Path) -> Path:
     """llama.cpp's own quantizer (`llama_model_quantize`, Q4_K_M) on the f32 file, against
     `tlm export-gguf --type q4_k_m`: the type of each matrix, and the share of its blocks
-    whose bytes are the same."""
+    whose bytes are the same. Returns llama.cpp's file (part 2 reads it into tlm)."""
     import ctypes
 
     from gguf import GGML_QUANT_SIZES, GGUFReader
@@ -179,6 +180,7 @@ def part_quantizer(llama, files, work: Path) -> None:
     shares = ", ".join(f"{k} {e / t:.1%} of {t:,}" for k, (e, t) in sorted(blocks.items()))
     print(f"q4_k_m against llama.cpp's own quantizer of the f32 file: the same type for "
           f"{same_type}/{len(ours)} matrices; blocks byte for byte the same: {shares}")  # fmt: skip
+    return out
 
 
 def agreement(theirs: list[int], ours: list[int]) -> str:
@@ -297,8 +299,8 @@ def main() -> None:
     llama = llama_cpp(args.work)
     print(f"{host()}, {threads} threads; llama-cpp-python {llama.__version__}")
     files = write_files(load_model(args.run), load_tokenizer(args.run), args.work / "gguf", "run")
-    part_quantizer(llama, files, args.work / "gguf")
-    part_agreement(llama, args.run, args.data, files, args.tokens, threads)
+    theirs = {"llama q4km": part_quantizer(llama, files, args.work / "gguf")}
+    part_agreement(llama, args.run, args.data, files | theirs, args.tokens, threads)
     part_chat(llama, args.run, args.data, files, args.questions, threads)
     new = min(128, load_model(args.run).config.context_length - 2)
     part_speed(llama, str(args.run), args.run, files, new, args.rounds, threads)

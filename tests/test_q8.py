@@ -117,3 +117,21 @@ def test_a_model_in_q8_0_is_its_reference(make_model, monkeypatch):
         assert 1e-4 < (got - plain).abs().max() < worst
         start, settings = ids[:, :4], {"max_new_tokens": 8}
         assert torch.equal(fast.generate(start, **settings), slow.generate(start, **settings))
+
+
+def test_the_activations_are_llama_cpps_x86_q8_0():
+    """Activations (the kernels' x) are quantized as llama.cpp's x86 quantize_row_q8_0 does
+    (xq = round(x 127 / max|x|), halves to even), weights as its quantize_row_q8_0_ref and
+    the gguf package do (xq = round(x / d), halves away from zero): with max|x| = 127 the
+    halves tell them apart, and the kernel's product follows the activations' rule."""
+    x = torch.zeros(1, 32)
+    x[0, :5] = torch.tensor([127.0, 2.5, 3.5, -2.5, 0.5])
+    activations, dx = q4._q8_0(x, 32)
+    weights, d = q4._q8_0(x, 32, weights=True)
+    assert activations[0, 0, :5].tolist() == [127, 2, 4, -2, 0] and dx.item() == 1
+    assert weights[0, 0, :5].tolist() == [127, 3, 4, -3, 1] and d.item() == 1
+    needs_kernel()
+    W = torch.zeros(16, 32)
+    W[0, 1], W[0, 0] = 1.0, 127.0  # y = 127 x_0 + x_1 on the quantized x: d = 1
+    y = q8.Q8Blocks(lambda lo, hi: W[lo:hi], W.shape, None)(x)
+    assert y[0, 0].item() == 127 * 127 + 2

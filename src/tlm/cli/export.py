@@ -43,8 +43,8 @@ as gptneox (full rotary, sequential block); the vocabulary (BPE or characters) a
 tokenizer. Vectors stay f32; --type sets the matrices: f32, f16, q8_0, q4_0 and q4_k as
 tlm's --dtype of the same name runs them (the 4-bit types' embeddings and head in Q8_0),
 q4_k_m as llama.cpp's Q4_K_M mix (Q6_K for the head and, in three layers of eight, for
-attn_qkv and ffn_down; Q4_K elsewhere). llama.cpp computes GELU with the tanh approximation; a ReLU run,
-post-norm, another d_head or qk_norm is refused, naming the field.
+attn_qkv and ffn_down; Q4_K elsewhere). llama.cpp computes GELU with the tanh
+approximation; a ReLU run, post-norm, another d_head or qk_norm is refused, naming the field.
 """
 
 

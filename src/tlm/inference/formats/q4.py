@@ -7,15 +7,16 @@ package's): d = m / -8 for the block's value m of largest magnitude (the first o
 ones), q = min(15, trunc(w / d + 8.5)); so the largest weight is exactly -8 d and the
 others round to the nearest of 16 levels. A test holds `quantize` to `gguf`'s bytes.
 
-The product quantizes each row of x as llama.cpp's Q8_0 does (blocks of 32, xq = round(x /
-dx), dx = max|x| / 127 kept in fp16), sums each block's (q - 8) xq exactly in integers,
-and adds the blocks' sums times d dx in fp32: `reference` is that in PyTorch (the test's
-slow side, and the route where the library has no q4_0 kernel); `Q4Blocks` holds the
-weights in the kernel's layout (16 output rows together, `blocks_q4.h` says how) and runs
-it. q4_k (`Q4KBlocks`, `reference_k`) quantizes x as llama.cpp's Q8_K instead (one fp32
-dx a super-block of 256), the activations llama.cpp pairs with Q4_K. The embeddings and the
-head stay int8 (`WIDER`): llama.cpp's own mixes keep the output
-matrix at 6 bits or more, as the logits are where 4 bits cost the most.
+The product quantizes each row of x as llama.cpp's Q8_0 does on x86 (blocks of 32, xq =
+round(x 127 / max|x|) to the nearest even, dx = max|x| / 127 kept in fp16), sums each
+block's (q - 8) xq exactly in integers, and adds the blocks' sums times d dx in fp32:
+`reference` is that in PyTorch (the test's slow side, and the route where the library has
+no q4_0 kernel); `Q4Blocks` holds the weights in the kernel's layout (16 output rows
+together, `blocks_q4.h` says how) and runs it. q4_k (`Q4KBlocks`, `reference_k`) quantizes
+x as llama.cpp's Q8_K instead (one fp32 dx a super-block of 256), the activations llama.cpp
+pairs with Q4_K. The embeddings and the head stay q8_0 (`kernels.WIDER`, `q8.py`):
+llama.cpp's own mixes keep the output matrix at 6 bits or more, as the logits are where 4
+bits cost the most.
 """
 
 from __future__ import annotations
@@ -77,11 +78,18 @@ def reference_k(x: Tensor, parts: tuple[Tensor, ...], b: Tensor | None) -> Tenso
     return y if b is None else y + b
 
 
-def _q8_0(x: Tensor, in_pad: int) -> tuple[Tensor, Tensor]:
+def _q8_0(x: Tensor, in_pad: int, weights: bool = False) -> tuple[Tensor, Tensor]:
     """x [N, in] as llama.cpp's Q8_0, padded to in_pad: xq [N, in_pad/32, 32] (integers, in
-    fp32) and dx [N, in_pad/32] (its fp16 value): the kernel's activations."""
+    fp32) and dx [N, in_pad/32] (its fp16 value), dx = max|x| / 127. As activations (the
+    kernel's), xq = round(x 127 / max|x|) to the nearest even, as llama.cpp's x86
+    quantize_row_q8_0 computes them; as `weights`, xq = round(x / dx) with halves away from
+    zero, as its quantize_row_q8_0_ref (and the gguf package) write them."""
     xb = F.pad(x.float(), (0, in_pad - x.shape[1])).view(len(x), -1, BLOCK)
-    scale = xb.abs().amax(-1) / 127
+    most = xb.abs().amax(-1)
+    scale = most / 127
+    if not weights:
+        inverse = torch.where(most != 0, 127 / most, torch.zeros_like(most))
+        return (xb * inverse[..., None]).round(), scale.half().float()
     inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
     v = xb * inverse[..., None]
     whole = v.trunc()

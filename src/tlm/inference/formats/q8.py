@@ -25,7 +25,7 @@ from tlm.inference.formats.q4 import BLOCK, _by_16, _chunks, _of_rows, _q8_0
 
 def quantize(rows: Tensor) -> tuple[Tensor, Tensor]:
     """Rows [n, in] (in a multiple of 32) as Q8_0: q int8 [n, in], d fp16 [n, in/32]."""
-    xq, d = _q8_0(rows, rows.shape[1])
+    xq, d = _q8_0(rows, rows.shape[1], weights=True)
     return xq.to(torch.int8).view(len(rows), -1), d.half()
 
 

@@ -13,8 +13,8 @@
  * input block b follow as 16 fp16 values (`scales`).
  *
  * The activations are quantized in q4.c: for q4_0 as llama.cpp's Q8_0, per row and block of
- * 32, xq = round(x / dx) in [-127, 127] with dx = max|x| / 127 (rounded to fp16, as Q8_0
- * keeps it); for q4_k as its Q8_K, one fp32 dx for a super-block of 256 (written for each of
+ * 32, xq = round(x 127 / max|x|) in [-127, 127] with dx = max|x| / 127 (rounded to fp16,
+ * as Q8_0 keeps it); for q4_k as its Q8_K, one fp32 dx for a super-block of 256 (written for each of
  * its eight blocks). A block's sum over its 32 inputs, sum_i (q_i - 8) xq_i, is exact in
  * 32-bit integers, and y[o] = sum_b d[o, b] dx[b] sum_b + bias[o] in fp32, block by block.
  *

@@ -24,8 +24,9 @@ int64_t q4_here(void) {
 
 #if defined(Q4_KERNEL)
 /* Each row of x [rows, in] as llama.cpp's Q8_0 into xs [rows, in_pad] (blocks of 32: dx =
- * max|x| / 127 kept in fp16, xq = round(x / dx) with 1 / dx in fp32, halves away from zero),
- * with each block's sum of xq (xsum) and dx [rows, in_pad / 32]. */
+ * max|x| / 127 kept in fp16, xq = round(x 127 / max|x|) to the nearest even, as its x86
+ * quantize_row_q8_0 rounds activations), with each block's sum of xq (xsum) and dx [rows,
+ * in_pad / 32]. */
 static void quantize_q8_0(const float *x, int64_t rows, int64_t in, int64_t in_pad, int8_t *xs,
                           int32_t *xsum, float *dx) {
     const int64_t n_in = in_pad / 32;
@@ -35,12 +36,12 @@ static void quantize_q8_0(const float *x, int64_t rows, int64_t in, int64_t in_p
             const int64_t n = in - b * 32 < 32 ? (in - b * 32 > 0 ? in - b * 32 : 0) : 32;
             float most = 0.0f;
             for (int64_t i = 0; i < n; i++) most = fabsf(xb[i]) > most ? fabsf(xb[i]) : most;
-            const float scale = most / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+            const float scale = most / 127.0f, inv = most != 0.0f ? 127.0f / most : 0.0f;
             dx[r * n_in + b] = _cvtsh_ss(_cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT));
             int8_t *sb = xs + r * in_pad + b * 32;
             int32_t sum = 0;
             for (int64_t i = 0; i < 32; i++) {
-                sb[i] = (int8_t)(i < n ? (int32_t)roundf(xb[i] * inv) : 0);
+                sb[i] = (int8_t)(i < n ? lrintf(xb[i] * inv) : 0);
                 sum += sb[i];
             }
             xsum[r * n_in + b] = sum;
