@@ -20,8 +20,10 @@
  *
  * q8_0 (llama.cpp's Q8_0: a signed q in [-127, 127] a weight, one fp16 d a block of 32, with
  * Q8_0 activations) keeps q4_0's scales; its group g of block b is 64 bytes, rows 0-7 (byte
- * 4r + t: row r's q of input 4g + t) then rows 8-15. vpmaddubsw takes |q| times xq with q's
- * signs (a pair at most 2 * 127 * 127 = 32258: no saturation), widened to 32 bits each group. */
+ * 4r + t: row r's q of input 4g + t) then rows 8-15. vpmaddubsw takes |xq| times q with xq's
+ * signs for one row of x (one abs a group), |q| times xq with q's signs for several (one abs
+ * a line, shared): a pair at most 2 * 127 * 127 = 32258, no saturation, widened to 32 bits
+ * each group. */
 
 enum { Q4_0 = 0, Q4_K = 1, Q8_0 = 2 }; /* the kinds of block */
 
@@ -49,7 +51,18 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *w, cons
     for (int64_t b = 0; b < n_in; b++) {
         __m256i p[8];
         for (int k = 0; k < 2 * n; k++) p[k] = _mm256_setzero_si256();
-        if (kind == Q8_0) { /* signed bytes: |w| times x with w's signs, pairs widened each group */
+        if (kind == Q8_0 && n == 1) { /* one row: |x| times w with x's signs (one abs a group) */
+            for (int g = 0; g < 8; g++) {
+                const __m256i lo = _mm256_loadu_si256((const __m256i *)(w + (b * 8 + g) * 64));
+                const __m256i hi = _mm256_loadu_si256((const __m256i *)(w + (b * 8 + g) * 64 + 32));
+                const __m256i x = _mm256_set1_epi32(((const int32_t *)xs)[b * 8 + g]);
+                const __m256i a = _mm256_abs_epi8(x);
+                const __m256i m_lo = _mm256_maddubs_epi16(a, _mm256_sign_epi8(lo, x));
+                const __m256i m_hi = _mm256_maddubs_epi16(a, _mm256_sign_epi8(hi, x));
+                p[0] = _mm256_add_epi32(p[0], _mm256_madd_epi16(m_lo, ones));
+                p[1] = _mm256_add_epi32(p[1], _mm256_madd_epi16(m_hi, ones));
+            }
+        } else if (kind == Q8_0) { /* rows share |w|: times x with w's signs */
             for (int g = 0; g < 8; g++) {
                 const __m256i lo = _mm256_loadu_si256((const __m256i *)(w + (b * 8 + g) * 64));
                 const __m256i hi = _mm256_loadu_si256((const __m256i *)(w + (b * 8 + g) * 64 + 32));
@@ -62,6 +75,8 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *w, cons
                     p[2 * k + 1] = _mm256_add_epi32(p[2 * k + 1], _mm256_madd_epi16(m_hi, ones));
                 }
             }
+        }
+        if (kind == Q8_0) { /* each pair widened each group: the block's sums, scaled */
             const __m256 d_lo = half8(d + b * 16), d_hi = half8(d + b * 16 + 8);
             for (int k = 0; k < n; k++) {
                 const __m256 sx = _mm256_set1_ps(dx[k * n_in + b]);
