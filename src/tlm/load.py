@@ -82,10 +82,13 @@ def load_model(
     a run's latest weights or, `weights="best"`, those of its lowest validation loss (a run
     trained with --keep-best).
 
-    `dtype` ("float32", "float16", "bfloat16", "int8") gives a language model prepared for
-    inference, as `tlm.inference.for_inference(model, dtype)` would, and on a CPU reads it
-    one part at a time, packing each part before the next is read: the whole fp32 model is never in
-    memory, so the peak follows the format (docs/benchmarks-history.md, "Memory").
+    `dtype` (one of `tlm.inference.FORMATS`: "float32", "float16", "bfloat16", "int8",
+    "q8_0", "q4_0", "q4_k") gives a language model prepared for inference, as
+    `tlm.inference.for_inference(model, dtype)` would, and on a CPU reads it one part at a
+    time, packing each part before the next is read: the whole fp32 model is never in
+    memory, so the peak follows the format (docs/benchmarks-history.md, "Memory"). A GGUF
+    file of type q8_0, q4_0 or q4_k read in that dtype computes with the file's own values
+    (each block quantized again as it was; Q4_K's fit finds nearly every block again).
 
     `rope_scaling` ("linear", "ntk", "dynamic", "yarn") with `rope_factor` s reads a rotary
     model at s times the context it was trained at (`ModelConfig.stretched`,
