@@ -13,6 +13,7 @@ from tlm import ModelConfig, TransformerLM, load_model
 from tlm.generate import GenerationConfig, generate
 from tlm.inference import Decoder
 from tlm.inference.formats import blas
+from tlm.inference.formats.kernels import wider
 from tlm.interop.gpt2 import gpt2_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,11 +118,16 @@ def read_bandwidth(threads: int, nbytes: int, repeats: int = 8) -> dict[str, flo
     return rates
 
 
+# bytes a weight in each format (int8's row scales and the blocks' scales included where they
+# are a share of a weight: q8_0 34 bytes a block of 32, q4_0 18, q4_k 144 a super-block of 256)
+BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "q8_0": 34 / 32}
+BYTES |= {"q4_0": 18 / 32, "q4_k": 144 / 256}
+
+
 def weight_bytes(config: ModelConfig, fmt: str) -> int:
     """Bytes a decoding step reads: every matrix once (the head's E^T too), biases and
     LayerNorms in fp32."""
     d, L, V = config.d_model, config.n_layers, config.vocab_size
     blocks, head = L * (4 * d * d + 2 * d * config.d_ff), V * d
-    size = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "q4_0": 18 / 32}[fmt]
-    head_size = 1 if fmt == "q4_0" else size  # q4_0 keeps the head int8
+    size, head_size = BYTES[fmt], BYTES[wider(fmt)]  # the 4-bit formats keep the head q8_0
     return int(blocks * size + head * head_size) + 4 * L * (4 * d + config.d_ff + d + 4 * d)

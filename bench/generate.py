@@ -168,7 +168,7 @@ def part_limit(rounds: int, work: Path) -> None:
     format is its weight bytes over one bandwidth: the fastest reading of weights seen in
     the run, by the plain readers (`read_bandwidth`) or by a format's products alone."""
     threads = torch.get_num_threads()
-    models = user_models(saved_gpt2(work), ("float16", "int8", "q4_0"))
+    models = user_models(saved_gpt2(work), ("float16", "int8", "q8_0", "q4_0", "q4_k"))
     smallest = min(weight_bytes(model.config, fmt) for fmt, model in models.items())
     rows = {}
     for fmt, model in models.items():

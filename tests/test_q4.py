@@ -156,13 +156,13 @@ def test_a_model_in_q4_k_takes_q4_0_where_rows_are_short(make_model, monkeypatch
         assert torch.equal(fast.generate(start, **settings), slow.generate(start, **settings))
 
 
-def test_the_four_bit_formats_run_on_the_cpu_only():
-    """Decided from the device (no GPU needed), in one line; `--device auto` keeps them on
-    the CPU on a machine with a GPU (`device.CPU_ONLY`)."""
+def test_the_block_formats_run_on_the_cpu_only():
+    """q8_0, q4_0 and q4_k: decided from the device (no GPU needed), in one line; `--device
+    auto` keeps them on the CPU on a machine with a GPU (`device.CPU_ONLY`)."""
     from tlm.device import CPU_ONLY
     from tlm.inference import check_format
 
-    for fmt in ("q4_0", "q4_k"):
+    for fmt in ("q8_0", "q4_0", "q4_k"):
         assert fmt in CPU_ONLY
         with pytest.raises(ValueError, match=f"^{fmt} inference runs on the CPU only$"):
             check_format(fmt, torch.device("cuda"))
