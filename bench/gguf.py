@@ -127,8 +127,8 @@ def part_agreement(llama, run: Path, data: Path, files, tokens: int, threads: in
     )
     print(f"tlm float32 (tlm eval): perplexity {scored['perplexity']:.4f}")
     print(
-        "llama.cpp  same greedy tokens: as tlm float32 / tlm in its format   perplexity   "
-        "vs tlm float32   tlm in its format   vs it"
+        "llama.cpp  same greedy tokens: as tlm float32 / tlm in its format (where they part: "
+        "llama.cpp's top-two gap)   perplexity   vs tlm float32   tlm in its format   vs it"
     )
     for kind, path in files.items():
         llm = open_llama(llama, path, T, threads, all_logits=True)
@@ -142,7 +142,7 @@ def part_agreement(llama, run: Path, data: Path, files, tokens: int, threads: in
         own = packed.generate(torch.tensor([prompt]), max_new_tokens=new)[0, len(prompt) :]
         own_ppl = evaluate_tokens(packed, val, tokenizer.token_bytes(), max_tokens=tokens)
         print(
-            f"{line}{agreement(greedy, own.tolist()):<16s} {ppl:12.4f} "
+            f"{line}{parting(llama, llm, prompt, greedy, own.tolist()):<26s} {ppl:12.4f} "
             f"{ppl / scored['perplexity'] - 1:+13.2%} "
             f"{own_ppl['perplexity']:19.4f} {ppl / own_ppl['perplexity'] - 1:+7.2%}"
         )
@@ -181,6 +181,19 @@ def part_quantizer(llama, files, work: Path) -> Path:
     print(f"q4_k_m against llama.cpp's own quantizer of the f32 file: the same type for "
           f"{same_type}/{len(ours)} matrices; blocks byte for byte the same: {shares}")  # fmt: skip
     return out
+
+
+def parting(llama, llm, prompt: list[int], theirs: list[int], ours: list[int]) -> str:
+    """`agreement`, and where they part, how far apart llama.cpp's two best logits were
+    there (a near-tie: a gap smaller than the two sides' difference in arithmetic)."""
+    said = agreement(theirs, ours)
+    parted = next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=True)) if a != b), None)
+    if parted is None:
+        return said
+    llm.reset()
+    llm.eval(prompt + theirs[:parted])
+    top = np.sort(last_logits(llama, llm))[-2:]
+    return f"{said}, gap {top[1] - top[0]:.3f}"
 
 
 def agreement(theirs: list[int], ours: list[int]) -> str:
