@@ -2,7 +2,9 @@
  * AVX-512 build runs the same code). q4_k (llama.cpp's Q4_K) keeps the same lines of nibbles; a sub-block of 32 inputs
  * has a 6-bit scale sc and min m of each row (`scm`: the 16 rows' sc, then their m), and a
  * super-block of 256 an fp16 d and dmin of each row (`d`: the 16 d, then the 16 dmin), the
- * weight being d sc q - dmin m.
+ * weight being d sc q - dmin m. Its sums stay integers through a super-block (sc S and m
+ * sum(xq), 32 bits: at most 8 * 63 * 60960), scaled once a super-block by d dx and dmin dx,
+ * as llama.cpp's Q4_K dot does: fewer operations than scaling each block in fp32.
  *
  * Weights as llama.cpp's Q4_0: blocks of 32 inputs of one output row, each a 4-bit q in
  * [0, 15] standing for (q - 8) * d, one fp16 d a block. Here 16 output rows go together, as
@@ -27,12 +29,12 @@
 
 enum { Q4_0 = 0, Q4_K = 1, Q8_0 = 2 }; /* the kinds of block */
 
-/* 8 fp16 values, and 8 bytes, as 8 fp32 lanes. */
+/* 8 fp16 values as 8 fp32 lanes, and 8 bytes as 8 int32 lanes. */
 static inline __m256 half8(const uint16_t *h) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 }
-static inline __m256 byte8(const uint8_t *b) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b)));
+static inline __m256i bytes8(const uint8_t *b) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
 }
 
 /* The integer sums of one 16-row block for n rows of x (n = 1..4), input block by input
@@ -47,7 +49,11 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *w, cons
                                                           const float *dx, int64_t in_pad,
                                                           int64_t n_in, int n, __m256 *f) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int k = 0; k < 2 * n; k++) f[k] = _mm256_setzero_ps();
+    __m256i scaled[8], shifted[8]; /* q4_k: a super-block's sum of sc S and of m sum(xq) */
+    for (int k = 0; k < 2 * n; k++) {
+        f[k] = _mm256_setzero_ps();
+        scaled[k] = shifted[k] = _mm256_setzero_si256();
+    }
     for (int64_t b = 0; b < n_in; b++) {
         __m256i p[8];
         for (int k = 0; k < 2 * n; k++) p[k] = _mm256_setzero_si256();
@@ -96,21 +102,32 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *w, cons
                 p[2 * k + 1] = _mm256_add_epi16(p[2 * k + 1], _mm256_maddubs_epi16(hi, x));
             }
         }
-        if (kind == Q4_K) { /* q4_k: w = d sc q - dmin m, so f += S d sc dx - dmin m dx sum(xq) */
-            const uint16_t *dk = d + (b / 8) * 32;
-            const uint8_t *sm = scm + b * 32;
-            const __m256 step_lo = _mm256_mul_ps(half8(dk), byte8(sm));
-            const __m256 step_hi = _mm256_mul_ps(half8(dk + 8), byte8(sm + 8));
-            const __m256 off_lo = _mm256_mul_ps(half8(dk + 16), byte8(sm + 16));
-            const __m256 off_hi = _mm256_mul_ps(half8(dk + 24), byte8(sm + 24));
+        if (kind == Q4_K) { /* w = d sc q - dmin m: integers through the super-block, then */
+            const uint8_t *sm = scm + b * 32; /* f += d dx sum(sc S) - dmin dx sum(m sum(xq)) */
+            const __m256i sc_lo = bytes8(sm), sc_hi = bytes8(sm + 8);
+            const __m256i m_lo = bytes8(sm + 16), m_hi = bytes8(sm + 24);
             for (int k = 0; k < n; k++) {
-                const float sx = dx[k * n_in + b];
-                const __m256 sxv = _mm256_set1_ps(sx), sums = _mm256_set1_ps(sx * (float)xsum[k * n_in + b]);
-                const __m256 s_lo = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[2 * k], ones));
-                const __m256 s_hi = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[2 * k + 1], ones));
-                f[2 * k] = _mm256_fnmadd_ps(off_lo, sums, _mm256_fmadd_ps(s_lo, _mm256_mul_ps(step_lo, sxv), f[2 * k]));
-                f[2 * k + 1] = _mm256_fnmadd_ps(off_hi, sums,
-                                                _mm256_fmadd_ps(s_hi, _mm256_mul_ps(step_hi, sxv), f[2 * k + 1]));
+                const __m256i sums = _mm256_set1_epi32(xsum[k * n_in + b]);
+                const __m256i s_lo = _mm256_madd_epi16(p[2 * k], ones);
+                const __m256i s_hi = _mm256_madd_epi16(p[2 * k + 1], ones);
+                scaled[2 * k] = _mm256_add_epi32(scaled[2 * k], _mm256_mullo_epi32(s_lo, sc_lo));
+                scaled[2 * k + 1] = _mm256_add_epi32(scaled[2 * k + 1], _mm256_mullo_epi32(s_hi, sc_hi));
+                shifted[2 * k] = _mm256_add_epi32(shifted[2 * k], _mm256_mullo_epi32(sums, m_lo));
+                shifted[2 * k + 1] = _mm256_add_epi32(shifted[2 * k + 1], _mm256_mullo_epi32(sums, m_hi));
+            }
+            if (b % 8 != 7) continue;
+            const uint16_t *dk = d + (b / 8) * 32; /* the super-block's last block of 32 */
+            const __m256 d_lo = half8(dk), d_hi = half8(dk + 8);
+            const __m256 dm_lo = half8(dk + 16), dm_hi = half8(dk + 24);
+            for (int k = 0; k < n; k++) {
+                const __m256 sx = _mm256_set1_ps(dx[k * n_in + b]); /* Q8_K: one a super-block */
+                f[2 * k] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(shifted[2 * k]), _mm256_mul_ps(dm_lo, sx),
+                                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled[2 * k]),
+                                                            _mm256_mul_ps(d_lo, sx), f[2 * k]));
+                f[2 * k + 1] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(shifted[2 * k + 1]), _mm256_mul_ps(dm_hi, sx),
+                                                _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled[2 * k + 1]),
+                                                                _mm256_mul_ps(d_hi, sx), f[2 * k + 1]));
+                scaled[2 * k] = scaled[2 * k + 1] = shifted[2 * k] = shifted[2 * k + 1] = _mm256_setzero_si256();
             }
             continue;
         }
