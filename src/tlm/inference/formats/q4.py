@@ -140,16 +140,27 @@ class Q4Blocks:
         return _nibbles(self.blocks)[: self.out], _of_rows(self.scales)[: self.out]
 
     def __call__(self, x: Tensor) -> Tensor:
-        x, y = _operands(x, self.inputs, self.out)
         if not self.native:
-            return reference(x, *self.unpacked(), None if self.b is None else self.b[: self.out])
-        done = self.lib.q4_0_product(
-            self.blocks.data_ptr(), self.scales.data_ptr(), native.address(self.b),
-            x.data_ptr(), len(x), self.inputs, self.in_pad, self.out, y.data_ptr(),
-        )  # fmt: skip
-        if done != 0:
-            raise MemoryError(f"q4_0 product of {len(x)} rows: no memory for its operands")
-        return y
+            return reference(_operands(x, self.inputs, self.out)[0], *self.unpacked(), _bias(self))
+        return _product(self, "q4_0_product", (self.blocks, self.scales), x)
+
+
+def _bias(kernel) -> Tensor | None:
+    """A block kernel's bias, its padding cut off (for a reference)."""
+    return None if kernel.b is None else kernel.b[: kernel.out]
+
+
+def _product(kernel, function: str, tensors: tuple[Tensor, ...], x: Tensor) -> Tensor:
+    """y = x W^T + b by q4.c's `function` on `kernel`'s tensors (then its bias), as the three
+    block kinds take their arguments."""
+    x, y = _operands(x, kernel.inputs, kernel.out)
+    done = getattr(kernel.lib, function)(
+        *(t.data_ptr() for t in tensors), native.address(kernel.b), x.data_ptr(), len(x),
+        kernel.inputs, kernel.in_pad, kernel.out, y.data_ptr(),
+    )  # fmt: skip
+    if done != 0:
+        raise MemoryError(f"{function} of {len(x)} rows: no memory for its operands")
+    return y
 
 
 def _interleaved(q: Tensor) -> Tensor:
@@ -191,17 +202,9 @@ class Q4KBlocks:
         return _nibbles(self.blocks)[: self.out], sc, m, d, dmin
 
     def __call__(self, x: Tensor) -> Tensor:
-        x, y = _operands(x, self.inputs, self.out)
         if not self.native:
-            return reference_k(x, self.unpacked(), None if self.b is None else self.b[: self.out])
-        done = self.lib.q4_k_product(
-            self.blocks.data_ptr(), self.dd.data_ptr(), self.scm.data_ptr(),
-            native.address(self.b), x.data_ptr(), len(x), self.inputs, self.in_pad, self.out,
-            y.data_ptr(),
-        )  # fmt: skip
-        if done != 0:
-            raise MemoryError(f"q4_k product of {len(x)} rows: no memory for its operands")
-        return y
+            return reference_k(_operands(x, self.inputs, self.out)[0], self.unpacked(), _bias(self))
+        return _product(self, "q4_k_product", (self.blocks, self.dd, self.scm), x)
 
 
 def _by_16(t: Tensor) -> Tensor:

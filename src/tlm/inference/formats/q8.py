@@ -20,7 +20,7 @@ from torch import Tensor
 from tlm.inference import native
 from tlm.inference.formats import q4
 from tlm.inference.formats.blocked import _operands, _padded_vector
-from tlm.inference.formats.q4 import BLOCK, _by_16, _chunks, _of_rows, _q8_0
+from tlm.inference.formats.q4 import BLOCK, _bias, _by_16, _chunks, _of_rows, _product, _q8_0
 
 
 def quantize(rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -73,16 +73,9 @@ class Q8Blocks:
         return v.reshape(J * 16, -1)[: self.out], _of_rows(self.scales)[: self.out]
 
     def __call__(self, x: Tensor) -> Tensor:
-        x, y = _operands(x, self.inputs, self.out)
         if not self.native:
-            return reference(x, *self.unpacked(), None if self.b is None else self.b[: self.out])
-        done = self.lib.q8_0_product(
-            self.blocks.data_ptr(), self.scales.data_ptr(), native.address(self.b),
-            x.data_ptr(), len(x), self.inputs, self.in_pad, self.out, y.data_ptr(),
-        )  # fmt: skip
-        if done != 0:
-            raise MemoryError(f"q8_0 product of {len(x)} rows: no memory for its operands")
-        return y
+            return reference(_operands(x, self.inputs, self.out)[0], *self.unpacked(), _bias(self))
+        return _product(self, "q8_0_product", (self.blocks, self.scales), x)
 
 
 def rows(read, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
