@@ -13,7 +13,7 @@ from tlm import ModelConfig, TransformerLM, load_model
 from tlm.generate import GenerationConfig, generate
 from tlm.inference import Decoder
 from tlm.inference.formats import blas
-from tlm.inference.formats.kernels import wider
+from tlm.inference.formats.kernels import BYTES, wider
 from tlm.interop.gpt2 import gpt2_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,12 +116,6 @@ def read_bandwidth(threads: int, nbytes: int, repeats: int = 8) -> dict[str, flo
     finally:
         torch.set_num_threads(previous)
     return rates
-
-
-# bytes a weight in each format (int8's row scales and the blocks' scales included where they
-# are a share of a weight: q8_0 34 bytes a block of 32, q4_0 18, q4_k 144 a super-block of 256)
-BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "q8_0": 34 / 32}
-BYTES |= {"q4_0": 18 / 32, "q4_k": 144 / 256}
 
 
 def weight_bytes(config: ModelConfig, fmt: str) -> int:

@@ -46,26 +46,33 @@ def test_quantize_writes_ggufs_bytes():
     assert np.array_equal(q4.dequantize(q, d).numpy(), back)
 
 
+BLOCKS = {"q4_0": (q4, q4.Q4Blocks), "q8_0": (q8, q8.Q8Blocks)}  # a scale a block of 32
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_kernel_is_the_reference(rows, bias):
+@pytest.mark.parametrize("fmt", BLOCKS)
+def test_the_kernel_is_the_reference(rows, bias, fmt):
     """37 outputs (a last block of 5), 80 inputs (a last input block of 16, padded): the
-    kernel's product is the reference's to fp32 rounding, for 1 to 9 rows."""
+    kernel's product is the reference's to fp32 rounding, for 1 to 9 rows (q4_0 and q8_0)."""
     needs_kernel()
+    module, blocks = BLOCKS[fmt]
     W, b = weights(37, 80), torch.randn(37) if bias else None
-    kernel = q4.Q4Blocks(lambda lo, hi: W[lo:hi], W.shape, b)
+    kernel = blocks(lambda lo, hi: W[lo:hi], W.shape, b)
     x = torch.randn(rows, 80) * 3
-    expected = q4.reference(x, *kernel.unpacked(), b)
+    expected = module.reference(x, *kernel.unpacked(), b)
     got = kernel(x)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-def test_the_layout_keeps_every_weight():
-    """The kernel's layout unpacks to what `quantize` made (rows past 16, inputs past 32)."""
-    W = weights(37, 96)
-    kernel = q4.Q4Blocks(lambda lo, hi: W[lo:hi], W.shape, None)
-    q, d = kernel.unpacked()
-    q_expected, d_expected = q4.quantize(W)
+@pytest.mark.parametrize("fmt", BLOCKS)
+def test_the_layout_keeps_every_weight(fmt):
+    """The kernel's layout unpacks to what `quantize` made (rows past 16, inputs past 32:
+    the last block padded with zeros)."""
+    module, blocks = BLOCKS[fmt]
+    W = weights(37, 80)
+    q, d = blocks(lambda lo, hi: W[lo:hi], W.shape, None).unpacked()
+    q_expected, d_expected = module.quantize(torch.nn.functional.pad(W, (0, 16)))
     assert torch.equal(q, q_expected) and torch.equal(d, d_expected)
 
 

@@ -1,6 +1,6 @@
 """q8_0 (`tlm.inference.formats.q8`, `q4.c`'s kernel): llama.cpp's Q8_0 rounding and bytes,
-the kernel held to its PyTorch reference (exact integers where the numbers allow), the
-embedding rows, and the 4-bit formats keeping their embeddings and head in it."""
+the kernel exact where the numbers allow (test_q4.py holds it to its reference beside
+q4_0's), the embedding rows, and the 4-bit formats keeping their embeddings and head in it."""
 
 import gguf
 import numpy as np
@@ -26,8 +26,10 @@ def weights(rows: int, inputs: int) -> torch.Tensor:
     W = torch.randn(rows, inputs)
     W[0, :32] = 0
     W[1, 32:64] = 0.25
-    W[2, :32] = torch.arange(32) - 15.5  # max 15.5: d = 15.5 / 127, halves land between levels
-    W[3, 50] = 9.0
+    W[2, :32] = torch.arange(32) - 15.5  # halves, but d = 15.5 / 127: they fall between levels
+    W[3, :32] = 0
+    W[3, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # d = 1: halves, rounded away from zero
+    W[4, 50] = 9.0
     return W
 
 
@@ -46,27 +48,10 @@ def test_quantize_writes_ggufs_bytes():
     assert np.array_equal(q8.dequantize(q, d).numpy(), back)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("bias", [True, False])
-def test_the_kernel_is_the_reference(rows, bias):
-    """37 outputs (a last block of 5), 80 inputs (a last input block of 16, padded): the
-    kernel's product is the reference's to fp32 rounding, for 1 to 9 rows; the layout
-    unpacks to what `quantize` made."""
-    needs_kernel()
-    W, b = weights(37, 80), torch.randn(37) if bias else None
-    kernel = q8.Q8Blocks(lambda lo, hi: W[lo:hi], W.shape, b)
-    q, d = kernel.unpacked()
-    q_expected, d_expected = q8.quantize(torch.nn.functional.pad(W, (0, 16)))
-    assert torch.equal(q, q_expected) and torch.equal(d, d_expected)
-    x = torch.randn(rows, 80) * 3
-    expected = q8.reference(x, q, d, b)
-    got = kernel(x)
-    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-
-
 def test_exact_integers():
     """Weights that are integers with each block's largest 127 (d = 1) and activations the
-    same (dx = 1): every product is an integer, and the kernel's is exact, signs and all."""
+    same (dx = 1): every product is an integer, and the kernel's is exact, signs and all,
+    for three rows of x and for one (which takes its own path)."""
     needs_kernel()
     torch.manual_seed(1)
     W = torch.randint(-127, 128, (40, 64)).float()
@@ -75,6 +60,7 @@ def test_exact_integers():
     x[:, ::32] = 127
     kernel = q8.Q8Blocks(lambda lo, hi: W[lo:hi], W.shape, None)
     assert torch.equal(kernel(x), x @ W.t())
+    assert torch.equal(kernel(x[:1]), x[:1] @ W.t())  # one row: the kernel's own path
     assert torch.equal(q8.reference(x, *kernel.unpacked(), None), x @ W.t())
 
 

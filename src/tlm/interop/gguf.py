@@ -50,7 +50,6 @@ from tlm.model.positions import sinusoidal_table
 from tlm.tokenizer import Tokenizer, TokenizerError
 
 TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_k", "q4_k_m")
-WIDER = {"q4_0": "q8_0", "q4_k": "q8_0"}  # the embeddings' and the head's (tlm keeps them int8)
 ARCHITECTURES = ("gpt2", "gptneox")
 BLOCK = [  # GGUF name after `blk.{l}.`, tlm name after `blocks.{l}.`
     ("attn_norm.weight", "ln1.gamma"),
@@ -226,9 +225,8 @@ def _add_tensor(writer, gguf, name: str, tensor: np.ndarray, kind: str, mix) -> 
         kind = mixed(name, *mix)
         kind = K_FALLBACK[kind] if tensor.shape[1] % q4k.SUPER else kind
     elif not name.startswith("blk."):
-        kind = WIDER.get(kind, kind)
-    if kind == "q4_k" and matrix and tensor.shape[1] % q4k.SUPER != 0:
-        kind = "q4_0"  # rows that are not whole super-blocks: tlm's q4_k takes q4_0's blocks
+        kind = q4k.WIDER.get(kind, kind)
+    kind = q4k.rows_of(kind, tensor.shape[1]) if matrix else kind
     rows = torch.from_numpy(tensor)
     if kind in ("q4_k", "q6_k") and matrix:
         ours = q4k if kind == "q4_k" else q6k

@@ -33,6 +33,19 @@ import torch
 from torch import Tensor
 
 SUPER, SUB = 256, 32  # weights a super-block and a sub-block hold
+# The 4-bit formats keep the token embeddings and the head in Q8_0 (llama.cpp's own mixes keep
+# the output matrix at 6 bits or more): one place for tlm's kernels (`kernels.wider`) and the
+# GGUF files it writes, so that both hold the same values.
+WIDER = {"q4_0": "q8_0", "q4_k": "q8_0"}
+
+
+def rows_of(kind: str, inputs: int) -> str:
+    """The format a matrix of rows `inputs` long takes in `kind`: q4_k's rows must be whole
+    super-blocks, and shorter ones take q4_0's blocks (the same bits a weight), in tlm's
+    kernels and in the GGUF files it writes alike (llama.cpp's own quantizer takes Q5_0)."""
+    return "q4_0" if kind == "q4_k" and inputs % SUPER else kind
+
+
 STEPS = 20  # make_qkx2_quants's trial scales after its first guess: 21 in all
 
 

@@ -21,9 +21,9 @@ copied, and a model that trains on afterwards is still right at the next step.
 A prompt's rows (2 to `PANEL_ROWS` of them) take `products.c`'s `float32_panels` where
 the library is an AVX2 build (and the one row of its last position's head, the loops
 above): each thread copies 16 columns of W at a time into its cache
-and runs every row against them six rows at a time, 1.16-1.27x torch's product for a
-prompt of 16-128 tokens on the GPT-2 124M shape (2-core AVX2 host; equal at 512 tokens,
-docs/benchmarks-history.md). An AVX-512 build keeps torch's product, whose kernels use the
+and runs every row against them six rows at a time: every product of a 60-token prefill
+of the GPT-2 124M shape in 104-124 ms against torch's 130-163 (2-core AVX2 host; equal at
+512 rows, docs/benchmarks-history.md). An AVX-512 build keeps torch's product, whose kernels use the
 wider registers.
 
 `kernels.Float32Linear` chooses these routes; tests hold each equal to torch's product.

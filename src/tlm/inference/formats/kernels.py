@@ -51,15 +51,22 @@ from torch import Tensor
 
 from tlm.device import CPU_ONLY
 from tlm.inference.formats import blas, blocked, q4, q8
+from tlm.interop.q4k import WIDER, rows_of
 from tlm.model.functional import linear
 from tlm.tensor_files import LazyMatrix
 
 FORMATS = ("float32", "float16", "bfloat16", "int8", "q8_0", "q4_0", "q4_k")
-WIDER = {"q4_0": "q8_0", "q4_k": "q8_0"}  # the embeddings' and the head's, where not the weights'
+
+
+# bytes a weight of a matrix in each format, its scales included (q8_0: 34 bytes a block of
+# 32, q4_0: 18, q4_k: 144 a super-block of 256; int8's one scale a row is left out)
+BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "q8_0": 34 / 32}
+BYTES |= {"q4_0": 18 / 32, "q4_k": 144 / 256}
 
 
 def wider(fmt: str) -> str:
-    """The format the token embeddings and the head take in weight format `fmt` (`q4.py`)."""
+    """The format the token embeddings and the head take in weight format `fmt`
+    (`interop.q4k.WIDER`)."""
     return WIDER.get(fmt, fmt)
 
 
@@ -88,9 +95,10 @@ class PackedLinear:
             read, shape = (lambda lo, hi: W_t[lo:hi].detach().float()), W_t.shape
         self.b = None if b is None else b.detach().float()
         self.out_features, self.splits = shape[0], splits
-        if fmt == "q4_k" and shape[1] % 256 == 0:  # tlm's own kernels, or their references
+        fmt = rows_of(fmt, shape[1])  # q4_k's rows not whole super-blocks: q4_0
+        if fmt == "q4_k":  # tlm's own kernels, or their references
             self.weight = self.kernel = q4.Q4KBlocks(read, shape, self.b)
-        elif fmt in ("q4_0", "q4_k"):  # q4_k's rows not whole super-blocks: q4_0, as llama.cpp
+        elif fmt == "q4_0":
             self.weight = self.kernel = q4.Q4Blocks(read, shape, self.b)
         elif fmt == "q8_0":
             self.weight = self.kernel = q8.Q8Blocks(read, shape, self.b)

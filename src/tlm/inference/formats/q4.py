@@ -14,7 +14,7 @@ block's (q - 8) xq exactly in integers, and adds the blocks' sums times d dx in 
 no q4_0 kernel); `Q4Blocks` holds the weights in the kernel's layout (16 output rows
 together, `blocks_q4.h` says how) and runs it. q4_k (`Q4KBlocks`, `reference_k`) quantizes
 x as llama.cpp's Q8_K instead (one fp32 dx a super-block of 256), the activations llama.cpp
-pairs with Q4_K. The embeddings and the head stay q8_0 (`kernels.WIDER`, `q8.py`):
+pairs with Q4_K. The embeddings and the head stay q8_0 (`kernels.wider`, `q8.py`):
 llama.cpp's own mixes keep the output matrix at 6 bits or more, as the logits are where 4
 bits cost the most.
 """
@@ -46,18 +46,27 @@ def quantize(rows: Tensor) -> tuple[Tensor, Tensor]:
 
 def dequantize(q: Tensor, d: Tensor) -> Tensor:
     """W [n, in] fp32 from q [n, in] and d [n, in/32]: (q - 8) d."""
-    n, k = q.shape
-    w = (q.float() - 8).view(n, k // BLOCK, BLOCK) * d.float()[..., None]
-    return w.view(n, k)
+    return scaled(q.float() - 8, d)
+
+
+def scaled(levels: Tensor, d: Tensor) -> Tensor:
+    """Weights [n, in] fp32 of integer levels [n, in] (fp32) and a scale d [n, in/32] a block."""
+    n, k = levels.shape
+    return (levels.view(n, k // BLOCK, BLOCK) * d.float()[..., None]).view(n, k)
 
 
 def reference(x: Tensor, q: Tensor, d: Tensor, b: Tensor | None) -> Tensor:
     """The q4_0 product in PyTorch: x [N, in] fp32 against q [out, in_pad], d [out, in_pad/32]
-    (padding q 8, the weight 0), as the kernel computes it (Q8_0 activations, exact block
-    sums, fp32 scales); [N, out]."""
-    out, in_pad = q.shape
+    (padding q 8, the weight 0), as the kernel computes it; [N, out]."""
+    return scaled_product(x, q.float() - 8, d, b)
+
+
+def scaled_product(x: Tensor, levels: Tensor, d: Tensor, b: Tensor | None) -> Tensor:
+    """x [N, in] fp32 against weights levels [out, in_pad] (integers, fp32) times d [out,
+    in_pad/32], as the kernels compute it: Q8_0 activations, exact block sums, fp32 scales."""
+    out, in_pad = levels.shape
     xq, dx = _q8_0(x, in_pad)
-    sums = torch.einsum("nbk,obk->nob", xq, q.view(out, -1, BLOCK).float() - 8)  # exact
+    sums = torch.einsum("nbk,obk->nob", xq, levels.view(out, -1, BLOCK))  # exact
     y = (sums * (d.float()[None] * dx[:, None, :])).sum(-1)
     return y if b is None else y + b
 
@@ -115,34 +124,53 @@ def here() -> bool:
     return native.library() is not None and bool(native.library().q4_here())
 
 
-class Q4Blocks:
-    """y = x W^T + b with W [out, in] held as Q4_0 in the kernel's layout: blocks
-    [out_pad/16, in_pad/32, 8, 32] uint8 and scales [out_pad/16, in_pad/32, 16] fp16.
+class ScaledBlocks:
+    """y = x W^T + b with W [out, in] held in blocks of 32 inputs with one fp16 scale d a row
+    and block, in the kernel's layout: `blocks` [out_pad/16, in_pad/32, 8, LINE] (a line a
+    group of four inputs, `laid_out` says how) and `scales` [out_pad/16, in_pad/32, 16] fp16.
     `read(lo, hi)` gives rows lo:hi of W in fp32; they are quantized CHUNK rows at a time.
-    Where the library has no q4_0 kernel (`native` False), `reference` runs instead."""
+    Where the library has no kernel (`native` False), the format's `reference` runs. q4_0
+    (`Q4Blocks`) and q8_0 (`q8.Q8Blocks`) are its two formats."""
+
+    FUNCTION, LINE, DTYPE = "", 0, torch.uint8  # q4.c's product, bytes a line, their type
 
     def __init__(self, read, shape: tuple[int, int], b: Tensor | None) -> None:
         (self.out, self.inputs), self.native = shape, here()
         self.lib = native.library() if self.native else None
         self.in_pad = -(-self.inputs // BLOCK) * BLOCK
-        out_pad = -(-self.out // 16) * 16
-        nb = self.in_pad // BLOCK
-        self.blocks = torch.empty(out_pad // 16, nb, 8, 32, dtype=torch.uint8)
+        out_pad, nb = -(-self.out // 16) * 16, self.in_pad // BLOCK
+        self.blocks = torch.empty(out_pad // 16, nb, 8, self.LINE, dtype=self.DTYPE)
         self.scales = torch.zeros(out_pad // 16, nb, 16, dtype=torch.float16)
         for at, rows in _chunks(read, self.out, out_pad, self.in_pad):
-            q, d = quantize(rows)
-            self.blocks[at] = _interleaved(q)
+            q, d = self.quantize(rows)
+            self.blocks[at] = self.laid_out(q)
             self.scales[at] = _by_16(d)
         self.b = None if b is None else _padded_vector(b.float(), out_pad)
 
     def unpacked(self) -> tuple[Tensor, Tensor]:
         """(q [out, in_pad], d [out, in_pad/32]) from the layout."""
-        return _nibbles(self.blocks)[: self.out], _of_rows(self.scales)[: self.out]
+        return self.read_back(self.blocks)[: self.out], _of_rows(self.scales)[: self.out]
 
     def __call__(self, x: Tensor) -> Tensor:
         if not self.native:
-            return reference(_operands(x, self.inputs, self.out)[0], *self.unpacked(), _bias(self))
-        return _product(self, "q4_0_product", (self.blocks, self.scales), x)
+            x = _operands(x, self.inputs, self.out)[0]
+            return self.reference(x, *self.unpacked(), _bias(self))
+        return _product(self, self.FUNCTION, (self.blocks, self.scales), x)
+
+
+class Q4Blocks(ScaledBlocks):
+    """q4_0: two rows' nibbles a byte (`_interleaved`)."""
+
+    FUNCTION, LINE = "q4_0_product", 32
+    quantize, reference = staticmethod(quantize), staticmethod(reference)
+
+    @staticmethod
+    def laid_out(q: Tensor) -> Tensor:
+        return _interleaved(q)
+
+    @staticmethod
+    def read_back(lines: Tensor) -> Tensor:
+        return _nibbles(lines)
 
 
 def _bias(kernel) -> Tensor | None:
