@@ -92,29 +92,34 @@ def test_exact_integers():
     assert torch.equal(q4.reference(x, *kernel.unpacked(), None), x @ W.t())
 
 
-def test_a_model_in_q4_0_is_its_reference(make_model, monkeypatch):
-    """A model for inference in q4_0: its block products are Q4Blocks and its head q8_0
-    (`WIDER`); its logits and greedy tokens are those of the same model whose products run
-    the PyTorch reference; and its logits stay near fp32's (4.5 bits a weight)."""
+@pytest.mark.parametrize(
+    "fmt, position, worst",
+    [("q4_0", "rope", 0.3), ("q4_0", "learned", 0.3), ("q8_0", "learned", 0.03)],
+)
+def test_a_model_in_the_format_is_its_reference(make_model, monkeypatch, fmt, position, worst):
+    """A model for inference in q4_0 or q8_0: its block products are the format's blocks, and
+    its head and token lookup q8_0 (`kernels.wider`); its logits and greedy tokens (the C step
+    where it runs) are those of the same model whose products run the PyTorch references;
+    and its logits stay near fp32's (8.5 or 4.5 bits a weight)."""
     needs_kernel()
-    model = make_model(position="rope", bias=True)
+    model = make_model(position=position, bias=True)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.1)
     state, ids = model.state_dict(), torch.randint(0, 97, (2, 12))
     with torch.no_grad():
         plain = model(ids)
-    fast = for_inference(model, "q4_0")
-    assert isinstance(fast.blocks[0].ffn.up_kernel.kernel, q4.Q4Blocks)
-    assert isinstance(fast.head.kernel, q8.Q8Blocks)
+    fast = for_inference(model, fmt)
+    assert isinstance(fast.blocks[0].ffn.up_kernel.kernel, BLOCKS[fmt][1])
+    assert isinstance(fast.head.kernel, q8.Q8Blocks) and fast.embedding.lookup.fmt == "q8_0"
     monkeypatch.setattr(q4, "here", lambda: False)
-    slow = make_model(position="rope", bias=True)
+    slow = make_model(position=position, bias=True)
     slow.load_state_dict(state)
-    slow = for_inference(slow, "q4_0")
-    assert not slow.blocks[0].ffn.up_kernel.kernel.native
+    slow = for_inference(slow, fmt)
+    assert not slow.blocks[0].ffn.up_kernel.kernel.native and not slow.head.kernel.native
     with torch.no_grad():
         got, expected = fast(ids), slow(ids)
     assert torch.allclose(got, expected, atol=1e-4)
-    assert 1e-3 < (got - plain).abs().max() < 0.3
+    assert 1e-4 < (got - plain).abs().max() < worst
     start, settings = ids[:, :4], {"max_new_tokens": 8}
     assert torch.equal(fast.generate(start, **settings), slow.generate(start, **settings))
 

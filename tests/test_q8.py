@@ -1,13 +1,12 @@
 """q8_0 (`tlm.inference.formats.q8`, `q4.c`'s kernel): llama.cpp's Q8_0 rounding and bytes,
-the kernel exact where the numbers allow (test_q4.py holds it to its reference beside
-q4_0's), the embedding rows, and the 4-bit formats keeping their embeddings and head in it."""
+the kernel exact where the numbers allow (test_q4.py holds it, and a model in q8_0, to its
+reference beside q4_0's), the embedding rows, and llama.cpp's rounding of activations."""
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from tlm.inference import for_inference
 from tlm.inference.formats import kernels, q4, q8
 
 # each instruction set this host runs, at one thread and at two
@@ -72,37 +71,6 @@ def test_embedding_rows_are_the_blocks_values():
     ids = torch.tensor([[3, 0, 11], [2, 2, 1]])
     q, d = q8.quantize(torch.nn.functional.pad(E, (0, 26)))
     assert torch.equal(rows(ids), q8.dequantize(q, d)[:, :70][ids])
-
-
-def test_a_model_in_q8_0_is_its_reference(make_model, monkeypatch):
-    """A model for inference in q8_0, and one in q4_0 (whose embeddings and head are q8_0):
-    its logits and greedy tokens (the C step where it runs) are those of the same model
-    whose products run the PyTorch references, and near fp32's."""
-    needs_kernel()
-    model = make_model(position="learned", bias=True)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    state, ids = model.state_dict(), torch.randint(0, 97, (2, 12))
-    with torch.no_grad():
-        plain = model(ids)
-    for fmt, worst in (("q8_0", 0.03), ("q4_0", 0.3)):
-        fast = make_model(position="learned", bias=True)
-        fast.load_state_dict(state)
-        fast = for_inference(fast, fmt)
-        assert isinstance(fast.head.kernel, q8.Q8Blocks)
-        assert fast.embedding.lookup.fmt == "q8_0"
-        with monkeypatch.context() as patch:
-            patch.setattr(q4, "here", lambda: False)
-            slow = make_model(position="learned", bias=True)
-            slow.load_state_dict(state)
-            slow = for_inference(slow, fmt)
-        assert not slow.head.kernel.native
-        with torch.no_grad():
-            got, expected = fast(ids), slow(ids)
-        assert torch.allclose(got, expected, atol=1e-4)
-        assert 1e-4 < (got - plain).abs().max() < worst
-        start, settings = ids[:, :4], {"max_new_tokens": 8}
-        assert torch.equal(fast.generate(start, **settings), slow.generate(start, **settings))
 
 
 def test_the_activations_are_llama_cpps_x86_q8_0():
