@@ -134,7 +134,7 @@ def test_config_refuses_what_an_encoder_decoder_cannot_be():
     with pytest.raises(ConfigError, match="n_encoder_layers applies"):
         ModelConfig(n_encoder_layers=2)
     with pytest.raises(ConfigError, match="model_type must be one of"):
-        ModelConfig(model_type="encoder")
+        ModelConfig(model_type="bert")
     assert ModelConfig(model_type="encoder-decoder", n_layers=3).n_encoder_layers == 3
 
 

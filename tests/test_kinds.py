@@ -12,8 +12,8 @@ from tlm.errors import UserError
 from tlm.inference import for_inference
 from tlm.kinds import KINDS, kind_of, writer_of
 from tlm.load import model_config
-from tlm.model import EncoderDecoder
-from tlm.tokenizer import CharTokenizer
+from tlm.model import Encoder, EncoderDecoder
+from tlm.tokenizer import CharTokenizer, encoder_tokenizer
 
 TEXT = "The kind of a path, decided once."
 READ_BACK = ["GPT-2", "GPT-NeoX", "GGUF"]  # the kinds tlm both writes and reads
@@ -43,15 +43,19 @@ def paths(tmp_path_factory, bpe_tokenizer):
     shape = dict(model_type="encoder-decoder", position="sinusoidal", norm="post")
     translation = EncoderDecoder(tiny_config(vocab_size=chars.vocab_size, **shape))
     save_run(tmp / "translation", perturbed(translation), chars)
+    encoder = Encoder(tiny_config(vocab_size=V + 4, model_type="encoder", norm="post"))
+    save_run(tmp / "encoder", perturbed(encoder), encoder_tokenizer(bpe_tokenizer))
     exports = [
         ["export-hf", "run", "gpt2"],
         ["export-hf", "rope", "neox"],
         ["export-hf", "translation", "marian"],
+        ["export-hf", "encoder", "bert"],
         ["export-gguf", "run", "m.gguf"],
     ]
     for command, run, out in exports:
         assert main([command, str(tmp / run), str(tmp / out)]) == 0
     folders = {"tlm run": "run", "GPT-2": "gpt2", "GPT-NeoX": "neox", "Marian": "marian"}
+    folders["BERT"] = "bert"
     return {name: tmp / folder for name, folder in {**folders, "GGUF": "m.gguf"}.items()}
 
 
@@ -84,7 +88,7 @@ def test_a_path_of_no_kind_tlm_reads_is_one_line(paths, tmp_path, capsys):
         assert main(["generate", str(path), "--prompt", "x"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("tlm: error:") and message in err and err.count("\n") == 1
-        for kind in ("a tlm run", "model_type gpt2", "model_type gpt_neox", "GGUF file"):
+        for kind in ("a tlm run", "model_type gpt2", "model_type gpt_neox", "bert", "GGUF file"):
             assert kind in err  # the message names every kind tlm reads
 
 
@@ -119,6 +123,7 @@ def test_each_export_command_picks_its_writer_by_the_config():
         (lm, "export-hf"): "GPT-2",
         (rope, "export-hf"): "GPT-NeoX",
         (translation, "export-hf"): "Marian",
+        (tiny_config(model_type="encoder", norm="post"), "export-hf"): "BERT",
         (lm, "export-gguf"): "GGUF",
         (rope, "export-gguf"): "GGUF",
     }

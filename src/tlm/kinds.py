@@ -5,6 +5,7 @@
     GPT-2      a directory whose config.json says model_type gpt2   one set      export-hf
     GPT-NeoX   ... model_type gpt_neox                              one set      export-hf
     Marian     ... model_type marian                                (not read)   export-hf
+    BERT       ... model_type bert                                  one set      export-hf
     GGUF       a file named *.gguf (llama.cpp's)                    one set      export-gguf
 
 `kind_of(path)` decides a path's kind once; `tlm.load` then reads through that row's
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from tlm.checkpoint import CheckpointError, run_model_config, run_weights
 from tlm.config import ModelConfig
 from tlm.inference import in_parts
+from tlm.interop.bert import bert_config, bert_weights, config_from_bert, state_to_bert
 from tlm.interop.export import write_hf
 from tlm.interop.gguf import export_gguf, gguf_config, gguf_weights
 from tlm.interop.gguf_tokens import read_gguf_tokenizer
@@ -171,6 +173,18 @@ KINDS = (
             lambda config: config.model_type == "encoder-decoder",
             partial(write_hf, layout=(marian_config, state_to_marian)),
             "MarianMTModel",
+        ),
+    ),
+    Kind(
+        "BERT",
+        "a Hugging Face model (model_type bert)",
+        _says("bert"),
+        _hf(config_from_bert, bert_weights),
+        Writer(
+            "export-hf",
+            lambda config: config.model_type == "encoder",
+            partial(write_hf, layout=(bert_config, state_to_bert)),
+            "BertForMaskedLM",
         ),
     ),
     Kind(

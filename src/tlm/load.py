@@ -20,7 +20,7 @@ from tlm.checkpoint import CheckpointError
 from tlm.config import ModelConfig
 from tlm.inference import check_format, for_inference, load_prepared
 from tlm.kinds import Kind, detected, kind_of
-from tlm.model import EncoderDecoder, TransformerLM, build_model
+from tlm.model import Encoder, EncoderDecoder, TransformerLM, build_model
 from tlm.tokenizer import Tokenizer
 from tlm.tokenizer import load_tokenizer as load_tokenizer_file
 
@@ -76,11 +76,11 @@ def load_model(
     rope_factor: float = 1.0,
     context_length: int | None = None,
     attention_window: int | None = None,
-) -> TransformerLM | EncoderDecoder:
+) -> TransformerLM | EncoderDecoder | Encoder:
     """A run directory of ours, a Hugging Face GPT-2 or GPT-NeoX directory, or a GGUF file
-    -> the model (TransformerLM, or EncoderDecoder for a translation run) in eval mode, with
-    a run's latest weights or, `weights="best"`, those of its lowest validation loss (a run
-    trained with --keep-best).
+    -> the model (TransformerLM; EncoderDecoder for a translation run, Encoder for a
+    masked-LM run) in eval mode, with a run's latest weights or, `weights="best"`, those of
+    its lowest validation loss (a run trained with --keep-best).
 
     `dtype` (one of `tlm.inference.FORMATS`: "float32", "float16", "bfloat16", "int8",
     "q8_0", "q4_0", "q4_k") gives a language model prepared for inference, as
@@ -118,7 +118,7 @@ def load_model(
     if dtype is None:
         return model
     if not isinstance(model, TransformerLM):  # dtype prepares language models only
-        raise CheckpointError(f"{path} is {WRONG_MODEL[TransformerLM]}")
+        raise CheckpointError(f"{path} is {wrong_model(type(model), TransformerLM)}")
     return for_inference(model, dtype)
 
 
@@ -130,13 +130,28 @@ def _load_packed(
     return load_prepared(model, kind.reader.weights(path, model, weights, True), dtype)
 
 
-# what a command that needs one kind of model says when given the other
-WRONG_MODEL = {
-    TransformerLM: "an encoder-decoder (translation) model: use tlm translate, or tlm eval "
-    "--task translate",
-    EncoderDecoder: "a language model: translation needs an encoder-decoder run (trained on "
-    "tlm prepare --task translate data)",
+# what a command that needs one kind of model says when given another: what it was given,
+# and what it is for (a command that continues text) or what the command needs (the others)
+IS = {
+    TransformerLM: "a language model",
+    EncoderDecoder: "an encoder-decoder (translation) model",
+    Encoder: "a bidirectional encoder (masked LM)",
 }
+FOR = {
+    TransformerLM: "it continues text (tlm generate, tlm eval)",
+    EncoderDecoder: "use tlm translate, or tlm eval --task translate",
+    Encoder: "it fills masks (tlm fill-mask), it does not continue text",
+}
+NEEDS = {
+    EncoderDecoder: "translation needs an encoder-decoder run (trained on tlm prepare --task "
+    "translate data)",
+    Encoder: "this command needs an encoder run (tlm train --objective mlm)",
+}
+
+
+def wrong_model(given: type, wanted: type) -> str:
+    """'is ...' of a model of type `given` handed to a command that needs a `wanted`."""
+    return f"{IS[given]}: {NEEDS.get(wanted, FOR[given])}"
 
 
 def _load_one(
@@ -150,7 +165,7 @@ def _load_one(
     source = source_of(path)
     model = load_model(source, device, weights, dtype, **scaling)
     if not isinstance(model, wanted):
-        raise CheckpointError(f"{source.path} is {WRONG_MODEL[wanted]}")
+        raise CheckpointError(f"{source.path} is {wrong_model(type(model), wanted)}")
     return model
 
 
@@ -168,6 +183,13 @@ def load_language_model(
     scaling = {"rope_scaling": rope_scaling, "rope_factor": rope_factor}
     scaling |= {"context_length": context_length, "attention_window": attention_window}
     return _load_one(path, device, TransformerLM, weights, dtype, **scaling)
+
+
+def load_encoder(
+    path: str | Path | Source, device: str | torch.device = "cpu", weights: str = "latest"
+) -> Encoder:
+    """`load_model` for the commands that read an encoder (fill-mask): other models refused."""
+    return _load_one(path, device, Encoder, weights, None)
 
 
 def load_translation_model(

@@ -22,6 +22,7 @@ from tlm.errors import UserError
 from tlm.io import write_text_atomic
 
 EOT = "<|endoftext|>"
+ENCODER_SPECIALS = ("[CLS]", "[SEP]", "[MASK]", "[PAD]")  # a bidirectional encoder's (BERT's)
 KINDS = ("bpe", "char")
 
 
@@ -220,6 +221,12 @@ class BPETokenizer:
 
 
 Tokenizer = CharTokenizer | BPETokenizer
+
+
+def encoder_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
+    """`tokenizer` with an encoder's special tokens (J&M §11.2): [CLS] opens every input,
+    [SEP] ends each sentence, [MASK] stands for a hidden token, [PAD] fills a short row."""
+    return with_specials(tokenizer, ENCODER_SPECIALS)
 
 
 def with_specials(tokenizer: Tokenizer, names: Iterable[str]) -> Tokenizer:

@@ -31,6 +31,7 @@ COMMANDS = {
     "audit": "audit",
     "lm-eval": "lm_eval",
     "chat": "chat",
+    "fill-mask": "fill_mask",
 }
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 from tlm.checkpoint import lock_run
 from tlm.cli.args import add_command, add_config_flags, config_overrides, fail
 from tlm.config import ModelConfig, TrainConfig, load_toml, split_fields
-from tlm.tokenizer import load_tokenizer
 from tlm.train import (
     Diverged,
     Interrupted,
@@ -19,6 +18,7 @@ from tlm.train import (
     new_run_configs,
     open_run,
     resume_run_configs,
+    run_tokenizer,
 )
 from tlm.train.precision import pick_precision
 
@@ -81,7 +81,7 @@ def _train(args, model_values, train_values, runtime: Runtime) -> int:
             model_config,
             train_config,
             data,
-            load_tokenizer(data.folder).to_json(),
+            run_tokenizer(train_config, data).to_json(),
             resume=args.resume,
             progress_bar=not args.quiet,
             runtime=runtime,

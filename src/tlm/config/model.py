@@ -8,7 +8,7 @@ from typing import Any
 
 from tlm.config.fields import ConfigError, check_choice, check_positive, from_dict
 
-MODEL_TYPES = ("decoder", "encoder-decoder")
+MODEL_TYPES = ("decoder", "encoder-decoder", "encoder")
 NORMS = ("pre", "post")
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
 ROPE_SCALINGS = ("linear", "ntk", "dynamic", "yarn")  # model/positions.py: rotary_frequencies
@@ -20,7 +20,8 @@ RETIRED = {"attention_impl"}  # read from old config files and ignored
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape and the choices of a transformer: a decoder-only LM (J&M ch. 9), or the
-    encoder-decoder of Vaswani et al. 2017 (`model_type="encoder-decoder"`).
+    encoder-decoder of Vaswani et al. 2017 (`model_type="encoder-decoder"`), or a
+    bidirectional encoder with a masked-LM head (J&M ch. 11, `model_type="encoder"`).
 
     `d_head` defaults to `d_model // n_heads` (and then `n_heads` must divide `d_model`);
     `d_ff` defaults to `4 * d_model`. Both are resolved in `__post_init__`, so after
@@ -91,8 +92,10 @@ class ModelConfig:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         check_positive("d_ff", self.d_ff)
         check_choice("model_type", self.model_type, MODEL_TYPES)
-        if self.model_type == "decoder" and self.n_encoder_layers is not None:
+        if self.model_type != "encoder-decoder" and self.n_encoder_layers is not None:
             raise ConfigError("n_encoder_layers applies to model_type='encoder-decoder'")
+        if self.model_type == "encoder" and self.attention_window is not None:
+            raise ConfigError("an attention window is causal; an encoder's queries see every key")
         if self.model_type == "encoder-decoder":
             if self.n_encoder_layers is None:
                 object.__setattr__(self, "n_encoder_layers", self.n_layers)

@@ -16,7 +16,12 @@ BAD_GRADIENT = ("skip", "stop")
 SCHEDULES = ("cosine", "inverse-sqrt")
 OPTIMIZERS = ("adamw", "muon")
 WINDOWS = ("random", "documents")  # where a training window starts (`data/batches.py`)
-OBJECTIVES = ("lm", "dpo", "grpo")  # what a step minimises (`train/dpo.py`, `train/grpo.py`)
+OBJECTIVES = (
+    "lm",
+    "dpo",
+    "grpo",
+    "mlm",
+)  # what a step minimises (`train/dpo.py`, `grpo.py`, `mlm.py`)
 ADVANTAGES = ("mean", "zscore")  # GRPO's advantage: r - mean, or (r - mean) / std
 DPO_LOSSES = ("sigmoid", "ipo", "cdpo")  # `model/loss.py: dpo_loss`
 
@@ -72,6 +77,11 @@ class TrainConfig:
     KL pull of weight `beta` towards `init_from` (0: none) and PPO's clip at `clip` when a
     batch of samples serves `updates_per_batch` updates. `beta` defaults to 0.1 for dpo and
     0 for grpo.
+
+    `objective="mlm"` pretrains a bidirectional encoder (`model_type="encoder"`, J&M
+    §11.2) on a token stream: each window's positions are selected at `mask_rate` (with
+    `whole_word`, each word's tokens together), and of those 80% become [MASK], 10% a random
+    token, 10% stay; the loss scores the selected positions only.
     """
 
     data: str = ""
@@ -113,6 +123,8 @@ class TrainConfig:
     clip: float = 0.2
     max_new_tokens: int = 64
     temperature: float = 1.0
+    mask_rate: float = 0.15
+    whole_word: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_interval"):
@@ -172,6 +184,8 @@ class TrainConfig:
             check_positive(name, getattr(self, name))
         if self.objective == "grpo" and self.group_size < 2:
             raise ConfigError("group_size must be >= 2: an advantage is against the group")
+        if not 0 < self.mask_rate < 1:
+            raise ConfigError(f"mask_rate must be in (0, 1), got {self.mask_rate!r}")
         if not 0 < self.clip < 1 or not self.temperature > 0:
             raise ConfigError(f"clip must be in (0, 1) and temperature > 0, got "
                               f"{self.clip!r}, {self.temperature!r}")  # fmt: skip

@@ -1,12 +1,15 @@
 """`write_hf`: a tlm model -> a directory that Hugging Face `transformers` opens, in the
 layout it is given: GPT-2's (`interop/gpt2.py`), GPT-NeoX's (`interop/gptneox.py`) or
-Marian's (`interop/marian.py`). Which layout a model takes is a row of `tlm.kinds`.
+Marian's (`interop/marian.py`), or an encoder's as BERT's (`interop/bert.py`). Which
+layout a model takes is a row of `tlm.kinds`.
 
-    OUT/config.json              GPT2Config fields (model_type gpt2), or GPT-NeoX's
-    OUT/generation_config.json   <|endoftext|> as bos/eos (and <|end|> as eos for chat)
+    OUT/config.json              GPT2Config fields (model_type gpt2), or GPT-NeoX's, ...
+    OUT/generation_config.json   <|endoftext|> as bos/eos (and <|end|> as eos for chat); not
+                                 for an encoder, which does not generate
     OUT/model.safetensors        the weights under GPT-2's names (a tied head is wte)
     OUT/tokenizer.json           the tokenizer, and for BPE also GPT-2's vocab.json + merges.txt
-    OUT/tokenizer_config.json, special_tokens_map.json
+    OUT/tokenizer_config.json, special_tokens_map.json (an encoder's: [CLS] text [SEP] added
+                                 as BERT's tokenizer adds them, [MASK] and [PAD] named)
     OUT/chat_template.jinja      the chat template (`tlm/chat.py`), for a run made for chat
     OUT/README.md                the run's model card, when it has one
 
@@ -24,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_file
-from tokenizers import AddedToken, decoders, models
+from tokenizers import AddedToken, decoders, models, processors
 from tokenizers import Tokenizer as HFTokenizer
 from torch import Tensor
 
@@ -33,7 +36,7 @@ from tlm.chat import END, JINJA, SPECIALS, speaks
 from tlm.config import ModelConfig
 from tlm.interop.gpt2 import HFFormatError
 from tlm.io import atomic_path
-from tlm.model import EncoderDecoder, TransformerLM
+from tlm.model import Encoder, EncoderDecoder, TransformerLM
 from tlm.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer
 
 # a layout's two conversions: (ModelConfig, eot id) -> config.json, and state dict -> tensors
@@ -44,7 +47,7 @@ Layout = tuple[
 
 
 def write_hf(
-    model: TransformerLM | EncoderDecoder,
+    model: TransformerLM | EncoderDecoder | Encoder,
     tokenizer: Tokenizer,
     out: str | Path,
     layout: Layout,
@@ -68,9 +71,10 @@ def write_hf(
     with atomic_path(out) as tmp:
         tmp.mkdir()
         _write_json(tmp / "config.json", {**config, "tlm_version": __version__})
-        ends = [tokenizer.eot_id] + ([tokenizer.special_id(END)] if speaks(tokenizer) else [])
-        generation = {"bos_token_id": tokenizer.eot_id, "eos_token_id": ends}
-        _write_json(tmp / "generation_config.json", generation)
+        if not isinstance(model, Encoder):
+            ends = [tokenizer.eot_id] + ([tokenizer.special_id(END)] if speaks(tokenizer) else [])
+            generation = {"bos_token_id": tokenizer.eot_id, "eos_token_id": ends}
+            _write_json(tmp / "generation_config.json", generation)
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_tokenizer_files(tokenizer, tmp, model.config.context_length)
         if card is not None and card.is_file():
@@ -80,6 +84,9 @@ def write_hf(
 
 def write_tokenizer_files(tokenizer: Tokenizer, folder: Path, context_length: int) -> None:
     """tokenizer.json (+ vocab.json and merges.txt for BPE) and the files `AutoTokenizer` reads."""
+    if tokenizer.special_id("[CLS]") is not None:  # an encoder's: BERT's conventions
+        _write_encoder_tokenizer(tokenizer, folder, context_length)
+        return
     if isinstance(tokenizer, BPETokenizer):
         (folder / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
         with tempfile.TemporaryDirectory() as scratch:  # vocab.json + merges.txt, GPT-2's files
@@ -103,6 +110,32 @@ def write_tokenizer_files(tokenizer: Tokenizer, folder: Path, context_length: in
         settings["extra_special_tokens"] = list(SPECIALS)
         (folder / "chat_template.jinja").write_text(JINJA, encoding="utf-8")
     _write_json(folder / "tokenizer_config.json", settings)
+
+
+def _write_encoder_tokenizer(tokenizer: Tokenizer, folder: Path, context_length: int) -> None:
+    """An encoder's tokenizer as BERT's fast tokenizer is used: `tokenizer(text)` gives
+    `[CLS] text [SEP]` (and `[CLS] a [SEP] b [SEP]` with segments 0 and 1 for a pair), the
+    ids tlm's encoder reads; [MASK] and [PAD] named for fill-mask pipelines and batches."""
+    hf = _as_hf(tokenizer)
+    cls, sep = (("[CLS]", tokenizer.special_id("[CLS]")), ("[SEP]", tokenizer.special_id("[SEP]")))
+    hf.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[cls, sep]
+    )
+    (folder / "tokenizer.json").write_text(hf.to_str(), encoding="utf-8")
+    specials = {"cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
+    specials |= {"pad_token": "[PAD]", "unk_token": EOT}
+    _write_json(folder / "special_tokens_map.json", specials)
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", **specials}
+    settings |= {"model_max_length": context_length, "clean_up_tokenization_spaces": False}
+    settings["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
+    _write_json(folder / "tokenizer_config.json", settings)
+
+
+def _as_hf(tokenizer: Tokenizer) -> HFTokenizer:
+    """Either kind of tokenizer as a `tokenizers` object (a copy)."""
+    if isinstance(tokenizer, BPETokenizer):
+        return HFTokenizer.from_str(tokenizer.to_json())
+    return _char_as_hf(tokenizer)
 
 
 def _char_as_hf(tokenizer: CharTokenizer) -> HFTokenizer:

@@ -147,6 +147,18 @@ def config_from_gptneox(hf: dict[str, Any]) -> ModelConfig:
         raise HFFormatError(f"config.json: {exc}") from None
 
 
+def shape_fields(config: ModelConfig) -> dict[str, Any]:
+    """The config.json fields of a model's shape, as GPT-NeoX and BERT both name them."""
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "intermediate_size": config.d_ff,
+        "hidden_act": ACTIVATIONS_OUT[config.activation],
+    }
+
+
 def gptneox_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
     """ModelConfig (rotary) -> GPTNeoXConfig fields; refuses (naming the field) what
     GPT-NeoX cannot express."""
@@ -156,12 +168,7 @@ def gptneox_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
     return {
         "architectures": ["GPTNeoXForCausalLM"],
         "model_type": "gpt_neox",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.d_model,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "intermediate_size": config.d_ff,
-        "hidden_act": ACTIVATIONS_OUT[config.activation],
+        **shape_fields(config),
         "max_position_embeddings": positions,
         "rope_parameters": rope_parameters,
         "rotary_pct": 1.0,  # the same, under the names older readers know

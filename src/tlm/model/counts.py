@@ -10,7 +10,8 @@ from tlm.config import ModelConfig
 
 
 def parameter_counts(config: ModelConfig) -> dict[str, int]:
-    """Parameters by part. `non_embedding` leaves out E, P and an untied W_U (Kaplan et al.)."""
+    """Parameters by part. `non_embedding` leaves out E, P and an untied W_U (Kaplan et al.);
+    an encoder's segment embeddings count with the positions, its MLM head with the head."""
     d, d_attn, d_ff, L = config.d_model, config.d_attn, config.d_ff, config.n_layers
     bias = int(config.bias)
     embedding = config.vocab_size * d
@@ -23,9 +24,13 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
         attentions, ffns, n_norms = L_enc + 2 * L, L_enc + L, 2 * L_enc + 3 * L + 2 * pre
     else:
         attentions, ffns, n_norms = L, L, 2 * L + pre
+    head = 0 if config.tie_embeddings else config.vocab_size * d
+    if config.model_type == "encoder":  # S, the input's LayerNorm, the MLM head's transform
+        positions += 2 * d  # segments (model/encoder.py)
+        n_norms += 2  # ln_embed, ln_T
+        head += d * d + bias * d + config.vocab_size  # W_T (+ b_T), b_U
     attention, ffn = attentions * one_attention, ffns * one_ffn
     norms = n_norms * d * (1 + bias)  # gamma (+ beta)
-    head = 0 if config.tie_embeddings else config.vocab_size * d
     total = embedding + positions + attention + ffn + norms + head
     return {
         "embedding": embedding,

@@ -3,7 +3,13 @@
 from tlm.train.distributed import Runtime
 from tlm.train.loop import Diverged, Interrupted, Trainer
 from tlm.train.opening import open_run
-from tlm.train.run import RunError, check_new_run, new_run_configs, resume_run_configs
+from tlm.train.run import (
+    RunError,
+    check_new_run,
+    new_run_configs,
+    resume_run_configs,
+    run_tokenizer,
+)
 
 __all__ = [
     "Diverged",
@@ -15,4 +21,5 @@ __all__ = [
     "new_run_configs",
     "open_run",
     "resume_run_configs",
+    "run_tokenizer",
 ]

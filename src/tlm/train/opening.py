@@ -28,6 +28,7 @@ from tlm.train.distributed import Runtime
 from tlm.train.dpo import PreferencePairs
 from tlm.train.grpo import PromptGroups
 from tlm.train.loop import Progress, Trainer
+from tlm.train.mlm import MaskedWindows
 from tlm.train.optim import build_optimizer
 from tlm.train.precision import pick_precision
 from tlm.train.report import Metrics
@@ -54,7 +55,7 @@ def open_run(
     model = build_model(model_config, init=False)
     model.reset_parameters(seed=config.seed)  # resume / init_from overwrite it below
     model.to(rt.device)
-    if rt.device.type == "cpu":  # tlm's fp32 or bf16 kernel where it applies
+    if rt.device.type == "cpu":  # tlm's fp32 or bf16 kernel where it applies (causal ones)
         use_attention_kernel(model, causal_attention)
         keep_freed_memory()  # each step reuses the last one's memory: no page faults
     batches = _batches(data, model_config, config, rt)
@@ -120,6 +121,10 @@ def _batches(data, model_config: ModelConfig, config: TrainConfig, rt: Runtime):
             "prompts with answers (tlm prepare --task prompts) train with --objective grpo, "
             "and --objective grpo trains on them"
         )
+    if config.objective == "mlm":
+        if type(data) is not TokenData:
+            raise RunError("--objective mlm masks a token stream: data from tlm prepare CORPUS")
+        return MaskedWindows(data, model_config, config, rt.world_size)
     if isinstance(data, PromptData):
         return PromptGroups(data, model_config, config, rt.world_size)
     if isinstance(data, PreferenceData):

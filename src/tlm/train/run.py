@@ -13,6 +13,7 @@ from tlm.data import ChatData, PairData, TokenData, open_data
 from tlm.data.tokens import fingerprint_differences
 from tlm.errors import UserError
 from tlm.load import load_tokenizer, model_config
+from tlm.tokenizer import Tokenizer, encoder_tokenizer
 
 
 class RunError(UserError):
@@ -24,6 +25,8 @@ TRANSLATION_MODEL = {"model_type": "encoder-decoder", "position": "sinusoidal", 
 TRANSLATION_MODEL |= {"activation": "relu", "dropout": 0.1}
 TRANSLATION_TRAIN = {"schedule": "inverse-sqrt", "lr": 1.0, "warmup_steps": 4000, "beta2": 0.98}
 TRANSLATION_TRAIN |= {"label_smoothing": 0.1, "weight_decay": 0.0, "batch_tokens": 4096}
+# A masked-LM encoder's defaults are BERT's blocks (Devlin et al. 2019): flags override
+ENCODER_MODEL = {"model_type": "encoder", "norm": "post", "position": "learned"}
 # Instruction tuning's defaults (conversations, `--init-from BASE`): flags override
 CHAT_TRAIN = {"batch_size": 16, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 20}
 
@@ -47,15 +50,25 @@ def new_run_configs(
         train_config = from_dict(TrainConfig, {**TRANSLATION_TRAIN, **train_values})
     if isinstance(data, ChatData):
         train_config = from_dict(TrainConfig, {**CHAT_TRAIN, **train_values})
+    if train_config.objective == "mlm":
+        model_values = {**ENCODER_MODEL, **model_values}
+    tokenizer = run_tokenizer(train_config, data)
     if train_config.init_from:
-        model_values = _init_model_values(train_config.init_from, model_values, data)
-    given = model_values.setdefault("vocab_size", data.vocab_size)
-    if given != data.vocab_size:
-        raise RunError(f"--vocab-size {given} differs from the data's vocabulary {data.vocab_size}")
+        model_values = _init_model_values(train_config.init_from, model_values, data, tokenizer)
+    given = model_values.setdefault("vocab_size", tokenizer.vocab_size)
+    if given != tokenizer.vocab_size:
+        raise RunError(
+            f"--vocab-size {given} differs from the run's vocabulary {tokenizer.vocab_size}"
+        )
     model_config = from_dict(ModelConfig, model_values)
+    if (model_config.model_type == "encoder") != (train_config.objective == "mlm"):
+        raise RunError(
+            "an encoder (--model-type encoder) pretrains with --objective mlm, and "
+            "--objective mlm trains an encoder"
+        )
     if isinstance(data, TokenData):
-        if model_config.model_type != "decoder":
-            raise RunError(f"{data.folder} is one text stream: it trains a decoder-only model")
+        if model_config.model_type == "encoder-decoder":
+            raise RunError(f"{data.folder} is one text stream: it trains a decoder or an encoder")
         if not isinstance(data, ChatData):  # conversations are packed into windows
             _check_window(data, model_config)
     return model_config, train_config, data
@@ -75,7 +88,7 @@ def resume_run_configs(
     if differ:
         raise RunError(f"--resume: config differs from the saved run: {'; '.join(differ)}")
     data = open_data(train_config.data)
-    if data.vocab_size != model_config.vocab_size:
+    if run_tokenizer(train_config, data).vocab_size != model_config.vocab_size:
         raise RunError(
             f"{train_config.data} has vocabulary {data.vocab_size}; "
             f"the run was trained on {model_config.vocab_size}"
@@ -88,6 +101,13 @@ def resume_run_configs(
                 f"({'; '.join(differ)}); prepare it as it was, or start a new run"
             )
     return model_config, train_config, data
+
+
+def run_tokenizer(config: TrainConfig, data) -> Tokenizer:
+    """The tokenizer a run of `config` on `data` writes and reads: the data's, with an
+    encoder's special tokens added for masked-LM pretraining."""
+    tokenizer = load_tokenizer(data.folder)
+    return encoder_tokenizer(tokenizer) if config.objective == "mlm" else tokenizer
 
 
 def check_new_run(out: Path, probe_lock: bool = True) -> None:
@@ -108,7 +128,9 @@ LONG_CONTEXT_FIELDS = (
 )  # fmt: skip
 
 
-def _init_model_values(source: str, given: dict[str, Any], data: TokenData) -> dict[str, Any]:
+def _init_model_values(
+    source: str, given: dict[str, Any], data: TokenData, tokenizer: Tokenizer
+) -> dict[str, Any]:
     """The model of `--init-from` (a run or a Hugging Face GPT-2 directory) fixes the shape,
     except that the context may be shortened; its tokenizer must be the data's, or for
     conversations the data's less the chat template's tokens (the model grows rows for
@@ -132,7 +154,7 @@ def _init_model_values(source: str, given: dict[str, Any], data: TokenData) -> d
     ]
     if differ:
         raise RunError(f"--init-from {source} fixes the model; {'; '.join(differ)}")
-    if load_tokenizer(source).to_json() != load_tokenizer(data.folder).to_json():
+    if load_tokenizer(source).to_json() != tokenizer.to_json():
         raise RunError(
             f"{data.folder} was not tokenized with the tokenizer of {source}; prepare it again "
             f"with --tokenizer {source}"

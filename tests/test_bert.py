@@ -1,0 +1,104 @@
+"""tlm's encoder <-> Hugging Face BERT (issue 66): an export that transformers'
+BertForMaskedLM computes as tlm does, its tokenizer read by AutoTokenizer, and a BERT
+directory written by transformers read into tlm."""
+
+import pytest
+import torch
+
+from conftest import save_run, tiny_config
+from tlm.cli import main
+from tlm.load import load_model, load_tokenizer
+from tlm.model import Encoder
+from tlm.tokenizer import encoder_tokenizer, train_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = "the cat sat on the mat and the dog sat on the log; a bird sang in a tree. " * 4
+
+
+def varied_encoder(vocab_size: int, **overrides) -> Encoder:
+    torch.manual_seed(0)
+    config = tiny_config(
+        **{"model_type": "encoder", "norm": "post", "vocab_size": vocab_size} | overrides
+    )
+    model = Encoder(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if name.endswith("gamma") else 0.0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="module", params=["bpe", "char"])
+def exported(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"bert-{request.param}")
+    size = {"vocab_size": 280} if request.param == "bpe" else {}
+    tok = encoder_tokenizer(train_tokenizer(request.param, [TEXT] * 20, **size))
+    model = varied_encoder(tok.vocab_size)
+    run = save_run(folder / "run", model, tok)
+    assert main(["export-hf", str(run), str(folder / "hf")]) == 0
+    return model, tok, folder / "hf"
+
+
+def test_transformers_computes_what_tlm_does(exported):
+    model, tok, hf = exported
+    theirs = transformers.BertForMaskedLM.from_pretrained(hf).eval()
+    ids = torch.randint(0, tok.vocab_size, (2, 14))
+    segments = torch.tensor([[0] * 8 + [1] * 6, [0] * 14])
+    mask = torch.tensor([[1] * 14, [1] * 10 + [0] * 4])
+    with torch.no_grad():
+        got = theirs(input_ids=ids, token_type_ids=segments, attention_mask=mask).logits
+    ours = model(ids, segments, mask)
+    assert torch.allclose(got[0], ours[0], atol=1e-5)
+    assert torch.allclose(got[1, :10], ours[1, :10], atol=1e-5)  # (padding rows: not read)
+    back = load_model(hf)  # and tlm reads its export back: the same function, the same ids
+    assert torch.allclose(back(ids, segments, mask), ours, atol=1e-5)
+    assert load_tokenizer(hf).encode(TEXT) == tok.encode(TEXT)
+
+
+def test_autotokenizer_gives_the_encoders_input(exported):
+    _, tok, hf = exported
+    theirs = transformers.AutoTokenizer.from_pretrained(hf)
+    cls, sep = tok.special_id("[CLS]"), tok.special_id("[SEP]")
+    text = "the cat [MASK] on the mat"
+    assert theirs(text)["input_ids"] == [cls, *tok.encode(text), sep]
+    pair = theirs("a bird", "sang in a tree")
+    assert pair["input_ids"] == [
+        cls,
+        *tok.encode("a bird"),
+        sep,
+        *tok.encode("sang in a tree"),
+        sep,
+    ]
+    assert pair["token_type_ids"] == [0] * (len(tok.encode("a bird")) + 2) + [1] * (
+        len(tok.encode("sang in a tree")) + 1
+    )
+    assert theirs.mask_token_id == tok.special_id("[MASK]")
+    assert theirs.pad_token_id == tok.special_id("[PAD]")
+
+
+def test_a_bert_directory_reads_into_tlm(tmp_path):
+    config = transformers.BertConfig(
+        vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=40,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    theirs = transformers.BertForMaskedLM(config).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    theirs.save_pretrained(tmp_path / "bert")
+    ours = load_model(tmp_path / "bert")
+    assert isinstance(ours, Encoder) and ours.config.layer_norm_eps == 1e-12
+    ids = torch.randint(0, 120, (2, 20))
+    segments = torch.randint(0, 2, (2, 20))
+    with torch.no_grad():
+        want = theirs(input_ids=ids, token_type_ids=segments).logits
+    assert torch.allclose(ours(ids, segments), want, atol=1e-5)
+
+
+def test_what_bert_cannot_express_is_refused(tmp_path, capsys):
+    tok = encoder_tokenizer(train_tokenizer("char", [TEXT]))
+    run = save_run(tmp_path / "run", varied_encoder(tok.vocab_size, norm="pre"), tok)
+    assert main(["export-hf", str(run), str(tmp_path / "hf")]) == 2
+    assert "BERT's blocks are post-norm" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()

@@ -1,0 +1,149 @@
+"""Masked-LM pretraining (issue 66, J&M §11.2.1): the masking's statistics measured, whole
+words masked together, the loss on the selected positions only, and a run that learns."""
+
+import json
+
+import pytest
+import torch
+
+from tlm.cli import main
+from tlm.data import prepare
+from tlm.load import load_model, load_tokenizer
+from tlm.model import Encoder
+from tlm.tokenizer import encoder_tokenizer, train_tokenizer
+from tlm.train import new_run_configs
+from tlm.train.mlm import Specials, mask_tokens, mlm_loss, mlm_loss_reference
+
+TEXT = "the cat sat on the mat and the dog sat on the log; a bird sang in a tree. " * 4
+
+
+@pytest.fixture(scope="module")
+def bpe_specials():
+    return Specials(encoder_tokenizer(train_tokenizer("bpe", [TEXT] * 20, vocab_size=280)))
+
+
+def test_the_masking_statistics(bpe_specials):
+    """Of 200,000 text positions: 15% selected, and of those 80% [MASK], 10% another token,
+    10% unchanged; [CLS] and [SEP] never."""
+    s = bpe_specials
+    ids = s.wrap(s.text_ids[torch.randint(0, len(s.text_ids), (400, 500))])
+    inputs, selected = mask_tokens(ids, s, 0.15, torch.Generator().manual_seed(0), False)
+    text = (ids != s.cls) & (ids != s.sep)
+    assert not selected[~text].any() and torch.equal(inputs[~text], ids[~text])
+    assert abs(selected.sum() / text.sum() - 0.15) < 0.003
+    picked, original = inputs[selected], ids[selected]
+    masked = (picked == s.mask).float().mean()
+    unchanged = (picked == original).float().mean()
+    other = ((picked != s.mask) & (picked != original)).float().mean()
+    assert abs(masked - 0.8) < 0.01 and abs(unchanged - 0.1) < 0.01 and abs(other - 0.1) < 0.01
+    assert (inputs[~selected & text] == ids[~selected & text]).all()  # the rest as they were
+    assert s.text[inputs[selected & (inputs != s.mask)]].all()  # random tokens are text
+
+
+def test_whole_words_are_masked_together(bpe_specials):
+    s = bpe_specials
+    tok = encoder_tokenizer(train_tokenizer("bpe", [TEXT] * 20, vocab_size=280))
+    words = ["extraordinarily", "unbelievable", "cat", "photosynthesis", "sat"]
+    ids = torch.tensor([tok.encode(" ".join(words * 40))])
+    starts = s.word_starts(ids)
+    assert starts.sum() == 200  # one start a word (each word's first token has its space)
+    _, selected = mask_tokens(ids, s, 0.3, torch.Generator().manual_seed(0), True)
+    first = torch.cummax(torch.where(starts, torch.arange(ids.shape[1]), 0), 1).values
+    assert torch.equal(selected, selected.gather(1, first))  # a word's tokens go together
+    assert 0.15 < selected[starts].float().mean() < 0.45
+
+
+def test_every_window_is_scored(bpe_specials):
+    s = bpe_specials
+    ids = s.wrap(s.text_ids[torch.randint(0, len(s.text_ids), (64, 3))])
+    _, selected = mask_tokens(ids, s, 0.01, torch.Generator().manual_seed(0), False)
+    assert selected.any(1).all()
+
+
+def test_the_loss_scores_the_selected_positions_only():
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    model = Encoder(tiny_config(model_type="encoder")).eval()
+    targets = torch.randint(0, 97, (4, 16))
+    inputs = targets.clone()
+    selected = torch.rand(4, 16) < 0.3
+    inputs[selected] = 5
+    fast, slow = (
+        mlm_loss(model, inputs, targets, selected),
+        mlm_loss_reference(model, inputs, targets, selected),
+    )
+    assert torch.allclose(fast, slow, atol=1e-6)
+    logits = model(inputs)  # by hand: -mean log p(target) at the selected positions
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    assert torch.allclose(fast, -logp[selected].mean(), atol=1e-6)
+
+
+WORDS = ["python", "module", "import", "string", "object", "return"]
+
+
+@pytest.fixture(scope="module")
+def words_data(tmp_path_factory):
+    """Characters of random words from WORDS: a masked letter is given by its neighbours on
+    both sides, and the most frequent character is 1/5 of them at most."""
+    folder = tmp_path_factory.mktemp("words")
+    rng = torch.Generator().manual_seed(0)
+    picks = torch.randint(0, len(WORDS), (12_000,), generator=rng).tolist()
+    (folder / "words.txt").write_text(" ".join(WORDS[i] for i in picks))
+    prepare([str(folder / "words.txt")], folder / "data", tokenizer="char", progress=False)
+    return folder / "data"
+
+
+@pytest.fixture(scope="module")
+def mlm_run(tmp_path_factory, words_data):
+    run = tmp_path_factory.mktemp("mlm") / "run"
+    args = ["train", "--objective", "mlm", "--data", str(words_data), "--out", str(run)]
+    args += ["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--context-length", "32"]
+    args += ["--batch-size", "16", "--max-steps", "200", "--lr", "3e-3", "--warmup-steps", "10"]
+    args += ["--position", "rope", "--norm", "pre"]  # learned positions learn it 10x slower
+    assert main([*args, "--eval-interval", "100", "--eval-tokens", "4096", "--quiet"]) == 0
+    return run
+
+
+def test_a_run_learns_to_fill_masks(mlm_run, capsys):
+    rows = [json.loads(line) for line in (mlm_run / "metrics.jsonl").read_text().splitlines()]
+    train = [r["train_loss"] for r in rows if "train_loss" in r]
+    val = [r for r in rows if "val_loss" in r]
+    assert train[-1] < train[0] - 2.0  # from ~ln V: the letters read from both sides
+    assert val[-1]["val_accuracy"] > 0.8  # the most frequent character: under 0.25
+    model, tok = load_model(mlm_run), load_tokenizer(mlm_run)
+    assert isinstance(model, Encoder)
+    assert (
+        tok.special_id("[MASK]") == model.config.vocab_size - 2
+    )  # after <|endoftext|>, [CLS], [SEP]
+    card = (mlm_run / "MODEL_CARD.md").read_text()
+    assert "masked-token accuracy" in card and "80% [MASK]" in card
+    assert main(["fill-mask", str(mlm_run), "string pyt[MASK]on module", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["masks"]) == 1 and len(out["masks"][0]) == 5
+    assert out["masks"][0][0]["token"] == "h"  # p-y-t-?-o-n: only "python" fits
+    assert sum(c["probability"] for c in out["masks"][0]) <= 1.0 + 1e-6
+
+
+def test_an_encoder_run_takes_berts_blocks_unless_told(words_data, tmp_path):
+    values = {"data": str(words_data), "out": str(tmp_path / "run"), "objective": "mlm"}
+    model_config, _, _ = new_run_configs({}, values)
+    assert (model_config.model_type, model_config.norm, model_config.position) == (
+        "encoder",
+        "post",
+        "learned",
+    )
+    assert model_config.vocab_size == load_tokenizer(words_data).vocab_size + 4
+    model_config, _, _ = new_run_configs({"norm": "pre"}, values)
+    assert model_config.norm == "pre"
+
+
+def test_commands_refuse_the_other_kind(mlm_run, words_data, tmp_path, capsys):
+    assert main(["generate", str(mlm_run), "--prompt", "a"]) == 2
+    assert "bidirectional encoder" in capsys.readouterr().err
+    assert main(["fill-mask", str(mlm_run), "python module"]) == 2
+    assert "no [MASK]" in capsys.readouterr().err
+    out = tmp_path / "wrong"
+    args = ["train", "--data", str(words_data), "--out", str(out), "--model-type", "encoder"]
+    assert main([*args, "--max-steps", "1"]) == 2
+    assert "--objective mlm" in capsys.readouterr().err
