@@ -227,3 +227,34 @@ def server(served_run):
         proc.kill()
         proc.wait(timeout=10)
         raise
+
+
+WORDS = ["python", "module", "import", "string", "object", "return"]
+
+
+@pytest.fixture(scope="session")
+def words_data(tmp_path_factory):
+    """Characters of random words from WORDS: a masked letter is given by its neighbours on
+    both sides, and the most frequent character is 1/5 of them at most."""
+    folder = tmp_path_factory.mktemp("words")
+    rng = torch.Generator().manual_seed(0)
+    picks = torch.randint(0, len(WORDS), (12_000,), generator=rng).tolist()
+    (folder / "words.txt").write_text(" ".join(WORDS[i] for i in picks))
+    from tlm.data import prepare
+
+    prepare([str(folder / "words.txt")], folder / "data", tokenizer="char", progress=False)
+    return folder / "data"
+
+
+@pytest.fixture(scope="session")
+def words_mlm(tmp_path_factory, words_data):
+    """A masked-LM encoder pretrained on `words_data` (200 steps, ~5 s)."""
+    from tlm.cli import main
+
+    run = tmp_path_factory.mktemp("mlm") / "run"
+    args = ["train", "--objective", "mlm", "--data", str(words_data), "--out", str(run)]
+    args += ["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--context-length", "32"]
+    args += ["--batch-size", "16", "--max-steps", "200", "--lr", "3e-3", "--warmup-steps", "10"]
+    args += ["--position", "rope", "--norm", "pre"]  # learned positions learn it 10x slower
+    assert main([*args, "--eval-interval", "100", "--eval-tokens", "4096", "--quiet"]) == 0
+    return run

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from tlm.cli import main
-from tlm.data import prepare
 from tlm.load import load_model, load_tokenizer
 from tlm.model import Encoder
 from tlm.tokenizer import encoder_tokenizer, train_tokenizer
@@ -79,33 +78,8 @@ def test_the_loss_scores_the_selected_positions_only():
     assert torch.allclose(fast, -logp[selected].mean(), atol=1e-6)
 
 
-WORDS = ["python", "module", "import", "string", "object", "return"]
-
-
-@pytest.fixture(scope="module")
-def words_data(tmp_path_factory):
-    """Characters of random words from WORDS: a masked letter is given by its neighbours on
-    both sides, and the most frequent character is 1/5 of them at most."""
-    folder = tmp_path_factory.mktemp("words")
-    rng = torch.Generator().manual_seed(0)
-    picks = torch.randint(0, len(WORDS), (12_000,), generator=rng).tolist()
-    (folder / "words.txt").write_text(" ".join(WORDS[i] for i in picks))
-    prepare([str(folder / "words.txt")], folder / "data", tokenizer="char", progress=False)
-    return folder / "data"
-
-
-@pytest.fixture(scope="module")
-def mlm_run(tmp_path_factory, words_data):
-    run = tmp_path_factory.mktemp("mlm") / "run"
-    args = ["train", "--objective", "mlm", "--data", str(words_data), "--out", str(run)]
-    args += ["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--context-length", "32"]
-    args += ["--batch-size", "16", "--max-steps", "200", "--lr", "3e-3", "--warmup-steps", "10"]
-    args += ["--position", "rope", "--norm", "pre"]  # learned positions learn it 10x slower
-    assert main([*args, "--eval-interval", "100", "--eval-tokens", "4096", "--quiet"]) == 0
-    return run
-
-
-def test_a_run_learns_to_fill_masks(mlm_run, capsys):
+def test_a_run_learns_to_fill_masks(words_mlm, capsys):
+    mlm_run = words_mlm
     rows = [json.loads(line) for line in (mlm_run / "metrics.jsonl").read_text().splitlines()]
     train = [r["train_loss"] for r in rows if "train_loss" in r]
     val = [r for r in rows if "val_loss" in r]
@@ -138,7 +112,8 @@ def test_an_encoder_run_takes_berts_blocks_unless_told(words_data, tmp_path):
     assert model_config.norm == "pre"
 
 
-def test_commands_refuse_the_other_kind(mlm_run, words_data, tmp_path, capsys):
+def test_commands_refuse_the_other_kind(words_mlm, words_data, tmp_path, capsys):
+    mlm_run = words_mlm
     assert main(["generate", str(mlm_run), "--prompt", "a"]) == 2
     assert "bidirectional encoder" in capsys.readouterr().err
     assert main(["fill-mask", str(mlm_run), "python module"]) == 2

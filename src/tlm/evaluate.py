@@ -13,10 +13,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 from tqdm import tqdm
 
 from tlm.data import CorpusError, count_eval_chunks, eval_windows, strided_windows
+from tlm.data.labeled import IGNORED, Encoded
 from tlm.model.loss import window_nll
 from tlm.tokenizer import Tokenizer, document_ids
 
@@ -104,3 +105,84 @@ def evaluate_text(
         raise CorpusError(f"the text has {n} token{'s' * (n != 1)}; at least 2 are needed")
     token_bytes = tokenizer.token_bytes()
     return evaluate_tokens(model, tokens, token_bytes, batch_size, None, progress, stride)
+
+
+def accuracy_f1(gold: list[int], predicted: list[int], n_labels: int) -> dict[str, float]:
+    """A classifier's accuracy and F1: the positive class's (label 1) with two labels, as
+    scikit-learn's `f1_score` does by default; else the mean of each label's (macro)."""
+    right = sum(g == p for g, p in zip(gold, predicted, strict=True))
+    scores = []
+    for label in range(1, 2) if n_labels == 2 else range(n_labels):
+        tp = sum(g == p == label for g, p in zip(gold, predicted, strict=True))
+        wanted, said = gold.count(label), predicted.count(label)
+        scores.append(2 * tp / (wanted + said) if wanted + said else 0.0)
+    return {"accuracy": right / max(1, len(gold)), "f1": sum(scores) / len(scores)}
+
+
+def entities(tags: list[str]) -> set[tuple[str, int, int]]:
+    """The chunks of a BIO-tagged sequence as (type, first, last), as conlleval (and
+    seqeval's default mode) reads them: a chunk starts at B-X, or at I-X after anything but
+    a chunk of type X, and runs while I-X follows."""
+    found, start, kind = set(), None, None
+    for i, tag in enumerate([*tags, "O"]):
+        prefix, _, name = tag.partition("-")
+        continues = prefix == "I" and kind == name
+        if start is not None and not continues:  # the open chunk ends before i
+            found.add((kind, start, i - 1))
+            start, kind = None, None
+        if prefix in ("B", "I") and not continues:
+            start, kind = i, name
+    return found
+
+
+def entity_f1(gold: list[list[str]], predicted: list[list[str]]) -> dict[str, float]:
+    """A tagger's accuracy (per word) and F1 over chunks (micro: every chunk of every type
+    counted once; seqeval's `f1_score`): a predicted chunk is right when its type and both
+    ends are."""
+    right = total = hits = wanted = said = 0
+    for g, p in zip(gold, predicted, strict=True):
+        right, total = right + sum(a == b for a, b in zip(g, p, strict=True)), total + len(g)
+        true, guess = entities(g), entities(p)
+        hits, wanted, said = hits + len(true & guess), wanted + len(true), said + len(guess)
+    f1 = 2 * hits / (wanted + said) if wanted + said else 0.0
+    return {"accuracy": right / max(1, total), "f1": f1}
+
+
+def padded(batch: list[Encoded], pad: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(ids, segments, attention_mask, labels) of encoded examples, right-padded with `pad`
+    to the longest: labels [B] of a classifier's, [B,T] of a tagger's (IGNORED on padding)."""
+    T = max(len(e.ids) for e in batch)
+    ids = torch.full((len(batch), T), pad)
+    segments, mask = torch.zeros(len(batch), T, dtype=torch.long), torch.zeros(len(batch), T)
+    tags = torch.full((len(batch), T), IGNORED)
+    for i, e in enumerate(batch):
+        n = len(e.ids)
+        ids[i, :n], segments[i, :n], mask[i, :n] = torch.tensor(e.ids), torch.tensor(e.segments), 1
+        if isinstance(e.label, list):
+            tags[i, :n] = torch.tensor(e.label)
+    labels = tags if isinstance(batch[0].label, list) else torch.tensor([e.label for e in batch])
+    return ids, segments, mask.long(), labels
+
+
+def predictions(model, batch: list[Encoded], pad: int, device) -> list:
+    """The most probable label of each example (a tagger's: of each word, at its first token)."""
+    ids, segments, mask, labels = (t.to(device) for t in padded(batch, pad))
+    best = model(ids, segments, mask).argmax(-1)  # [B] or [B,T]
+    if best.dim() == 1:
+        return best.tolist()
+    return [row[gold != IGNORED].tolist() for row, gold in zip(best, labels, strict=True)]
+
+
+def labeled_scores(
+    model, examples: list[Encoded], task: str, names: tuple[str, ...], pad: int, device
+) -> dict:
+    """Accuracy and F1 of a fine-tuned encoder on encoded examples of `task`, whose
+    labels are `names`."""
+    guesses = []
+    with torch.no_grad():
+        for i in range(0, len(examples), 32):
+            guesses += predictions(model, examples[i : i + 32], pad, device)
+    if task == "classify":
+        return accuracy_f1([e.label for e in examples], guesses, len(names))
+    gold = [[names[t] for t in e.label if t != IGNORED] for e in examples]
+    return entity_f1(gold, [[names[t] for t in row] for row in guesses])

@@ -32,6 +32,7 @@ COMMANDS = {
     "lm-eval": "lm_eval",
     "chat": "chat",
     "fill-mask": "fill_mask",
+    "tag": "tag",
 }
 
 

@@ -24,11 +24,20 @@ from tlm.data import (
     open_data,
     resolve_sources,
 )
+from tlm.data.labeled import labeled_examples
 from tlm.evaluate import evaluate_text, evaluate_tokens
 from tlm.inference import FORMATS
-from tlm.load import load_language_model, load_tokenizer, load_translation_model, source_of
+from tlm.load import (
+    load_encoder,
+    load_language_model,
+    load_tokenizer,
+    load_translation_model,
+    model_config,
+    source_of,
+)
 from tlm.model.transformer import TransformerLM
 from tlm.tasks.chat import evaluate_chat
+from tlm.tasks.labels import evaluate_labeled
 from tlm.tasks.preference import evaluate_preference
 from tlm.tasks.translation import evaluate_translation
 from tlm.tasks.verify import evaluate_verify
@@ -44,17 +53,19 @@ EXAMPLE = """examples:
   tlm eval --task chat runs/demo-chat --data data/python-qa   # loss, stop rate, chrF
   tlm eval --task preference runs/dpo --data data/pairs --json   # DPO loss, reward accuracy
   tlm eval --task verify runs/demo-chat --data data/prompts --reward number   # pass@1, pass@8
+  tlm eval runs/classifier --data test.jsonl --json   # a fine-tuned encoder: accuracy, F1
 
 --text reads files as `tlm prepare` does (a .txt file is one document, --line-docs one per
 line, .jsonl a "text" field per line; folders, globs and built-in corpora too), and puts
-<|endoftext|> before every document.
+<|endoftext|> before every document. An encoder fine-tuned for a task (tlm train --task)
+is scored on labeled examples: every one of a --data file, or of a folder's --split file.
 """
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = add_command(sub, "eval", "loss, perplexity and bits per byte", EXAMPLE)
     parser.add_argument("run", help="run directory (or model directory)")
-    parser.add_argument("--data", help="prepared data folder")
+    parser.add_argument("--data", help="prepared data folder (an encoder run: labeled examples)")
     parser.add_argument("--split", default="val", help="train or val (default val)")
     parser.add_argument("--text", nargs="+", metavar="FILE", help="raw UTF-8 text files")
     parser.add_argument("--line-docs", action="store_true", help="with --text: one per line")
@@ -240,6 +251,23 @@ def run_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_labeled(args: argparse.Namespace, source) -> int:
+    """A fine-tuned encoder's accuracy and F1 on labeled examples."""
+    if not args.data or args.text or args.dtype:
+        fail("an encoder run is scored on labeled examples: --data FILE (or a folder)")
+    model = load_encoder(source, model_device(args), args.weights)
+    if model.config.task is None:
+        fail(f"{args.run} is a masked-LM encoder: its loss and masked-token accuracy on "
+             "validation are in its metrics.jsonl; tlm eval scores a fine-tuned one")  # fmt: skip
+    examples = labeled_examples(args.data, model.config.task, model.config.labels, args.split)
+    results = evaluate_labeled(model, load_tokenizer(source), examples)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print(f"accuracy {results['accuracy']:.4f}, F1 {results['f1']:.4f} over {results['n']:,}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.task in ("preference", "translate") and args.dtype is not None:
         fail(f"--dtype goes with --task lm, verify and chat (--task {args.task} reads float32)")
@@ -253,9 +281,11 @@ def run(args: argparse.Namespace) -> int:
         return run_chat(args)
     if args.src or args.ref:
         fail("--src and --ref go with --task translate")
+    source = source_of(args.run)
+    if model_config(source).model_type == "encoder":
+        return run_labeled(args, source)
     if bool(args.data) == bool(args.text):
         fail("give either --data DIR (with --split) or --text FILE...")
-    source = source_of(args.run)
     device = model_device(args, args.dtype)
     model = load_language_model(
         source, device, args.weights, args.dtype, **long_context_flags(args)

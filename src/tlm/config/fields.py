@@ -55,8 +55,17 @@ def coerce(name: str, value: Any, hint: Any) -> Any:
             return float(value)
         if kind is str and isinstance(value, str):
             return value
+        names = _is_names(kind) and isinstance(value, list | tuple)
+        if names and all(isinstance(v, str) for v in value):
+            return tuple(value)
     expected = " or ".join(k.__name__ for k in kinds if k is not type(None))
     raise ConfigError(f"{name} must be {expected}, got {value!r}")
+
+
+def _is_names(kind: Any) -> bool:
+    """A `tuple[str, ...]` field: names (a fine-tuned head's labels), a list in JSON and
+    comma-separated on a command line."""
+    return getattr(kind, "__origin__", None) is tuple
 
 
 def _kinds(hint: Any) -> tuple[type, ...]:
@@ -74,6 +83,8 @@ def _parse_string(name: str, text: str, kinds: tuple[type, ...]) -> Any:
         if lowered in ("false", "0", "no", "off"):
             return False
         raise ConfigError(f"{name} must be true or false, got {text!r}")
+    if any(_is_names(kind) for kind in kinds):
+        return tuple(part.strip() for part in text.split(","))
     for kind in (int, float):
         if kind in kinds:
             try:

@@ -13,6 +13,7 @@ NORMS = ("pre", "post")
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
 ROPE_SCALINGS = ("linear", "ntk", "dynamic", "yarn")  # model/positions.py: rotary_frequencies
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "relu2")
+TASKS = ("classify", "tag")  # an encoder's fine-tuned head (`model/encoder.py`)
 DROPOUTS = ("dropout", "attn_dropout", "resid_dropout", "embd_dropout")
 RETIRED = {"attention_impl"}  # read from old config files and ignored
 
@@ -40,6 +41,10 @@ class ModelConfig:
     `n_layers` decoder blocks; `context_length` bounds the source and the target each.
     Its positions are absolute (sinusoidal, as the paper, or learned): rotary positions
     have no meaning between a target and a source position.
+
+    An encoder's head is the masked-LM head, or after fine-tuning (`task`) a classifier of
+    the whole input ("classify", from [CLS]) or of each token ("tag"), whose outputs are
+    `labels` in order.
 
     `dropout` is the textbook's one rate, applied at three places. GPT-2's config names
     them apart (attn_pdrop, resid_pdrop, embd_pdrop), and so may we: `attn_dropout` on the
@@ -76,6 +81,8 @@ class ModelConfig:
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     attention_window: int | None = None  # each query sees at most W keys (`model/window.py`)
+    task: str | None = None  # an encoder's head: None (masked LM), classify or tag
+    labels: tuple[str, ...] | None = None  # the head's classes, in the order of its outputs
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -96,6 +103,16 @@ class ModelConfig:
             raise ConfigError("n_encoder_layers applies to model_type='encoder-decoder'")
         if self.model_type == "encoder" and self.attention_window is not None:
             raise ConfigError("an attention window is causal; an encoder's queries see every key")
+        if self.task is not None:
+            check_choice("task", self.task, TASKS)
+            if self.model_type != "encoder":
+                raise ConfigError(f"task {self.task} is an encoder's head (model_type='encoder')")
+            if not self.labels or len(set(self.labels)) != len(self.labels):
+                raise ConfigError(
+                    f"task {self.task} needs its labels, each once; got {self.labels!r}"
+                )
+        elif self.labels is not None:
+            raise ConfigError("labels name the classes of an encoder's task head (task=...)")
         if self.model_type == "encoder-decoder":
             if self.n_encoder_layers is None:
                 object.__setattr__(self, "n_encoder_layers", self.n_layers)

@@ -81,7 +81,10 @@ class TrainConfig:
     `objective="mlm"` pretrains a bidirectional encoder (`model_type="encoder"`, J&M
     §11.2) on a token stream: each window's positions are selected at `mask_rate` (with
     `whole_word`, each word's tokens together), and of those 80% become [MASK], 10% a random
-    token, 10% stay; the loss scores the selected positions only.
+    token, 10% stay; the loss scores the selected positions only. Fine-tuning an encoder
+    run for a task (the model's `task`, classify or tag) trains on labeled examples from
+    `init_from`'s weights, or with `reinit` from random ones (its shape and tokenizer only:
+    the baseline that shows what pretraining gave).
     """
 
     data: str = ""
@@ -125,6 +128,7 @@ class TrainConfig:
     temperature: float = 1.0
     mask_rate: float = 0.15
     whole_word: bool = False
+    reinit: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_interval"):
@@ -184,6 +188,8 @@ class TrainConfig:
             check_positive(name, getattr(self, name))
         if self.objective == "grpo" and self.group_size < 2:
             raise ConfigError("group_size must be >= 2: an advantage is against the group")
+        if self.reinit and not self.init_from:
+            raise ConfigError("reinit takes --init-from's shape and tokenizer: give --init-from")
         if not 0 < self.mask_rate < 1:
             raise ConfigError(f"mask_rate must be in (0, 1), got {self.mask_rate!r}")
         if not 0 < self.clip < 1 or not self.temperature > 0:

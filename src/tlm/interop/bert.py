@@ -20,6 +20,10 @@ matrix is transposed on the way (tlm right-multiplies, as the book does).
     cls.predictions.transform.LayerNorm                 ln_T                     [d]
     cls.predictions.bias                                b_U                      [V]
     cls.predictions.decoder.weight (untied only)        W_U transposed           [V, d]
+
+A fine-tuned encoder is BertForSequenceClassification (the pooler `bert.pooler.dense` is
+W_P, b_P; `classifier` is W_C, b_C) or BertForTokenClassification (`classifier` alone), its
+labels config.json's `id2label`; neither has the MLM head.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ from tlm.interop.gpt2 import ACTIVATIONS_IN, HFFormatError
 from tlm.interop.gptneox import shape_fields
 from tlm.model.positions import sinusoidal_table
 
+ARCHITECTURES = {
+    None: "BertForMaskedLM",
+    "classify": "BertForSequenceClassification",
+    "tag": "BertForTokenClassification",
+}
 # one block's tensors: BERT name after `encoder.layer.{l}.`, tlm name after `blocks.{l}.`
 BLOCK_NAMES = [
     ("attention.self.query", "attn.W_Q", "attn.b_Q"),
@@ -62,8 +71,12 @@ def bert_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
     for refused, message in refusals:
         if refused:
             raise HFFormatError(f"cannot export to BERT: {message}")
+    labels = {}
+    if config.task is not None:
+        id2label = dict(enumerate(config.labels))
+        labels = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}}
     return {
-        "architectures": ["BertForMaskedLM"],
+        "architectures": [ARCHITECTURES[config.task]],
         "model_type": "bert",
         **shape_fields(config),
         "hidden_dropout_prob": config.resid_dropout_p,
@@ -75,6 +88,7 @@ def bert_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
         "position_embedding_type": "absolute",
         "tie_word_embeddings": config.tie_embeddings,
         "dtype": "float32",
+        **labels,
     }
 
 
@@ -89,6 +103,11 @@ def config_from_bert(hf: dict[str, Any]) -> ModelConfig:
         raise HFFormatError(
             f"type_vocab_size {hf['type_vocab_size']}: tlm's encoder has 2 segments"
         )
+    task = {v: k for k, v in ARCHITECTURES.items()}.get((hf.get("architectures") or [None])[0])
+    labels = None
+    if task is not None:
+        id2label = hf.get("id2label") or {}
+        labels = tuple(id2label[k] for k in sorted(id2label, key=int))
     activation = ACTIVATIONS_IN.get(hf.get("hidden_act", "gelu"))
     if activation is None:
         raise HFFormatError(
@@ -108,6 +127,8 @@ def config_from_bert(hf: dict[str, Any]) -> ModelConfig:
             tie_embeddings=hf.get("tie_word_embeddings", True),
             layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
             model_type="encoder",
+            task=task,
+            labels=labels,
         )
     except (KeyError, ConfigError) as exc:
         raise HFFormatError(f"BERT config: {exc}") from None
@@ -129,6 +150,11 @@ def _pairs(config: ModelConfig) -> list[tuple[str, str, bool]]:
             matrix = weight.split(".")[-1].startswith("W_")  # a Linear's [out, in]; not a gamma
             pairs.append((f"{hf}{part}.weight", ours + weight, matrix))
             pairs.append((f"{hf}{part}.bias", ours + bias, False))
+    if config.task == "classify":  # BERT's pooler, then the classifier
+        pairs.append(("bert.pooler.dense.weight", "W_P", True))
+        pairs.append(("bert.pooler.dense.bias", "b_P", False))
+    if config.task is not None:
+        return [*pairs, ("classifier.weight", "W_C", True), ("classifier.bias", "b_C", False)]
     t = "cls.predictions.transform."
     pairs += [(f"{t}dense.weight", "W_T", True), (f"{t}dense.bias", "b_T", False)]
     pairs += [
@@ -144,10 +170,11 @@ def _pairs(config: ModelConfig) -> list[tuple[str, str, bool]]:
 def bert_weights(
     tensors: Mapping[str, Tensor], config: ModelConfig, lazy_embedding: bool = False
 ) -> Iterator[tuple[str, Tensor]]:
-    """BERT tensors -> (tlm name, float32 tensor), every weight used exactly once (a pooler,
-    which BertForMaskedLM lacks, and the tied decoder are not weights of tlm's MLM model)."""
+    """BERT tensors -> (tlm name, float32 tensor), every weight used exactly once (a pooler
+    but a classifier's, and the tied decoder, are not weights of tlm's model)."""
     skip = ("cls.predictions.decoder.bias", "bert.embeddings.position_ids")  # b_U again; a buffer
-    names = {k for k in tensors if not k.startswith("bert.pooler.") and k not in skip}
+    pooled = config.task == "classify"
+    names = {k for k in tensors if k not in skip and (pooled or not k.startswith("bert.pooler."))}
     if config.tie_embeddings:
         names.discard("cls.predictions.decoder.weight")  # the tied head is E itself
     pairs = _pairs(config)

@@ -25,10 +25,14 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
     else:
         attentions, ffns, n_norms = L, L, 2 * L + pre
     head = 0 if config.tie_embeddings else config.vocab_size * d
-    if config.model_type == "encoder":  # S, the input's LayerNorm, the MLM head's transform
-        positions += 2 * d  # segments (model/encoder.py)
-        n_norms += 2  # ln_embed, ln_T
-        head += d * d + bias * d + config.vocab_size  # W_T (+ b_T), b_U
+    if config.model_type == "encoder":  # S, the input's LayerNorm, the head (model/encoder.py)
+        positions += 2 * d  # segments
+        n_norms += 1  # ln_embed
+        if config.task is None:  # the MLM head: W_T (+ b_T), ln_T, b_U
+            head += d * d + bias * d + config.vocab_size
+            n_norms += 1
+        else:  # W_C, b_C (+ the pooler W_P, b_P), and no unembedding
+            head = (d + 1) * len(config.labels) + (d * d + d) * (config.task == "classify")
     attention, ffn = attentions * one_attention, ffns * one_ffn
     norms = n_norms * d * (1 + bias)  # gamma (+ beta)
     total = embedding + positions + attention + ffn + norms + head

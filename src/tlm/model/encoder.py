@@ -12,8 +12,15 @@ and BERT normalises the sum before the first block:
 
 The head's transform (W_T, b_T and its LayerNorm) sits between the last block and the
 unembedding, which is tied to E as in the causal model (§9.5), with a bias b_U of its own;
-`unembed` is that whole head, so the logit lens reads an encoder's layers through it. The
-parameter names are the book's; `interop/bert.py` maps them to BERT's.
+`unembed` is that whole head, so the logit lens reads an encoder's layers through it.
+
+Fine-tuning (§11.4) replaces the MLM head with a task's (`config.task`, its `labels`):
+
+    y = softmax(tanh(h_CLS W_P + b_P) W_C + b_C)          classify: the [CLS] position,
+                                                          through BERT's pooler
+    y_i = softmax(h_i W_C + b_C)                          tag: every token
+
+The parameter names are the book's; `interop/bert.py` maps them to BERT's.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ def key_padding(attention_mask: Tensor | None) -> Tensor | None:
 
 
 class Encoder(nn.Module):
-    """input_ids [B,T] (segments [B,T], attention_mask [B,T]) -> MLM logits [B,T,V].
+    """input_ids [B,T] (segments [B,T], attention_mask [B,T]) -> MLM logits [B,T,V] (a
+    fine-tuned head's: [B,labels] or [B,T,labels]).
 
     Hook points as the causal model's (`embed`, `blocks.{l}.*`, `final`, `logits`), the
     attention pattern all-to-all.
@@ -60,14 +68,19 @@ class Encoder(nn.Module):
         pre = config.norm == "pre"  # a pre-norm stack ends with a LayerNorm (post-norm: normed)
         self.ln_f = LayerNorm(d, eps, bias) if pre else nn.Identity()
         self.final = HookPoint()
-        self.W_T = nn.Parameter(torch.empty(d, d))  # the MLM head's transform
-        self.b_T = nn.Parameter(torch.zeros(d)) if bias else None
         self.act = ACTIVATIONS[config.activation]
-        self.ln_T = LayerNorm(d, eps, bias)
-        self.W_U = (
-            None if config.tie_embeddings else nn.Parameter(torch.empty(d, config.vocab_size))
-        )
-        self.b_U = nn.Parameter(torch.zeros(config.vocab_size))
+        if config.task is None:  # the MLM head: its transform, then the unembedding
+            self.W_T = nn.Parameter(torch.empty(d, d))
+            self.b_T = nn.Parameter(torch.zeros(d)) if bias else None
+            self.ln_T = LayerNorm(d, eps, bias)
+            untied = not config.tie_embeddings
+            self.W_U = nn.Parameter(torch.empty(d, config.vocab_size)) if untied else None
+            self.b_U = nn.Parameter(torch.zeros(config.vocab_size))
+        else:  # a task's head: [CLS] through the pooler (classify), or each token (tag)
+            if config.task == "classify":
+                self.W_P, self.b_P = nn.Parameter(torch.empty(d, d)), nn.Parameter(torch.zeros(d))
+            n = len(config.labels)
+            self.W_C, self.b_C = nn.Parameter(torch.empty(d, n)), nn.Parameter(torch.zeros(n))
         self.logits = HookPoint()
         name_hook_points(self)
         if init:
@@ -111,7 +124,10 @@ class Encoder(nn.Module):
         return self.final(self.ln_f(x))
 
     def unembed(self, h: Tensor) -> Tensor:
-        """The MLM head: LayerNorm(act(h W_T + b_T)) E^T + b_U, [..., d] -> [..., V]."""
+        """The head on hidden states [..., d]: the MLM head's LayerNorm(act(h W_T + b_T))
+        E^T + b_U -> [..., V]; a tagger's h W_C + b_C -> [..., labels]."""
+        if self.config.task is not None:
+            return linear(h, self.W_C, self.b_C)
         t = self.ln_T(self.act(linear(h, self.W_T, self.b_T)))
         head = self.embedding.E.t() if self.W_U is None else self.W_U
         return linear(t, head, self.b_U)
@@ -123,10 +139,14 @@ class Encoder(nn.Module):
         attention_mask: Tensor | None = None,
         only: Tensor | None = None,
     ) -> Tensor:
-        """input_ids [B,T] -> logits [B,T,V]: at each position, the scores of the token
-        that belongs there (what a masked position is trained to predict). With `only`
-        (bool [B,T]), the logits of those positions alone, [M,V]: the head runs on them."""
+        """input_ids [B,T] -> logits: the MLM head's [B,T,V], at each position the scores
+        of the token that belongs there (what a masked position is trained to predict); a
+        tagger's [B,T,labels]; a classifier's [B,labels], of the whole input. With `only`
+        (bool [B,T]), the logits of those positions alone, [M,·]: the head runs on them."""
         h = self.hidden(input_ids, segments, attention_mask)
+        if self.config.task == "classify":  # pooler: tanh(h_CLS W_P + b_P), then W_C
+            pooled = torch.tanh(linear(h[:, 0], self.W_P, self.b_P))  # [B,d]
+            return self.logits(linear(pooled, self.W_C, self.b_C))  # [B,labels]
         return self.logits(self.unembed(h if only is None else h[only]))
 
     def num_parameters(self) -> int:

@@ -17,6 +17,7 @@ import torch
 from tlm.checkpoint import latest_checkpoint, load_checkpoint, write_config
 from tlm.config import ModelConfig, TrainConfig
 from tlm.data import ChatData, PairData, PreferenceData, PromptData, TokenData
+from tlm.data.labeled import LabeledData
 from tlm.inference.devices.heap import keep_freed_memory
 from tlm.io import write_text_atomic
 from tlm.load import load_model
@@ -26,13 +27,14 @@ from tlm.train.attention_kernel import causal_attention
 from tlm.train.chat import ChatWindows
 from tlm.train.distributed import Runtime
 from tlm.train.dpo import PreferencePairs
+from tlm.train.finetune import LabeledBatches
 from tlm.train.grpo import PromptGroups
 from tlm.train.loop import Progress, Trainer
 from tlm.train.mlm import MaskedWindows
 from tlm.train.optim import build_optimizer
 from tlm.train.precision import pick_precision
 from tlm.train.report import Metrics
-from tlm.train.run import RunError
+from tlm.train.run import RunError, run_tokenizer
 from tlm.train.translate import PairBatches
 from tlm.train.windows import TokenWindows
 
@@ -65,8 +67,8 @@ def open_run(
         fields = Progress.__dataclass_fields__  # runs saved before a field existed lack it
         state = Progress(**{k: saved[k] for k in fields if k in saved})
         batches.load_state_dict(saved.get("batches", {}))  # the source's counts go on
-    elif config.init_from:  # fine-tuning: start from a trained model's weights
-        model.load_state_dict(initial_weights(config.init_from, model_config))
+    elif config.init_from and not config.reinit:  # fine-tuning: a trained model's weights
+        _load_initial(model, initial_weights(config.init_from, model_config))
     if not resume and rt.is_main:
         run.mkdir(parents=True, exist_ok=True)
         write_config(run, model_config, config.to_dict(), data.fingerprint(), precision.to_dict())
@@ -121,6 +123,11 @@ def _batches(data, model_config: ModelConfig, config: TrainConfig, rt: Runtime):
             "prompts with answers (tlm prepare --task prompts) train with --objective grpo, "
             "and --objective grpo trains on them"
         )
+    if isinstance(data, LabeledData):
+        if rt.world_size != 1:
+            raise RunError("fine-tuning an encoder for a task runs on one process")
+        tokenizer = run_tokenizer(config, data)
+        return LabeledBatches(data, tokenizer, model_config, config)
     if config.objective == "mlm":
         if type(data) is not TokenData:
             raise RunError("--objective mlm masks a token stream: data from tlm prepare CORPUS")
@@ -134,6 +141,18 @@ def _batches(data, model_config: ModelConfig, config: TrainConfig, rt: Runtime):
     if isinstance(data, ChatData):
         return ChatWindows(data, model_config, config, rt.world_size)
     return TokenWindows(data, model_config, config, rt.world_size)
+
+
+def _load_initial(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """`state` into `model`; a task's head (W_P, b_P, W_C, b_C: not in the pretrained run)
+    keeps its seeded initial values, and the pretrained MLM head is left out."""
+    head = ("W_P", "b_P", "W_C", "b_C")
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    if getattr(model.config, "task", None) is None or any(k not in head for k in missing):
+        model.load_state_dict(state)  # strict: anything else missing is an error
+        return
+    model.load_state_dict({k: state[k] for k in own if k in state}, strict=False)
 
 
 def initial_weights(source: str, config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from tlm.chat import chat_tokenizer
 from tlm.checkpoint import LOCK, check_unlocked, latest_checkpoint, read_config
 from tlm.config import ModelConfig, TrainConfig, from_dict
 from tlm.data import ChatData, PairData, TokenData, open_data
+from tlm.data.labeled import TASKS, LabeledData, read_labeled
 from tlm.data.tokens import fingerprint_differences
 from tlm.errors import UserError
 from tlm.load import load_tokenizer, model_config
@@ -41,8 +42,13 @@ def new_run_configs(
     if not train_config.out:
         raise RunError("--out is required: the run directory to create")
     check_new_run(Path(train_config.out))
-    data = open_data(train_config.data)
     model_values = dict(model_values)
+    task = model_values.get("task")
+    if task is not None and task not in TASKS:
+        raise RunError(f"--task must be one of {', '.join(TASKS)}; got {task!r}")
+    data = read_labeled(train_config.data, task) if task else open_data(train_config.data)
+    if task:  # fine-tuning an encoder: init_from's shape, the data's labels
+        model_values = _task_model_values(train_config, model_values, data)
     if isinstance(data, PairData):
         if train_config.init_from:
             raise RunError("--init-from fine-tunes a language model; a translation run starts anew")
@@ -53,7 +59,7 @@ def new_run_configs(
     if train_config.objective == "mlm":
         model_values = {**ENCODER_MODEL, **model_values}
     tokenizer = run_tokenizer(train_config, data)
-    if train_config.init_from:
+    if train_config.init_from and not task:
         model_values = _init_model_values(train_config.init_from, model_values, data, tokenizer)
     given = model_values.setdefault("vocab_size", tokenizer.vocab_size)
     if given != tokenizer.vocab_size:
@@ -61,10 +67,11 @@ def new_run_configs(
             f"--vocab-size {given} differs from the run's vocabulary {tokenizer.vocab_size}"
         )
     model_config = from_dict(ModelConfig, model_values)
-    if (model_config.model_type == "encoder") != (train_config.objective == "mlm"):
+    pretraining = model_config.model_type == "encoder" and model_config.task is None
+    if pretraining != (train_config.objective == "mlm"):
         raise RunError(
             "an encoder (--model-type encoder) pretrains with --objective mlm, and "
-            "--objective mlm trains an encoder"
+            "--objective mlm trains an encoder; a task (--task) fine-tunes one"
         )
     if isinstance(data, TokenData):
         if model_config.model_type == "encoder-decoder":
@@ -87,7 +94,8 @@ def resume_run_configs(
     differ = _differences(model_config, model_values) + _differences(train_config, train_values)
     if differ:
         raise RunError(f"--resume: config differs from the saved run: {'; '.join(differ)}")
-    data = open_data(train_config.data)
+    task = model_config.task
+    data = read_labeled(train_config.data, task) if task else open_data(train_config.data)
     if run_tokenizer(train_config, data).vocab_size != model_config.vocab_size:
         raise RunError(
             f"{train_config.data} has vocabulary {data.vocab_size}; "
@@ -105,7 +113,10 @@ def resume_run_configs(
 
 def run_tokenizer(config: TrainConfig, data) -> Tokenizer:
     """The tokenizer a run of `config` on `data` writes and reads: the data's, with an
-    encoder's special tokens added for masked-LM pretraining."""
+    encoder's special tokens added for masked-LM pretraining; for labeled examples (which
+    have none), the encoder's that it fine-tunes."""
+    if isinstance(data, LabeledData):
+        return load_tokenizer(config.init_from)
     tokenizer = load_tokenizer(data.folder)
     return encoder_tokenizer(tokenizer) if config.objective == "mlm" else tokenizer
 
@@ -160,6 +171,25 @@ def _init_model_values(
             f"with --tokenizer {source}"
         )
     return {**saved, **given}
+
+
+def _task_model_values(
+    config: TrainConfig, given: dict[str, Any], data: LabeledData
+) -> dict[str, Any]:
+    """The model of a task run: the encoder of `--init-from` (its shape; its weights unless
+    --reinit), with the task's head over the data's labels."""
+    if not config.init_from:
+        raise RunError(
+            f"--task {data.task} fine-tunes an encoder: give --init-from RUN (an encoder run; "
+            "with --reinit, only its shape and tokenizer are taken)"
+        )
+    saved = model_config(config.init_from).to_dict()
+    if saved["model_type"] != "encoder":
+        raise RunError(
+            f"--init-from {config.init_from} is not an encoder (tlm train --objective mlm)"
+        )
+    kept = {k: v for k, v in given.items() if k in FINE_TUNING_FIELDS}
+    return {**saved, **kept, "task": data.task, "labels": data.labels}
 
 
 def _other_context(key: str, value: Any, saved: dict[str, Any]) -> bool:
