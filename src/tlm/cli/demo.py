@@ -15,6 +15,8 @@ from tlm.cli.args import add_command, add_device_flag, fail
 from tlm.cli.demo_align import STEPS as ALIGN_STEPS
 from tlm.cli.demo_align import align_demo
 from tlm.cli.demo_chat import STEPS, chat_demo
+from tlm.cli.demo_encoder import STEPS as ENCODER_STEPS
+from tlm.cli.demo_encoder import encoder_demo
 from tlm.data import TokenData, prepare
 from tlm.data.prepare import FILES as PREPARED
 from tlm.evaluate import evaluate_tokens
@@ -30,6 +32,7 @@ EXAMPLE = """examples:
   tlm demo python-docs --data data/demo-docs --out runs/demo-docs
   tlm demo tinyshakespeare --data data/demo-shakespeare --out runs/demo-shakespeare
   tlm demo chat        # fine-tune runs/demo on python-qa into an assistant: runs/demo-chat
+  tlm demo encoder     # a masked-LM encoder, fine-tuned to classify and to tag: runs/demo-encoder
 """
 
 MODEL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "context_length": 128, "position": "rope"}
@@ -46,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "inputs",
         nargs="*",
         default=["python-stdlib"],
-        help="corpus (python-stdlib), or chat, or align",
+        help="corpus (python-stdlib), or chat, align, encoder",
     )
     parser.add_argument("--data", help="prepared data folder (data/demo; chat: data/demo-chat)")
     parser.add_argument("--out", help="run directory (runs/demo; chat: runs/demo-chat)")
@@ -60,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     for phase, steps in ALIGN_STEPS.items():
         align.add_argument(f"--{phase}-steps", type=int, help=f"{phase} steps ({steps})")
+    encoder = parser.add_argument_group("encoder (tlm demo encoder)")
+    for phase, steps in ENCODER_STEPS.items():
+        encoder.add_argument(f"--{phase}-steps", type=int, help=f"{phase} steps ({steps})")
     add_device_flag(parser)
     parser.set_defaults(handler=run)
 
@@ -68,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if args.inputs == ["align"]:
         args.base_chat = args.assistant
         return align_demo(args, lambda run: _chat_for(run, args))
+    if args.inputs == ["encoder"]:
+        return encoder_demo(args, _claim, MARKER)
     if args.inputs == ["chat"]:
         args.max_steps = args.max_steps or STEPS
         return chat_demo(args, _claim, lambda base: pretrain(base, args.quiet, args.device))

@@ -6,10 +6,11 @@ words with a tag each.
     tag        {"tokens": [word, ...], "tags": [tag, ...]}, BIO tags (B-X, I-X, O)
 
 read from JSONL or Parquet. `--data` names one file, of which a tenth (chosen by each
-example's hash, so the same examples whatever their order) is held out, or a folder with
-`train.jsonl` and `val.jsonl` (or `.parquet`). Labels are strings (a number label is its
-text); a classifier's are sorted, a tagger's with `O` first. A record that breaks a rule
-is one line naming its file and line.
+example's hash, so the same examples whatever their order) is held out, a folder with
+`train.jsonl` and `val.jsonl` (or `.parquet`), or a built-in set made from the standard
+library (`stdlib-family` to classify, `stdlib-identifiers` to tag: `data/stdlib_labels.py`).
+Labels are strings (a number label is its text); a classifier's are sorted, a tagger's with
+`O` first. A record that breaks a rule is one line naming its file and line.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from tlm.data.chat import described, file_records
 from tlm.data.corpus import CorpusError
+from tlm.data.stdlib_labels import BUILTIN, builtin_labeled
 
 TASKS = ("classify", "tag")
 FIELDS = {"classify": ("text", "text_a", "text_b", "label"), "tag": ("tokens", "tags")}
@@ -62,6 +64,8 @@ class LabeledData:
 
 def read_labeled(path: str | Path, task: str) -> LabeledData:
     """The examples of `task` at `path` (a file, or a folder of train and val files)."""
+    if str(path) in BUILTIN:
+        return _builtin(str(path), task)
     path = Path(path)
     if path.is_dir():
         files = [_split_file(path, name) for name in SPLIT_FILES]
@@ -72,12 +76,26 @@ def read_labeled(path: str | Path, task: str) -> LabeledData:
         val = [r for r in records if _held_out(r)]
         train = [r for r in records if not _held_out(r)]
         sources = [described(str(path), path.read_bytes())]
+    return _labeled(train, val, task, sources, str(path))
+
+
+def _builtin(name: str, task: str) -> LabeledData:
+    wanted = {"stdlib-family": "classify", "stdlib-identifiers": "tag"}[name]
+    if task != wanted:
+        raise CorpusError(f"{name} is labeled to {wanted}, not to {task}")
+    train, val, text = builtin_labeled(name)
+    parse = [[_parse(w, r, task) for w, r in part] for part in (train, val)]
+    return _labeled(*parse, task, [described(name, text)], name)
+
+
+def _labeled(train: list, val: list, task: str, sources: list, folder: str) -> LabeledData:
+    """The examples with their labels as indices, the names ordered from the training ones."""
     if not train:
-        raise CorpusError(f"{path}: no training examples")
+        raise CorpusError(f"{folder}: no training examples")
     labels = _label_names(train, task)
     index = {name: i for i, name in enumerate(labels)}
     train, val = ([_indexed(r, index, task) for r in part] for part in (train, val))
-    return LabeledData(task, labels, train, val, sources, str(path))
+    return LabeledData(task, labels, train, val, sources, folder)
 
 
 def labeled_examples(
@@ -85,6 +103,11 @@ def labeled_examples(
 ) -> list[Example]:
     """Every example of a file (or of a folder's `split` file), its labels indexed as
     `labels` orders them (a fine-tuned run's): what `tlm eval` scores a run on."""
+    if str(path) in BUILTIN:
+        train, val, _ = builtin_labeled(str(path))
+        records = train if split == "train" else val
+        return [_indexed(_parse(w, r, task), {n: i for i, n in enumerate(labels)}, task)
+                for w, r in records]  # fmt: skip
     path = Path(path)
     file = _split_file(path, split) if path.is_dir() else path
     index = {name: i for i, name in enumerate(labels)}
