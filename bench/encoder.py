@@ -64,7 +64,8 @@ def hf_model(vocab: int):
         intermediate_size=512, max_position_embeddings=128, hidden_act="gelu",
         layer_norm_eps=1e-5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
-    return BertForMaskedLM(config, attn_implementation="sdpa")
+    config._attn_implementation = "sdpa"  # its fused attention, as tlm's
+    return BertForMaskedLM(config)
 
 
 def tlm_step(model, inputs, targets, selected):

@@ -87,6 +87,8 @@ def test_the_commands(runs, capsys):
     assert json.loads(capsys.readouterr().out)["tags"] == ["O", "B-KW", "O", "B-KW"]
     assert main(["classify", str(folder / "tag"), "python"]) == 2
     assert "not fine-tuned to classify" in capsys.readouterr().err
+    assert main(["fill-mask", str(folder / "tag"), "pyt[MASK]on"]) == 2
+    assert "fine-tuned to tag: its MLM head is gone" in capsys.readouterr().err
 
 
 def test_labeled_files_are_refused_in_one_line(tmp_path, words_mlm, capsys):

@@ -225,5 +225,5 @@ def export_hf(
     model: TransformerLM | EncoderDecoder, tokenizer: Tokenizer, out: str | Path, card=None
 ) -> Path:
     """`tlm export-hf` in Python: `model` and `tokenizer` as the Hugging Face directory of
-    the kind its config takes (GPT-2, GPT-NeoX or Marian), `card` (a file) as README.md."""
+    the kind its config takes (GPT-2, GPT-NeoX, Marian or BERT), `card` (a file) as README.md."""
     return writer_of(model.config, "export-hf").writer.write(model, tokenizer, out, card=card)

@@ -28,6 +28,8 @@ def fill_mask(
     """For each [MASK] in `text`, in order, its `top_k` most probable tokens. The text is
     read as `[CLS] text [SEP]`, every mask at once (each one's distribution given the others
     still masked), as BERT's fill-mask does."""
+    if model.config.task is not None:
+        raise UserError(f"this encoder is fine-tuned to {model.config.task}: its MLM head is gone")
     mask, cls, sep = (tokenizer.special_id(n) for n in ("[MASK]", "[CLS]", "[SEP]"))
     if mask is None:
         raise UserError(
