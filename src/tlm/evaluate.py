@@ -4,6 +4,10 @@ loss        mean negative log-likelihood per predicted token, in nats (eq. 10.51
 perplexity  exp(loss)
 bits_per_byte  total nats / ln 2 / UTF-8 bytes of the predicted text; tokens that spell no
             bytes (<|endoftext|>) count in neither sum, so tokenizers can be compared
+
+and of a fine-tuned encoder (J&M §11.4) on labeled examples: accuracy and F1 (a
+classifier's, or over a tagger's BIO chunks), which training's validation and `tlm eval`
+both report (`labeled_scores`).
 """
 
 from __future__ import annotations
