@@ -33,6 +33,7 @@ COMMANDS = {
     "chat": "chat",
     "fill-mask": "fill_mask",
     "tag": "tag",
+    "embed": "embed",
 }
 
 

@@ -144,3 +144,17 @@ def plot_patching(
     ax.set_title(title)
     fig.tight_layout()
     _save(fig, path)
+
+
+def plot_anisotropy(values: list[float], path: str | Path) -> None:
+    """The mean cosine between random words' vectors at each layer (§11.3, `tasks/embed.py`)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(len(values)), values, marker="o")
+    ax.set_xticks(range(len(values)), ["input", *(f"block {b}" for b in range(len(values) - 1))])
+    ax.set_ylabel("mean cosine of random words")
+    ax.set_ylim(min(0.0, *values) - 0.05, 1.0)
+    ax.set_title("anisotropy (§11.3): how much all contextual vectors point one way")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    _save(fig, path)
