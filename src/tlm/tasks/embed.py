@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from tlm.data.labeled import Example, encode_example
+from tlm.device import placement
 from tlm.errors import UserError
 from tlm.evaluate import padded
 from tlm.interpret import run_with_cache
@@ -32,7 +33,7 @@ def _batches(model: Encoder, tokenizer: Tokenizer, texts: list[str], batch_size:
     if not texts:
         raise UserError("there is no text to embed")
     T, pad = model.config.context_length, tokenizer.special_id("[PAD]")
-    device = next(model.parameters()).device
+    device = placement(model)[0]
     for i in range(0, len(texts), batch_size):
         encoded = [encode_example(Example("", t, None, 0), tokenizer, "classify", T)
                    for t in texts[i : i + batch_size]]  # fmt: skip

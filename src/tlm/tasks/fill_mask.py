@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tlm.device import placement
 from tlm.errors import UserError
 from tlm.model import Encoder
 from tlm.tokenizer import Tokenizer, within
@@ -40,7 +41,7 @@ def fill_mask(
     where = [i for i, t in enumerate(ids) if t == mask]
     if not where:
         raise UserError("the text has no [MASK] to fill")
-    device = next(model.parameters()).device
+    device = placement(model)[0]
     logits = model(torch.tensor([ids], device=device))[0, where].float()  # [masks, V]
     probabilities = torch.softmax(logits, dim=-1)
     top = probabilities.topk(min(top_k, probabilities.shape[-1]), dim=-1)

@@ -8,14 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from tlm.data.labeled import Example, encode_example
+from tlm.device import placement
 from tlm.errors import UserError
 from tlm.evaluate import labeled_scores, padded
 from tlm.model import Encoder
 from tlm.tokenizer import Tokenizer
-
-
-def _device(model: Encoder) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _check(model: Encoder, task: str) -> None:
@@ -40,7 +37,7 @@ def classify_text(
     _check(model, "classify")
     example = Example("text", text, second, 0)
     encoded = encode_example(example, tokenizer, "classify", model.config.context_length)
-    ids, segments, mask, _ = (t.to(_device(model)) for t in padded([encoded], 0))
+    ids, segments, mask, _ = (t.to(placement(model)[0]) for t in padded([encoded], 0))
     p = torch.softmax(model(ids, segments, mask)[0].float(), -1).tolist()
     names = model.config.labels
     return Classified(
@@ -57,7 +54,7 @@ def tag_words(model: Encoder, tokenizer: Tokenizer, words: list[str]) -> list[tu
         raise UserError("there is no word to tag")
     example = Example("text", tuple(words), None, (0,) * len(words))
     encoded = encode_example(example, tokenizer, "tag", model.config.context_length)
-    ids, segments, mask, labels = (t.to(_device(model)) for t in padded([encoded], 0))
+    ids, segments, mask, labels = (t.to(placement(model)[0]) for t in padded([encoded], 0))
     best = model(ids, segments, mask)[0].argmax(-1)[labels[0] >= 0].tolist()
     tags = [model.config.labels[t] for t in best] + ["O"] * (len(words) - len(best))
     return list(zip(words, tags, strict=True))
@@ -70,5 +67,5 @@ def evaluate_labeled(model: Encoder, tokenizer: Tokenizer, examples: list[Exampl
     T, task = model.config.context_length, model.config.task
     encoded = [encode_example(e, tokenizer, task, T) for e in examples]
     pad = tokenizer.special_id("[PAD]")
-    scores = labeled_scores(model, encoded, task, model.config.labels, pad, _device(model))
+    scores = labeled_scores(model, encoded, task, model.config.labels, pad, placement(model)[0])
     return {**scores, "n": len(examples)}

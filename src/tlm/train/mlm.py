@@ -45,8 +45,9 @@ class Specials:
     as a byte-level tokenizer writes " word" (or a lone " " and then "word")."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        ids = {name: tokenizer.special_id(name) for name in ("[CLS]", "[SEP]", "[MASK]", "[PAD]")}
-        self.cls, self.sep, self.mask, self.pad = ids.values()
+        self.cls, self.sep, self.mask = (
+            tokenizer.special_id(n) for n in ("[CLS]", "[SEP]", "[MASK]")
+        )
         self.eot, self.vocab_size = tokenizer.eot_id, tokenizer.vocab_size
         self.text = torch.from_numpy(tokenizer.token_bytes() > 0)  # [V] bool: specials write none
         self.text_ids = self.text.nonzero()[:, 0]  # what a random replacement draws from
