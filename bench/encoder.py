@@ -35,6 +35,7 @@ from _peers import host  # noqa: E402
 
 from tlm import ModelConfig  # noqa: E402
 from tlm.cli import main as tlm_main  # noqa: E402
+from tlm.cli.demo_encoder import FINETUNE, SETS, STEPS  # noqa: E402
 from tlm.data import TokenData, prepare  # noqa: E402
 from tlm.model import Encoder  # noqa: E402
 from tlm.tokenizer import encoder_tokenizer, load_tokenizer  # noqa: E402
@@ -125,18 +126,18 @@ def part_speed(work: Path, rounds: int, steps: int) -> None:
 def part_pretraining(work: Path, mlm: Path, seeds: int) -> None:
     if not (mlm / "config.json").is_file():
         raise SystemExit(f"no masked-LM run at {mlm}: run tlm demo encoder first (or --mlm RUN)")
-    steps = {"classify": 300, "tag": 200}
-    sets = {"classify": "stdlib-family", "tag": "stdlib-identifiers"}
+    steps = {task: STEPS[task] for task in SETS}  # the demo's steps, rate and batch
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in FINETUNE.items()]
     print(f"host: {host()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for task, name in sets.items():
+    for task, name in SETS.items():
         scores = {"pretrained": [], "random": []}
         for seed in range(seeds):
             for start, extra in (("pretrained", []), ("random", ["--reinit"])):
                 out = work / f"ft-{task}-{start}-{seed}"
                 shutil.rmtree(out, ignore_errors=True)
                 args = ["train", "--task", task, "--init-from", str(mlm), "--data", name]
-                args += ["--out", str(out), "--max-steps", str(steps[task]), "--batch-size", "32"]
-                args += ["--lr", "1e-3", "--warmup-steps", "30", "--seed", str(seed), "--quiet"]
+                args += ["--out", str(out), "--max-steps", str(steps[task]), *flags]
+                args += ["--seed", str(seed), "--quiet"]
                 assert tlm_main([*args, "--eval-interval", str(steps[task]), *extra]) == 0
                 rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
                 scores[start].append([r for r in rows if "val_f1" in r][-1]["val_f1"])

@@ -96,6 +96,32 @@ def test_a_bert_directory_reads_into_tlm(tmp_path):
     assert torch.allclose(ours(ids, segments), want, atol=1e-5)
 
 
+def test_an_encoder_with_next_sentence_prediction_is_bert_for_pretraining(tmp_path):
+    """Both heads equal transformers' BertForPreTraining's; read back, and read as the MLM
+    model where the directory says BertForMaskedLM but holds the NSP head (as Google's)."""
+    import json
+
+    tok = encoder_tokenizer(train_tokenizer("char", [TEXT]))
+    model = varied_encoder(tok.vocab_size, nsp=True)
+    run = save_run(tmp_path / "run", model, tok)
+    assert main(["export-hf", str(run), str(tmp_path / "hf")]) == 0
+    theirs = transformers.BertForPreTraining.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, tok.vocab_size, (3, 12))
+    segments = torch.tensor([[0] * 5 + [1] * 7] * 3)
+    with torch.no_grad():
+        got = theirs(input_ids=ids, token_type_ids=segments)
+        logits, nsp = model(ids, segments, next_sentence=True)
+        assert torch.allclose(got.prediction_logits, logits, atol=1e-5)
+        assert torch.allclose(got.seq_relationship_logits, nsp, atol=1e-5)
+        back = load_model(tmp_path / "hf")
+        assert back.config.nsp and torch.allclose(back(ids, segments, next_sentence=True)[1], nsp)
+        config = json.loads((tmp_path / "hf" / "config.json").read_text())
+        config["architectures"] = ["BertForMaskedLM"]
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+        mlm = load_model(tmp_path / "hf")
+        assert not mlm.config.nsp and torch.allclose(mlm(ids, segments), logits, atol=1e-5)
+
+
 def test_what_bert_cannot_express_is_refused(tmp_path, capsys):
     tok = encoder_tokenizer(train_tokenizer("char", [TEXT]))
     run = save_run(tmp_path / "run", varied_encoder(tok.vocab_size, norm="pre"), tok)

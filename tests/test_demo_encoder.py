@@ -45,7 +45,7 @@ def test_demo_encoder_runs_its_five_steps(tmp_path, capsys):
     args += ["--mlm-steps", "3", "--classify-steps", "3", "--tag-steps", "3", "--quiet"]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    for step in ("[1/5] prepare", "[2/5] pretrain", "[3/5] fine-tune to classify", "[4/5]"):
+    for step in ("[1/4] prepare", "[2/4] pretrain", "[3/4] fine-tune to classify", "[4/4]"):
         assert step in printed
     figures = json.loads((tmp_path / "enc" / "encoder_eval.json").read_text())
     assert set(figures) == {"mlm", "classify", "tag"}

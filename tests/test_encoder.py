@@ -90,8 +90,9 @@ def test_only_the_selected_positions():
 
 @pytest.mark.parametrize("norm", ["pre", "post"])
 @pytest.mark.parametrize("position", ["learned", "rope"])
-def test_counts_and_shapes(norm, position):
-    config = tiny_config(model_type="encoder", norm=norm, position=position)
+@pytest.mark.parametrize("nsp", [False, True])
+def test_counts_and_shapes(norm, position, nsp):
+    config = tiny_config(model_type="encoder", norm=norm, position=position, nsp=nsp)
     model = build_model(config)
     assert isinstance(model, Encoder)
     assert parameter_counts(config)["total"] == model.num_parameters()
@@ -101,3 +102,21 @@ def test_counts_and_shapes(norm, position):
 def test_an_encoder_has_no_window():
     with pytest.raises(ConfigError, match="attention window"):
         ModelConfig(model_type="encoder", position="rope", attention_window=8)
+
+
+def test_the_next_sentence_head_is_its_equation():
+    """y = tanh(h_CLS W_P + b_P) W_N + b_N (§11.2.2), beside the MLM logits of one pass."""
+    torch.manual_seed(0)
+    model = Encoder(tiny_config(model_type="encoder", nsp=True)).eval()
+    with torch.no_grad():
+        for p in (model.b_P, model.b_N):
+            p.normal_(0.0, 0.5)
+    ids, segments = torch.randint(0, 97, (3, 9)), torch.tensor([[0] * 4 + [1] * 5] * 3)
+    only = torch.rand(3, 9, generator=torch.Generator().manual_seed(2)) < 0.4
+    logits, nsp = model(ids, segments, only=only, next_sentence=True)
+    h = model.hidden(ids, segments)
+    assert torch.allclose(nsp, torch.tanh(h[:, 0] @ model.W_P + model.b_P) @ model.W_N + model.b_N)
+    assert torch.allclose(logits, model(ids, segments)[only], atol=1e-6)
+    for wrong in ({"task": "tag", "labels": ("O", "B-X")}, {"model_type": "decoder"}):
+        with pytest.raises(ConfigError, match="nsp is a pretraining encoder's head"):
+            ModelConfig(**{"model_type": "encoder", "nsp": True} | wrong)

@@ -5,6 +5,7 @@ that learn to classify and to tag, the commands, and BertFor*Classification pari
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,8 +13,9 @@ from conftest import WORDS
 from tlm.cli import main
 from tlm.data.corpus import CorpusError
 from tlm.data.labeled import IGNORED, Example, encode_example, read_labeled
-from tlm.evaluate import accuracy_f1, entity_f1
+from tlm.evaluate import accuracy_f1, entity_f1, labeled_scores, padded, task_loss
 from tlm.load import load_model, load_tokenizer
+from tlm.train.order import PassOrder
 
 KEYWORDS = ("import", "return")
 
@@ -157,6 +159,69 @@ def test_scores_are_scikit_learns_and_seqevals():
     gold = [[rng.choice(tags) for _ in range(rng.randint(1, 12))] for _ in range(300)]
     guess = [[t if rng.random() < 0.7 else rng.choice(tags) for t in row] for row in gold]
     assert entity_f1(gold, guess)["f1"] == pytest.approx(seqeval_metrics.f1_score(gold, guess))
+
+
+def test_a_pass_grouped_by_length_takes_every_example_once_in_steps_of_like_length():
+    """Grouped steps (--group-by-length, the default) pad little, take each example once a
+    pass also where passes and steps do not align, in an order drawn again on resume."""
+    lengths = [random.Random(n).randint(3, 120) for n in range(1000)]
+    grouped = PassOrder(1000, 32, 7, lengths)
+    steps = [grouped.step(s) for s in range(94)]  # 3,008 items: three passes and a bit
+    stream = np.concatenate(steps)
+    for e in range(3):
+        assert sorted(stream[e * 1000 : (e + 1) * 1000].tolist()) == list(range(1000))
+    longest = [max(lengths[i] for i in step) for step in steps]
+    used = sum(lengths[i] for i in stream) / (32 * sum(longest))
+    assert used > 0.85, used  # drawn at random: about 0.3 of each step is text
+    assert longest[:31] != sorted(longest[:31]) and longest[:31] != sorted(longest[:31])[::-1]
+    again = PassOrder(1000, 32, 7, lengths)
+    assert [again.step(s).tolist() for s in (60, 3)] == [steps[60].tolist(), steps[3].tolist()]
+
+
+@pytest.mark.parametrize("task", ["classify", "tag"])
+def test_validation_scores_each_example_as_alone(runs, words_mlm, task):
+    """labeled_scores sorts the examples by length into batches: its loss, accuracy and F1
+    are those of each example scored by itself, in the file's order."""
+    folder, files = runs
+    model, tok = load_model(folder / task), load_tokenizer(words_mlm)
+    data = read_labeled(str(files[task]), task)
+    examples = [encode_example(e, tok, task, 32) for e in data.val]
+    pad = tok.special_id("[PAD]")
+    total = scored = 0
+    guesses = []
+    with torch.no_grad():
+        for e in examples:
+            ids, segments, mask, labels = padded([e], pad)
+            logits = model(ids, segments, mask)
+            n = int((labels != IGNORED).sum())
+            total, scored = total + task_loss(logits, labels).item() * n, scored + n
+            best = logits.argmax(-1)[0]
+            guesses.append(best.item() if task == "classify" else best[labels[0] != IGNORED])
+    got = labeled_scores(model, examples, task, data.labels, pad, "cpu")
+    assert got["loss"] == pytest.approx(total / scored, rel=1e-5)
+    if task == "classify":
+        gold = [e.label for e in examples]
+        assert got == {"loss": got["loss"], **accuracy_f1(gold, guesses, 2)}
+    else:
+        gold = [[data.labels[t] for t in e.label if t != IGNORED] for e in examples]
+        names = [[data.labels[t] for t in g.tolist()] for g in guesses]
+        assert got == {"loss": got["loss"], **entity_f1(gold, names)}
+
+
+def test_a_classifier_starts_from_the_pretrained_pooler():
+    """Fine-tuned from an encoder pretrained with NSP, a classifier keeps its pooler (BERT's
+    [CLS] representation trained by NSP); its W_C starts as seeded; the NSP head is left."""
+    from conftest import tiny_config
+    from tlm.model import Encoder
+    from tlm.train.opening import _load_initial
+
+    torch.manual_seed(0)
+    pretrained = Encoder(tiny_config(model_type="encoder", nsp=True))
+    classifier = Encoder(tiny_config(model_type="encoder", task="classify", labels=("a", "b")))
+    seeded = classifier.W_C.detach().clone()
+    _load_initial(classifier, pretrained.state_dict())
+    assert torch.equal(classifier.W_P, pretrained.W_P) and torch.equal(classifier.W_C, seeded)
+    assert torch.equal(classifier.blocks[0].attn.W_Q, pretrained.blocks[0].attn.W_Q)
 
 
 @pytest.mark.parametrize("task", ["classify", "tag"])

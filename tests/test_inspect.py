@@ -216,3 +216,26 @@ def test_the_pages_lessons_are_the_models(browser, report, run):
     assert torch.allclose(torch.tensor(contrib), pattern[T - 1] * norms, atol=1e-5, rtol=0)
     browser.save_screenshot(str(ARTIFACTS / "inspect-page-lessons.png"))
     assert console_errors(browser) == []
+
+
+def test_an_encoders_page_shows_attention_both_ways(browser, words_mlm, tmp_path, capsys):
+    """An encoder read as [CLS] prompt [SEP]: every query reads keys on both sides (the page
+    draws α above the diagonal), and the lens at [MASK] ends at what fill-mask says."""
+    from selenium.webdriver.common.by import By
+
+    out = tmp_path / "encoder"
+    prompt = ["--prompt", "string pyt[MASK]on module"]
+    assert main(["inspect", str(words_mlm), *prompt, "--out", str(out)]) == 0
+    data = page_data(out)
+    tokens, patterns = data["tokens"], torch.tensor(data["patterns"])  # [L,H,T,T]
+    assert tokens[0] == "[CLS]" and tokens[-1] == "[SEP]" and "bidirectional" in data["model"]
+    assert torch.allclose(patterns.sum(-1), torch.ones(patterns.shape[:-1]), atol=1e-3)
+    assert (patterns[:, :, 0, 1:].sum(-1) > 0.01).all()  # [CLS] reads the keys after it
+    assert data["lens"]["top"][-1][tokens.index("[MASK]")][0][0] == "h"  # p-y-t-?-o-n
+    assert "next" not in data and data["attribution"] is None
+    browser.get((out / "index.html").as_uri())
+    cells = browser.find_elements(By.CSS_SELECTOR, "#grid td.cell")
+    assert cells[1].value_of_css_property("background-color") != "rgba(255, 255, 255, 1)"
+    assert console_errors(browser) == []
+    assert main(["inspect", str(words_mlm), *prompt, "--corrupted", "x", "--out", str(out)]) == 2
+    assert "follow a language model's next token" in capsys.readouterr().err

@@ -2,7 +2,9 @@
 words masked together, the loss on the selected positions only, and a run that learns."""
 
 import json
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +13,14 @@ from tlm.load import load_model, load_tokenizer
 from tlm.model import Encoder
 from tlm.tokenizer import encoder_tokenizer, train_tokenizer
 from tlm.train import new_run_configs
-from tlm.train.mlm import Specials, mask_tokens, mlm_loss, mlm_loss_reference
+from tlm.train.mlm import (
+    Specials,
+    mask_tokens,
+    mlm_loss,
+    mlm_loss_reference,
+    pretraining_loss,
+    sentence_pairs,
+)
 
 TEXT = "the cat sat on the mat and the dog sat on the log; a bird sang in a tree. " * 4
 
@@ -122,3 +131,65 @@ def test_commands_refuse_the_other_kind(words_mlm, words_data, tmp_path, capsys)
     args = ["train", "--data", str(words_data), "--out", str(out), "--model-type", "encoder"]
     assert main([*args, "--max-steps", "1"]) == 2
     assert "--objective mlm" in capsys.readouterr().err
+
+
+def test_sentence_pairs_are_berts(bpe_specials):
+    """[CLS] A [SEP] B [SEP]: A the window's first tokens, B the rest of it (IsNext) or as
+    many tokens from one other place (NotNext, half of them), segments 0 then 1."""
+    s = bpe_specials
+    tokens = np.arange(100_000) + 1_000  # each token once: where a run came from is plain
+    starts = np.random.default_rng(0).integers(0, len(tokens) - 20, 2000)
+    ids, segments, not_next = sentence_pairs(tokens, starts, 20, s, torch.Generator())
+    assert ids.shape == segments.shape == (2000, 23) and 0.46 < not_next.float().mean() < 0.54
+    for row, seg, other, start in zip(ids, segments, not_next, starts, strict=True):
+        seps = (row == s.sep).nonzero()[:, 0].tolist()
+        assert row[0] == s.cls and len(seps) == 2 and seps[1] == 22
+        a, b = row[1 : seps[0]].numpy(), row[seps[0] + 1 : -1].numpy()
+        assert seg.tolist() == [0] * (seps[0] + 1) + [1] * (22 - seps[0])
+        assert (a == tokens[start : start + len(a)]).all() and len(a) >= 1 and len(b) >= 1
+        if not other:
+            assert (b == tokens[start + len(a) : start + 20]).all()
+        else:  # one run of the stream, from another place
+            assert (np.diff(b) == 1).all() and b[0] != tokens[start + len(a)]
+
+
+def test_the_pretraining_loss_adds_the_next_sentence_loss():
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    model = Encoder(tiny_config(model_type="encoder", nsp=True)).eval()
+    targets, segments = torch.randint(0, 97, (4, 16)), torch.tensor([[0] * 7 + [1] * 9] * 4)
+    selected, not_next = torch.rand(4, 16) < 0.3, torch.tensor([True, False, False, True])
+    inputs = targets.masked_fill(selected, 5)
+    got = pretraining_loss(model, inputs, targets, selected, segments, not_next)
+    logits, nsp = model(inputs, segments), model(inputs, segments, next_sentence=True)[1]
+    mlm = -torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0][selected].mean()
+    nsp_nll = -torch.log_softmax(nsp, -1)[torch.arange(4), not_next.long()].mean()
+    assert torch.allclose(got, mlm + nsp_nll, atol=1e-6)
+
+
+def test_a_run_learns_next_sentence_prediction(tmp_path):
+    """Long paragraphs of four kinds (lower case, upper case, digits, signs): a B from
+    elsewhere is of another kind 3/4 of the time, a B that follows A almost never, so
+    telling pairs apart can reach ~86%; chance is 50%."""
+    rng = random.Random(0)
+    kinds = ["python module import ", "STRING OBJECT RETURN ", "0123 4567 89 ", "+-*/ <=> %& "]
+    text = "".join(rng.choice(kinds) * rng.randint(20, 40) for _ in range(150))
+    (tmp_path / "kinds.txt").write_text(text)
+    from tlm.data import prepare
+
+    prepare([str(tmp_path / "kinds.txt")], tmp_path / "data", tokenizer="char", progress=False)
+    run = tmp_path / "run"
+    args = ["train", "--objective", "mlm", "--nsp", "--data", str(tmp_path / "data")]
+    args += ["--out", str(run), "--d-model", "64", "--n-layers", "2", "--n-heads", "4"]
+    args += ["--context-length", "32", "--batch-size", "32", "--max-steps", "200", "--lr", "3e-3"]
+    args += ["--warmup-steps", "10", "--position", "rope", "--norm", "pre", "--quiet"]
+    assert main([*args, "--eval-interval", "200", "--eval-tokens", "8192"]) == 0
+    val = [
+        json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines() if "val_nsp" in r
+    ]
+    assert val[-1]["val_nsp_accuracy"] > 0.75, val[-1]
+    assert (
+        load_model(run).config.nsp
+        and "next-sentence accuracy" in (run / "MODEL_CARD.md").read_text()
+    )

@@ -5,7 +5,7 @@ perplexity  exp(loss)
 bits_per_byte  total nats / ln 2 / UTF-8 bytes of the predicted text; tokens that spell no
             bytes (<|endoftext|>) count in neither sum, so tokenizers can be compared
 
-and of a fine-tuned encoder (J&M §11.4) on labeled examples: accuracy and F1 (a
+and of a fine-tuned encoder (J&M §11.4) on labeled examples: loss, accuracy and F1 (a
 classifier's, or over a tagger's BIO chunks), which training's validation and `tlm eval`
 both report (`labeled_scores`).
 """
@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
@@ -168,10 +169,16 @@ def padded(batch: list[Encoded], pad: int) -> tuple[Tensor, Tensor, Tensor, Tens
     return ids, segments, mask.long(), labels
 
 
-def predictions(model, batch: list[Encoded], pad: int, device) -> list:
-    """The most probable label of each example (a tagger's: of each word, at its first token)."""
-    ids, segments, mask, labels = (t.to(device) for t in padded(batch, pad))
-    best = model(ids, segments, mask).argmax(-1)  # [B] or [B,T]
+def task_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """The mean cross-entropy of the scored labels: [B,n] against [B], or [B,T,n] against
+    [B,T] (IGNORED positions left out)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORED)
+
+
+def predictions(logits: Tensor, labels: Tensor) -> list:
+    """The most probable label of each example (a tagger's: of each word, at its first
+    token, where `labels` is not IGNORED)."""
+    best = logits.argmax(-1)  # [B] or [B,T]
     if best.dim() == 1:
         return best.tolist()
     return [row[gold != IGNORED].tolist() for row, gold in zip(best, labels, strict=True)]
@@ -180,13 +187,20 @@ def predictions(model, batch: list[Encoded], pad: int, device) -> list:
 def labeled_scores(
     model, examples: list[Encoded], task: str, names: tuple[str, ...], pad: int, device
 ) -> dict:
-    """Accuracy and F1 of a fine-tuned encoder on encoded examples of `task`, whose
-    labels are `names`."""
-    guesses = []
+    """{loss, accuracy, f1} of a fine-tuned encoder on encoded examples of `task`, whose
+    labels are `names`: one pass, in batches of examples of similar length (sorted, so
+    little of each batch is padding)."""
+    examples = sorted(examples, key=lambda e: len(e.ids))
+    guesses, total, scored = [], 0.0, 0
     with torch.no_grad():
         for i in range(0, len(examples), 32):
-            guesses += predictions(model, examples[i : i + 32], pad, device)
+            ids, segments, mask, labels = (t.to(device) for t in padded(examples[i : i + 32], pad))
+            logits = model(ids, segments, mask)
+            n = int((labels != IGNORED).sum())
+            total, scored = total + task_loss(logits, labels).item() * n, scored + n
+            guesses += predictions(logits, labels)
+    loss = {"loss": total / max(scored, 1)}
     if task == "classify":
-        return accuracy_f1([e.label for e in examples], guesses, len(names))
+        return loss | accuracy_f1([e.label for e in examples], guesses, len(names))
     gold = [[names[t] for t in e.label if t != IGNORED] for e in examples]
-    return entity_f1(gold, [[names[t] for t in row] for row in guesses])
+    return loss | entity_f1(gold, [[names[t] for t in row] for row in guesses])

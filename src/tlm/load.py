@@ -140,7 +140,8 @@ IS = {
 FOR = {
     TransformerLM: "it continues text (tlm generate, tlm eval)",
     EncoderDecoder: "use tlm translate, or tlm eval --task translate",
-    Encoder: "it fills masks (tlm fill-mask), it does not continue text",
+    Encoder: "it fills masks (tlm fill-mask) and, fine-tuned, labels text (tlm eval RUN "
+    "--data FILE scores it); it does not continue text",
 }
 NEEDS = {
     EncoderDecoder: "translation needs an encoder-decoder run (trained on tlm prepare --task "

@@ -26,6 +26,10 @@ EXAMPLE = """examples:
   tlm inspect path/to/gpt2 --prompt "The Eiffel Tower is in the city of" \\
       --corrupted "The Colosseum is in the city of" --target " Paris" --foil " Rome" --out out/paris
 
+For an encoder run (tlm train --objective mlm, or fine-tuned), --prompt is read as
+[CLS] prompt [SEP] ([MASK] allowed): its attention is all-to-all, and the lens reads each
+depth through its head (tokens, or a fine-tuned head's labels).
+
 For a translation run, --prompt is the source sentence: it is translated (beam 4) and
 cross-attention.png shows, for every decoder layer and head, which source token each
 target token read; cross-attention-L<l>.png shows layer --layer's heads averaged.
@@ -39,7 +43,7 @@ no network) where hovering a token shows its attention row and the logit lens at
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = add_command(sub, "inspect", "look inside a model on one prompt", EXAMPLE)
-    parser.add_argument("run", help="run directory or Hugging Face GPT-2 directory")
+    parser.add_argument("run", help="run directory or Hugging Face directory")
     parser.add_argument("--prompt", required=True, help="the (clean) prompt")
     parser.add_argument("--corrupted", help="a prompt of the same token length, for patching")
     parser.add_argument("--target", help="the token whose logit to explain (default: the top one)")

@@ -44,7 +44,8 @@ class ModelConfig:
 
     An encoder's head is the masked-LM head, or after fine-tuning (`task`) a classifier of
     the whole input ("classify", from [CLS]) or of each token ("tag"), whose outputs are
-    `labels` in order.
+    `labels` in order. With `nsp` a pretraining encoder has a second head, next-sentence
+    prediction's, on [CLS] through BERT's pooler (§11.2.2).
 
     `dropout` is the textbook's one rate, applied at three places. GPT-2's config names
     them apart (attn_pdrop, resid_pdrop, embd_pdrop), and so may we: `attn_dropout` on the
@@ -83,6 +84,7 @@ class ModelConfig:
     attention_window: int | None = None  # each query sees at most W keys (`model/window.py`)
     task: str | None = None  # an encoder's head: None (masked LM), classify or tag
     labels: tuple[str, ...] | None = None  # the head's classes, in the order of its outputs
+    nsp: bool = False  # a pretraining encoder's next-sentence head beside its MLM head
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -113,6 +115,8 @@ class ModelConfig:
                 )
         elif self.labels is not None:
             raise ConfigError("labels name the classes of an encoder's task head (task=...)")
+        if self.nsp and (self.model_type != "encoder" or self.task is not None):
+            raise ConfigError("nsp is a pretraining encoder's head (model_type='encoder', no task)")
         if self.model_type == "encoder-decoder":
             if self.n_encoder_layers is None:
                 object.__setattr__(self, "n_encoder_layers", self.n_layers)

@@ -21,6 +21,11 @@ matrix is transposed on the way (tlm right-multiplies, as the book does).
     cls.predictions.bias                                b_U                      [V]
     cls.predictions.decoder.weight (untied only)        W_U transposed           [V, d]
 
+An encoder pretrained with next-sentence prediction (`nsp`) is BertForPreTraining: the MLM
+head, the pooler `bert.pooler.dense` (W_P, b_P) and `cls.seq_relationship` (W_N, b_N; output 0
+IsNext, 1 NotNext in both). A BertForMaskedLM checkpoint that
+still holds a pooler and an NSP head (as Google's released ones do) reads as the MLM model.
+
 A fine-tuned encoder is BertForSequenceClassification (the pooler `bert.pooler.dense` is
 W_P, b_P; `classifier` is W_C, b_C) or BertForTokenClassification (`classifier` alone), its
 labels config.json's `id2label`; neither has the MLM head.
@@ -43,6 +48,7 @@ ARCHITECTURES = {
     None: "BertForMaskedLM",
     "classify": "BertForSequenceClassification",
     "tag": "BertForTokenClassification",
+    "nsp": "BertForPreTraining",  # the MLM head and the NSP head
 }
 # one block's tensors: BERT name after `encoder.layer.{l}.`, tlm name after `blocks.{l}.`
 BLOCK_NAMES = [
@@ -76,7 +82,7 @@ def bert_config(config: ModelConfig, eot_id: int | None) -> dict[str, Any]:
         id2label = dict(enumerate(config.labels))
         labels = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}}
     return {
-        "architectures": [ARCHITECTURES[config.task]],
+        "architectures": [ARCHITECTURES["nsp" if config.nsp else config.task]],
         "model_type": "bert",
         **shape_fields(config),
         "hidden_dropout_prob": config.resid_dropout_p,
@@ -104,8 +110,10 @@ def config_from_bert(hf: dict[str, Any]) -> ModelConfig:
             f"type_vocab_size {hf['type_vocab_size']}: tlm's encoder has 2 segments"
         )
     task = {v: k for k, v in ARCHITECTURES.items()}.get((hf.get("architectures") or [None])[0])
-    labels = None
-    if task is not None:
+    nsp, labels = task == "nsp", None
+    if task == "nsp":
+        task = None
+    elif task is not None:
         id2label = hf.get("id2label") or {}
         labels = tuple(id2label[k] for k in sorted(id2label, key=int))
     activation = ACTIVATIONS_IN.get(hf.get("hidden_act", "gelu"))
@@ -129,6 +137,7 @@ def config_from_bert(hf: dict[str, Any]) -> ModelConfig:
             model_type="encoder",
             task=task,
             labels=labels,
+            nsp=nsp,
         )
     except (KeyError, ConfigError) as exc:
         raise HFFormatError(f"BERT config: {exc}") from None
@@ -150,9 +159,12 @@ def _pairs(config: ModelConfig) -> list[tuple[str, str, bool]]:
             matrix = weight.split(".")[-1].startswith("W_")  # a Linear's [out, in]; not a gamma
             pairs.append((f"{hf}{part}.weight", ours + weight, matrix))
             pairs.append((f"{hf}{part}.bias", ours + bias, False))
-    if config.task == "classify":  # BERT's pooler, then the classifier
+    if config.task == "classify" or config.nsp:  # BERT's pooler, then its head
         pairs.append(("bert.pooler.dense.weight", "W_P", True))
         pairs.append(("bert.pooler.dense.bias", "b_P", False))
+    if config.nsp:
+        pairs.append(("cls.seq_relationship.weight", "W_N", True))
+        pairs.append(("cls.seq_relationship.bias", "b_N", False))
     if config.task is not None:
         return [*pairs, ("classifier.weight", "W_C", True), ("classifier.bias", "b_C", False)]
     t = "cls.predictions.transform."
@@ -171,10 +183,12 @@ def bert_weights(
     tensors: Mapping[str, Tensor], config: ModelConfig, lazy_embedding: bool = False
 ) -> Iterator[tuple[str, Tensor]]:
     """BERT tensors -> (tlm name, float32 tensor), every weight used exactly once (a pooler
-    but a classifier's, and the tied decoder, are not weights of tlm's model)."""
+    but a classifier's or NSP's, an NSP head but a BertForPreTraining's, and the tied
+    decoder are not weights of tlm's model)."""
     skip = ("cls.predictions.decoder.bias", "bert.embeddings.position_ids")  # b_U again; a buffer
-    pooled = config.task == "classify"
-    names = {k for k in tensors if k not in skip and (pooled or not k.startswith("bert.pooler."))}
+    pooled = config.task == "classify" or config.nsp
+    unused = ("bert.pooler.",) * (not pooled) + ("cls.seq_relationship.",) * (not config.nsp)
+    names = {k for k in tensors if k not in skip and not k.startswith(unused)}
     if config.tie_embeddings:
         names.discard("cls.predictions.decoder.weight")  # the tied head is E itself
     pairs = _pairs(config)

@@ -1,5 +1,12 @@
 """`inspect_prompt`: everything `tlm inspect` shows about one prompt, as JSON-ready data,
-and `write_report`: the pictures and one self-contained page (`index.html`, data inline)."""
+and `write_report`: the pictures and one self-contained page (`index.html`, data inline).
+
+A bidirectional encoder (J&M ch. 11) is read as it reads text, `[CLS] prompt [SEP]` (a
+[MASK] in the prompt is its token): its patterns are all-to-all, every row of α spread
+over keys on both sides, and the lens reads each depth through its head (the MLM head's
+tokens, or a fine-tuned head's labels). The panels that follow one next token (the
+distribution, the steps of a causal head, attribution and patching of a logit) are a
+language model's."""
 
 from __future__ import annotations
 
@@ -24,17 +31,22 @@ from tlm.interpret.plots import (
     plot_residual_norms,
 )
 from tlm.io import write_text_atomic
-from tlm.model import TransformerLM
+from tlm.model import Encoder, TransformerLM
 from tlm.tokenizer import Tokenizer, document_ids, within
 
 
 def encode_prompt(
-    model: TransformerLM, tokenizer: Tokenizer, prompt: str | list[int], what: str
+    model: TransformerLM | Encoder, tokenizer: Tokenizer, prompt: str | list[int], what: str
 ) -> list[int]:
-    """<|endoftext|> then the prompt's tokens (token ids: as they are); refused if empty or
-    longer than the context."""
+    """<|endoftext|> then the prompt's tokens (an encoder's: [CLS] prompt [SEP]; token ids:
+    as they are); refused if empty or longer than the context."""
     name, limit = f"the {what} prompt", model.config.context_length
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and isinstance(model, Encoder):
+        cls, sep = tokenizer.special_id("[CLS]"), tokenizer.special_id("[SEP]")
+        ids = within([cls, *tokenizer.encode(prompt), sep], limit, name)
+        if len(ids) == 2:
+            raise HookError(f"the {what} prompt tokenizes to nothing; give some text")
+    elif isinstance(prompt, str):
         ids = document_ids(tokenizer, prompt, limit, name)
     else:
         ids = within(list(prompt), limit, name)
@@ -56,7 +68,7 @@ def rounded(tensor: torch.Tensor, places: int = 4) -> Any:
 
 @torch.no_grad()
 def inspect_prompt(
-    model: TransformerLM,
+    model: TransformerLM | Encoder,
     tokenizer: Tokenizer,
     prompt: str | list[int],
     corrupted: str | None = None,
@@ -68,7 +80,11 @@ def inspect_prompt(
     """Patterns, logit lens, residual norms, attribution and (with `corrupted`) patching;
     with `lessons`, also the next-token distribution after the prompt (`next`) and every
     head's attention step by step (`steps`), which the page's panels draw. The prompt is a
-    text (read after <|endoftext|>) or token ids (read as they are)."""
+    text (read after <|endoftext|>) or token ids (read as they are). An encoder: patterns,
+    lens and norms."""
+    encoder = isinstance(model, Encoder)
+    if encoder and (corrupted or target or foil):
+        raise HookError("--corrupted, --target and --foil follow a language model's next token")
     device = placement(model)[0]
     ids = encode_prompt(model, tokenizer, prompt, "clean")
     x = torch.tensor([ids], device=device)
@@ -76,30 +92,39 @@ def inspect_prompt(
     if isinstance(prompt, list):  # its text as a text prompt is written: no <|endoftext|> first
         prompt = tokenizer.decode(ids[1:] if ids[0] == tokenizer.eot_id else ids)
     lens = logit_lens(model, x)
-    probs, top = lens.top(top_k)
-    words = [[[tokenizer.decode([int(i)]) for i in row] for row in depth] for depth in top]
+    probs, top = lens.top(min(top_k, lens.logprobs.shape[-1]))
+    labels = model.config.labels if encoder else None
+    words = [
+        [[labels[int(i)] if labels else tokenizer.decode([int(i)]) for i in row] for row in depth]
+        for depth in top
+    ]
     _, stream = residual_stream(model, x)
-    logits = model(x)[0, -1]
-    target_id = one_token(tokenizer, target, "--target") if target else int(logits.argmax())
+    kind = ", bidirectional encoder: every query reads every key" if encoder else ""
     data: dict[str, Any] = {
         "model": f"{model.config.n_layers} layers, {model.config.n_heads} heads, "
-        f"d_model {model.config.d_model}, {model.config.norm}-norm, {model.config.position}",
+        f"d_model {model.config.d_model}, {model.config.norm}-norm, {model.config.position}"
+        f"{kind}",
         "prompt": prompt,
         "tokens": tokens,
         "patterns": rounded(attention_patterns(model, x)),
         "lens": {
             "depths": lens.labels,
-            "k": top_k,
+            "k": len(top[0][0]),
             "top": [
                 [list(zip(w, p, strict=True)) for w, p in zip(wd, pd.tolist(), strict=True)]
                 for wd, pd in zip(words, probs, strict=True)
             ],
         },
         "norms": rounded(stream.float().norm(dim=-1)),
-        "target": tokenizer.decode([target_id]),
+        "target": None,
         "attribution": None,
         "patching": None,
     }
+    if encoder:
+        return data
+    logits = model(x)[0, -1]
+    target_id = one_token(tokenizer, target, "--target") if target else int(logits.argmax())
+    data["target"] = tokenizer.decode([target_id])
     if lessons:
         data["ids"] = ids
         data["next"] = next_token(tokenizer, logits, places=6)

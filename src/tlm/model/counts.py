@@ -30,6 +30,7 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
         n_norms += 1  # ln_embed
         if config.task is None:  # the MLM head: W_T (+ b_T), ln_T, b_U
             head += d * d + bias * d + config.vocab_size
+            head += (d * d + d + 2 * d + 2) * config.nsp  # the pooler and W_N, b_N
             n_norms += 1
         else:  # W_C, b_C (+ the pooler W_P, b_P), and no unembedding
             head = (d + 1) * len(config.labels) + (d * d + d) * (config.task == "classify")

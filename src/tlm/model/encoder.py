@@ -9,6 +9,8 @@ and BERT normalises the sum before the first block:
     X = LayerNorm(E[w] + P[pos] + S[seg])                the input, [B,T,d]
     H = Blocks(X)                                        no causal mask: all-to-all
     u = LayerNorm(act(H W_T + b_T)) E^T + b_U            the MLM head (§11.2.1)
+    y = softmax(tanh(h_CLS W_P + b_P) W_N + b_N)         with `nsp`: is B the sentence
+                                                         that follows A? (§11.2.2)
 
 The head's transform (W_T, b_T and its LayerNorm) sits between the last block and the
 unembedding, which is tied to E as in the causal model (§9.5), with a bias b_U of its own;
@@ -69,6 +71,10 @@ class Encoder(nn.Module):
         self.ln_f = LayerNorm(d, eps, bias) if pre else nn.Identity()
         self.final = HookPoint()
         self.act = ACTIVATIONS[config.activation]
+        if config.task == "classify" or config.nsp:  # BERT's pooler, on [CLS]
+            self.W_P, self.b_P = nn.Parameter(torch.empty(d, d)), nn.Parameter(torch.zeros(d))
+        if config.nsp:  # next-sentence prediction: IsNext (0) or NotNext (1), as BERT's
+            self.W_N, self.b_N = nn.Parameter(torch.empty(d, 2)), nn.Parameter(torch.zeros(2))
         if config.task is None:  # the MLM head: its transform, then the unembedding
             self.W_T = nn.Parameter(torch.empty(d, d))
             self.b_T = nn.Parameter(torch.zeros(d)) if bias else None
@@ -77,8 +83,6 @@ class Encoder(nn.Module):
             self.W_U = nn.Parameter(torch.empty(d, config.vocab_size)) if untied else None
             self.b_U = nn.Parameter(torch.zeros(config.vocab_size))
         else:  # a task's head: [CLS] through the pooler (classify), or each token (tag)
-            if config.task == "classify":
-                self.W_P, self.b_P = nn.Parameter(torch.empty(d, d)), nn.Parameter(torch.zeros(d))
             n = len(config.labels)
             self.W_C, self.b_C = nn.Parameter(torch.empty(d, n)), nn.Parameter(torch.zeros(n))
         self.logits = HookPoint()
@@ -138,16 +142,24 @@ class Encoder(nn.Module):
         segments: Tensor | None = None,
         attention_mask: Tensor | None = None,
         only: Tensor | None = None,
-    ) -> Tensor:
+        next_sentence: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """input_ids [B,T] -> logits: the MLM head's [B,T,V], at each position the scores
         of the token that belongs there (what a masked position is trained to predict); a
         tagger's [B,T,labels]; a classifier's [B,labels], of the whole input. With `only`
-        (bool [B,T]), the logits of those positions alone, [M,·]: the head runs on them."""
+        (bool [B,T]), the logits of those positions alone, [M,·]: the head runs on them.
+        With `next_sentence` (an `nsp` model), (those logits, the NSP head's [B,2])."""
         h = self.hidden(input_ids, segments, attention_mask)
-        if self.config.task == "classify":  # pooler: tanh(h_CLS W_P + b_P), then W_C
-            pooled = torch.tanh(linear(h[:, 0], self.W_P, self.b_P))  # [B,d]
-            return self.logits(linear(pooled, self.W_C, self.b_C))  # [B,labels]
-        return self.logits(self.unembed(h if only is None else h[only]))
+        if self.config.task == "classify":
+            return self.logits(linear(self.pool(h), self.W_C, self.b_C))  # [B,labels]
+        logits = self.logits(self.unembed(h if only is None else h[only]))
+        if next_sentence:
+            return logits, linear(self.pool(h), self.W_N, self.b_N)  # [B,2]
+        return logits
+
+    def pool(self, h: Tensor) -> Tensor:
+        """BERT's pooler on H [B,T,d]: tanh(h_CLS W_P + b_P) [B,d], the input as a whole."""
+        return torch.tanh(linear(h[:, 0], self.W_P, self.b_P))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

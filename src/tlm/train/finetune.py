@@ -2,9 +2,11 @@
 or a tagger of each word, trained on labeled examples (`data/labeled.py`) from a pretrained
 run (`--init-from`, whose MLM head gives way to the task's) or from random weights.
 
-Each step takes `batch_size` examples, a new order each pass (`PassOrder`), pads them to
-the longest with [PAD] (hidden by the attention mask), and minimises the cross-entropy of
-the labels: one a sequence, or one a word at its first token (other positions IGNORED).
+Each step takes `batch_size` examples, a new order each pass (`PassOrder`; with
+`group_by_length`, the default, each step's examples of similar length, as transformers'
+Trainer groups them), pads them to the longest with [PAD] (hidden by the attention mask),
+and minimises the cross-entropy of the labels: one a sequence, or one a word at its first
+token (other positions IGNORED).
 Validation scores every held-out example: the loss, accuracy and F1 (a tagger's over BIO
 chunks, as seqeval counts them), logged as `val_accuracy` and `val_f1`.
 """
@@ -14,12 +16,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor
 
 from tlm.config import ModelConfig, TrainConfig
-from tlm.data.labeled import IGNORED, LabeledData, encode_example
-from tlm.evaluate import labeled_scores, padded
+from tlm.data.labeled import LabeledData, encode_example
+from tlm.evaluate import labeled_scores, padded, task_loss
 from tlm.io import write_text_atomic
 from tlm.tokenizer import Tokenizer
 from tlm.train.loop import Batches
@@ -28,14 +28,6 @@ from tlm.train.report import model_section
 
 if TYPE_CHECKING:
     from tlm.train.loop import Trainer
-
-VAL_BATCH = 32
-
-
-def task_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """The mean cross-entropy of the scored labels: [B,n] against [B], or [B,T,n] against
-    [B,T] (IGNORED positions left out)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORED)
 
 
 class LabeledBatches(Batches):
@@ -56,7 +48,8 @@ class LabeledBatches(Batches):
 
         self.train, self.val = encode(data.train), encode(data.val)
         self.cut = sum(e.cut for e in self.train + self.val)
-        self.order = PassOrder(len(self.train), config.batch_size, config.seed)
+        lengths = [len(e.ids) for e in self.train] if config.group_by_length else None
+        self.order = PassOrder(len(self.train), config.batch_size, config.seed, lengths)
         self.tokens_per_step = 0
         self.last: dict[str, float] = {}
 
@@ -73,16 +66,11 @@ class LabeledBatches(Batches):
     def validation_loss(self, trainer: Trainer) -> float | None:
         if not self.val:
             return None
-        total = count = 0.0
-        for i in range(0, len(self.val), VAL_BATCH):
-            batch = self.val[i : i + VAL_BATCH]
-            ids, segments, mask, labels = (t.to(trainer.device) for t in padded(batch, self.pad))
-            scored = (labels != IGNORED).sum().item()
-            total += task_loss(trainer.forward(ids, segments, mask), labels).item() * scored
-            count += scored
         d, device = self.data, trainer.device
-        self.last = labeled_scores(trainer.model, self.val, d.task, d.labels, self.pad, device)
-        return total / count
+        scores = labeled_scores(trainer.model, self.val, d.task, d.labels, self.pad, device)
+        loss = scores.pop("loss")
+        self.last = scores
+        return loss
 
     def logged(self, kind: str) -> dict[str, float]:
         return {f"val_{k}": v for k, v in self.last.items()} if kind == "val" else {}

@@ -189,7 +189,7 @@ def _task_model_values(
             f"--init-from {config.init_from} is not an encoder (tlm train --objective mlm)"
         )
     kept = {k: v for k, v in given.items() if k in FINE_TUNING_FIELDS}
-    return {**saved, **kept, "task": data.task, "labels": data.labels}
+    return {**saved, **kept, "task": data.task, "labels": data.labels, "nsp": False}
 
 
 def _other_context(key: str, value: Any, saved: dict[str, Any]) -> bool:
