@@ -30,6 +30,18 @@ def bpe_specials():
     return Specials(encoder_tokenizer(train_tokenizer("bpe", [TEXT] * 20, vocab_size=280)))
 
 
+def test_a_bpe_mask_takes_the_space_before_it():
+    """A masked word was one token with its space (" sat"): "[MASK]" in a text takes the
+    space before it, so a filled mask reads as training masked (RoBERTa's <mask> does so);
+    a character tokenizer's space is a token of its own, and stays."""
+    tok = encoder_tokenizer(train_tokenizer("bpe", [TEXT] * 20, vocab_size=280))
+    mask = tok.special_id("[MASK]")
+    assert tok.encode("the [MASK] sat") == [*tok.encode("the"), mask, *tok.encode(" sat")]
+    chars = encoder_tokenizer(train_tokenizer("char", [TEXT]))
+    space = chars.encode(" ")
+    assert chars.encode("a [MASK]") == [*chars.encode("a"), *space, chars.special_id("[MASK]")]
+
+
 def test_the_masking_statistics(bpe_specials):
     """Of 200,000 text positions: 15% selected, and of those 80% [MASK], 10% another token,
     10% unchanged; [CLS] and [SEP] never."""

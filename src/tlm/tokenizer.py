@@ -225,20 +225,27 @@ Tokenizer = CharTokenizer | BPETokenizer
 
 def encoder_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
     """`tokenizer` with an encoder's special tokens (J&M §11.2): [CLS] opens every input,
-    [SEP] ends each sentence, [MASK] stands for a hidden token, [PAD] fills a short row."""
-    return with_specials(tokenizer, ENCODER_SPECIALS)
+    [SEP] ends each sentence, [MASK] stands for a hidden token, [PAD] fills a short row.
+    A byte-level BPE's [MASK] takes the whitespace before it (as RoBERTa's `<mask>` does):
+    a masked word was one token with its space, so "the [MASK] of" reads as it trained."""
+    return with_specials(tokenizer, ENCODER_SPECIALS, lstrip=("[MASK]",))
 
 
-def with_specials(tokenizer: Tokenizer, names: Iterable[str]) -> Tokenizer:
+def with_specials(
+    tokenizer: Tokenizer, names: Iterable[str], lstrip: Iterable[str] = ()
+) -> Tokenizer:
     """A copy of `tokenizer` that has every special token in `names` (those it lacks get
-    the next ids, in order); the ids of every token it had stay as they were."""
+    the next ids, in order); the ids of every token it had stay as they were. A BPE's
+    tokens in `lstrip` absorb the whitespace before them in a text."""
     missing = [n for n in dict.fromkeys(names) if tokenizer.special_id(n) is None]
     if not missing:
         return tokenizer
     if isinstance(tokenizer, CharTokenizer):
         return CharTokenizer(tokenizer.chars, [*tokenizer.specials, *missing])
     copy = HFTokenizer.from_str(tokenizer.to_json())
-    copy.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in missing])
+    copy.add_special_tokens(
+        [AddedToken(n, special=True, normalized=False, lstrip=n in lstrip) for n in missing]
+    )
     return BPETokenizer(copy)
 
 
