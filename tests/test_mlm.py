@@ -137,6 +137,8 @@ def test_commands_refuse_the_other_kind(words_mlm, words_data, tmp_path, capsys)
     mlm_run = words_mlm
     assert main(["generate", str(mlm_run), "--prompt", "a"]) == 2
     assert "bidirectional encoder" in capsys.readouterr().err
+    assert main(["lm-eval", str(mlm_run), "--tasks", "hellaswag"]) == 2  # not for encoders
+    assert "tlm eval RUN --data FILE" in capsys.readouterr().err
     assert main(["fill-mask", str(mlm_run), "python module"]) == 2
     assert "no [MASK]" in capsys.readouterr().err
     out = tmp_path / "wrong"
