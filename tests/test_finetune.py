@@ -97,9 +97,11 @@ def test_labeled_files_are_refused_in_one_line(tmp_path, words_mlm, capsys):
     bad = {
         '{"tokens": ["a", "b"], "tags": ["O"]}': "2 tokens but 1 tags",
         '{"tokens": "a b", "tags": ["O"]}': "a tagged example has 'tokens' and 'tags'",
+        '{"tokens": ["", "a"], "tags": ["O", "O"]}': "token 0 is empty",
+        '{"tokens": ["pyth\u00f6n"], "tags": ["O"]}': "character 'ö' is not in the tokenizer",
     }
     for line, message in bad.items():
-        write(tmp_path / "bad.jsonl", [{"tokens": ["a"], "tags": ["O"]}])
+        write(tmp_path / "bad.jsonl", [{"tokens": ["python"], "tags": ["O"]}])
         with open(tmp_path / "bad.jsonl", "a") as f:
             f.write(line + "\n")
         args = [

@@ -24,6 +24,7 @@ from typing import Any
 from tlm.data.chat import described, file_records
 from tlm.data.corpus import CorpusError
 from tlm.data.stdlib_labels import BUILTIN, builtin_labeled
+from tlm.tokenizer import TokenizerError
 
 TASKS = ("classify", "tag")
 FIELDS = {"classify": ("text", "text_a", "text_b", "label"), "tag": ("tokens", "tags")}
@@ -145,6 +146,8 @@ def _parse(where: str, record: Any, task: str) -> tuple[str, Any, Any, Any]:
             )
         if len(words) != len(tags):
             raise CorpusError(f"{where}: {len(words)} tokens but {len(tags)} tags")
+        if "" in words:
+            raise CorpusError(f"{where}: token {words.index('')} is empty: a tagged word has text")
         return where, tuple(words), None, tuple(tags)
     first = record.get("text", record.get("text_a"))
     second = None if "text" in record else record.get("text_b")
@@ -202,7 +205,16 @@ class Encoded:
 def encode_example(example: Example, tokenizer, task: str, limit: int) -> Encoded:
     """`[CLS] first [SEP]` (`[CLS] first [SEP] second [SEP]`, segments 0 then 1), cut to
     `limit` tokens as BERT's tokenizer truncates (the longer text first); for a tagger, each
-    word encoded on its own (after a space, but the first), its tag on its first token."""
+    word encoded on its own (after a space, but the first), its tag on its first token. A
+    text the tokenizer cannot spell (a character model's unknown character) is one line
+    naming the example."""
+    try:
+        return _encode(example, tokenizer, task, limit)
+    except TokenizerError as exc:
+        raise CorpusError(f"{example.where}: {exc}") from None
+
+
+def _encode(example: Example, tokenizer, task: str, limit: int) -> Encoded:
     cls, sep = tokenizer.special_id("[CLS]"), tokenizer.special_id("[SEP]")
     if task == "tag":
         ids, labels = [cls], [IGNORED]
