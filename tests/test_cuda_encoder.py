@@ -65,3 +65,14 @@ def test_the_encoder_on_the_gpu(words_data, tmp_path, gpu, capsys):
     ]
     for command in commands:
         assert main([*command, *device]) == 0, command
+
+
+def test_demo_encoder_on_the_gpu(tmp_path, gpu):
+    pytest.importorskip("sklearn")
+    args = ["demo", "encoder", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "enc")]
+    args += ["--mlm-steps", "5", "--classify-steps", "5", "--tag-steps", "5", "--quiet"]
+    assert main([*args, "--device", str(gpu)]) == 0
+    figures = json.loads((tmp_path / "enc" / "encoder_eval.json").read_text())
+    assert set(figures) == {"mlm", "classify", "tag"}
+    config = json.loads((tmp_path / "enc" / "mlm" / "config.json").read_text())
+    assert config["train"]["device"] == str(gpu)

@@ -39,7 +39,7 @@ def test_the_baseline_is_logistic_regression_on_words():
 
 
 @pytest.mark.slow
-def test_demo_encoder_runs_its_five_steps(tmp_path, capsys):
+def test_demo_encoder_runs_its_four_steps(tmp_path, capsys):
     pytest.importorskip("sklearn")
     args = ["demo", "encoder", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "enc")]
     args += ["--mlm-steps", "3", "--classify-steps", "3", "--tag-steps", "3", "--quiet"]
