@@ -50,3 +50,11 @@ def test_anisotropy_at_every_layer_and_the_command(words_mlm, tmp_path, capsys):
     table = pq.read_table(tmp_path / "v.parquet").to_pydict()
     assert table["text"] == TEXTS and len(table["embedding"][0]) == model.config.d_model
     assert main([*args[:3], "--out", str(tmp_path / "v.csv")]) == 2
+    # texts from a Parquet file's column: the same vectors as from the text file
+    pa = pytest.importorskip("pyarrow")
+    pq.write_table(pa.table({"body": TEXTS}), tmp_path / "in.parquet")
+    back = ["embed", str(words_mlm), str(tmp_path / "in.parquet"), "--text-field", "body"]
+    assert main([*back, "--out", str(tmp_path / "w.npy")]) == 0
+    assert np.allclose(np.load(tmp_path / "w.npy"), np.load(tmp_path / "v.npy"), atol=1e-6)
+    assert main([*back[:3], "--out", str(tmp_path / "w.npy")]) == 2  # no column "text"
+    assert "no column 'text'" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Reading task inputs: texts (with gold labels) and multiple-choice items, one line each.
 
     FILE.jsonl   one JSON object per line: a text field (and a gold field)
+    FILE.parquet one row each, the same fields as columns (or FILE.arrow)
     FILE.tsv     text<TAB>gold
     other / -    one text per line (stdin for -)
 
@@ -13,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from tlm.data.columnar import COLUMNAR, column_texts
 from tlm.tasks.score import TaskError
 
 
@@ -42,7 +44,10 @@ def _record(path: str, number: int, line: str) -> dict:
 def read_examples(
     path: str, text_field: str = "text", gold_field: str | None = None
 ) -> list[tuple[str, str | None]]:
-    """(text, gold or None) per line."""
+    """(text, gold or None) per line (a .parquet or .arrow file: per row, its
+    `text_field` and `gold_field` columns)."""
+    if Path(path).suffix in COLUMNAR:
+        return _columnar(path, text_field, gold_field)
     examples = []
     for number, line in _lines(path):
         if path.endswith(".jsonl"):
@@ -62,6 +67,18 @@ def read_examples(
     if not examples:
         raise TaskError(f"{path}: no input lines")
     return examples
+
+
+def _columnar(path: str, text_field: str, gold_field: str | None) -> list[tuple[str, str | None]]:
+    if not Path(path).is_file():
+        raise TaskError(f"{path}: no such file")
+    texts = list(column_texts(Path(path), path, text_field))
+    golds = list(column_texts(Path(path), path, gold_field)) if gold_field else [None] * len(texts)
+    if len(golds) != len(texts):
+        raise TaskError(f"{path}: some rows lack a {text_field!r} or a {gold_field!r}")
+    if not texts:
+        raise TaskError(f"{path}: no input rows")
+    return list(zip(texts, golds, strict=True))
 
 
 def read_choices(path: str) -> list[dict]:
