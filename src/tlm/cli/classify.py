@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("text", nargs="*", help="a fine-tuned classifier's text (or pair)")
     parser.add_argument("--labels", help="comma-separated labels (a language model)")
     parser.add_argument("--template", help='with {text}, e.g. "{text} It was" (a language model)')
-    parser.add_argument("--input", default="-", help="FILE.jsonl, FILE.tsv, FILE or - (stdin)")
+    parser.add_argument("--input", default="-", help="FILE.jsonl/.parquet/.tsv, FILE or -")
     parser.add_argument("--text-field", default="text", help="JSONL field of the text")
     parser.add_argument("--gold-field", help="JSONL field of the gold label (.tsv: 2nd column)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

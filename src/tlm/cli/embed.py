@@ -22,7 +22,7 @@ prints the mean cosine between random words of different texts at each layer and
 def register(sub: argparse._SubParsersAction) -> None:
     parser = add_command(sub, "embed", "contextual embeddings of texts (an encoder run)", EXAMPLE)
     parser.add_argument("run", help="run directory of an encoder")
-    parser.add_argument("files", nargs="+", help="texts: .txt (one a line) or .jsonl")
+    parser.add_argument("files", nargs="+", help="texts: .txt (one a line), .jsonl or .parquet")
     parser.add_argument("--out", required=True, help="FILE.npy or FILE.parquet")
     parser.add_argument("--pool", choices=("mean", "cls"), default="mean", help="mean (default)")
     parser.add_argument("--text-field", default="text", help="JSONL field of the text")
