@@ -7,8 +7,10 @@ speed: both models BERT-shaped (post-norm, learned positions, exact GELU; 4 laye
 4 heads, 128 positions) on python-stdlib (BPE 4,096, prepared once into --work), the same
 batches and the same masks (tlm's `mask_tokens`: transformers gets them as `labels`, -100
 where unselected), the same AdamW; each step a forward, a backward and an optimizer step.
-The two alternate in rounds; tokens/s is the median round's, and both validation losses
-are taken after the same steps on the same masked windows.
+Both start from the same weights (tlm's initial ones, written into BertForMaskedLM by
+`interop/bert.py`), so the same steps must end at the same validation loss: the check that
+the two compute the same function and the same updates. The two alternate in rounds;
+tokens/s is the median round's.
 
 pretraining: `tlm train --task classify|tag` on the built-in sets from a masked-LM run
 (--mlm, default runs/demo-encoder/mlm: run `tlm demo encoder` first) and with --reinit
@@ -37,6 +39,7 @@ from tlm import ModelConfig  # noqa: E402
 from tlm.cli import main as tlm_main  # noqa: E402
 from tlm.cli.demo_encoder import FINETUNE, SETS, STEPS  # noqa: E402
 from tlm.data import TokenData, prepare  # noqa: E402
+from tlm.interop.bert import state_to_bert  # noqa: E402
 from tlm.model import Encoder  # noqa: E402
 from tlm.tokenizer import encoder_tokenizer, load_tokenizer  # noqa: E402
 from tlm.train.mlm import Specials, mask_tokens, mlm_loss  # noqa: E402
@@ -77,7 +80,7 @@ def hf_step(model, inputs, targets, selected):
     return model(input_ids=inputs, labels=targets.masked_fill(~selected, -100)).loss
 
 
-def part_speed(work: Path, rounds: int, steps: int) -> None:
+def part_speed(work: Path, rounds: int, steps: int, seed: int = 0) -> None:
     data = work / "stdlib-4096"
     if not (data / "meta.json").is_file():
         prepare(["python-stdlib"], data, vocab_size=4096, progress=False)
@@ -85,11 +88,10 @@ def part_speed(work: Path, rounds: int, steps: int) -> None:
     train, val = TokenData(data).split("train"), TokenData(data).split("val")
     config = ModelConfig(model_type="encoder", norm="post", position="learned", activation="gelu",
                          vocab_size=specials.vocab_size, **SHAPE)  # fmt: skip
-    torch.manual_seed(0)
-    sides = {
-        "tlm": (Encoder(config), tlm_step),
-        "transformers": (hf_model(specials.vocab_size), hf_step),
-    }
+    torch.manual_seed(seed)
+    ours, theirs = Encoder(config), hf_model(specials.vocab_size)
+    theirs.load_state_dict(state_to_bert(ours.state_dict(), config), strict=False)  # (tied head)
+    sides = {"tlm": (ours, tlm_step), "transformers": (theirs, hf_step)}
     optimizers = {
         n: torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.01)
         for n, (m, _) in sides.items()
@@ -99,7 +101,7 @@ def part_speed(work: Path, rounds: int, steps: int) -> None:
         for name, (model, step) in sides.items():
             model.train()
             started = time.perf_counter()
-            for inputs, targets, selected in batches(train, specials, steps, seed=r):
+            for inputs, targets, selected in batches(train, specials, steps, seed=seed * 100 + r):
                 loss = step(model, inputs, targets, selected)
                 loss.backward()
                 optimizers[name].step()
@@ -115,7 +117,8 @@ def part_speed(work: Path, rounds: int, steps: int) -> None:
             losses[name] = statistics.mean(step(model, *b).item() for b in held)
     print(f"host: {host()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"BERT shape {SHAPE}, vocabulary {specials.vocab_size}, batch {BATCH}, masks 15% "
-          f"(80/10/10), AdamW lr {LR}; {rounds} rounds of {steps} steps, alternating")  # fmt: skip
+          f"(80/10/10), AdamW lr {LR}; {rounds} rounds of {steps} steps, alternating; "
+          f"seed {seed}")  # fmt: skip
     for name in sides:
         print(f"{name:13s} {statistics.median(rates[name]):9,.0f} tokens/s   validation loss "
               f"after {rounds * steps} steps {losses[name]:.3f}")  # fmt: skip
@@ -157,10 +160,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="speed: steps a round (20)")
     parser.add_argument("--mlm", type=Path, default=ROOT / "runs" / "demo-encoder" / "mlm")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="speed: initial weights and batches")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.part == "speed":
-        part_speed(args.work, args.rounds, args.steps)
+        part_speed(args.work, args.rounds, args.steps, args.seed)
     else:
         part_pretraining(args.work, args.mlm, args.seeds)
 
