@@ -122,6 +122,51 @@ def test_an_encoder_with_next_sentence_prediction_is_bert_for_pretraining(tmp_pa
         assert not mlm.config.nsp and torch.allclose(mlm(ids, segments), logits, atol=1e-5)
 
 
+def test_training_steps_are_transformers_from_one_start():
+    """BertForMaskedLM started from a tlm encoder's weights and trained on the same masked
+    batches with the same AdamW: the same gradients and the same loss at every step, tlm's
+    head run on the selected positions only (mlm_loss) against transformers' labels."""
+    from tlm.interop.bert import bert_weights, state_to_bert
+    from tlm.train.mlm import Specials, mask_tokens, mlm_loss
+
+    tok = encoder_tokenizer(train_tokenizer("bpe", [TEXT] * 20, vocab_size=280))
+    specials = Specials(tok)
+    ours = varied_encoder(tok.vocab_size).train()
+    config = transformers.BertConfig(
+        vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=256, max_position_embeddings=ours.config.context_length,
+        layer_norm_eps=ours.config.layer_norm_eps, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, hidden_act="gelu",
+    )  # fmt: skip
+    assert (
+        (config.hidden_size, config.num_hidden_layers)
+        == (64, 2)
+        == (ours.config.d_model, ours.config.n_layers)
+    )  # the shape of tiny_config
+    theirs = transformers.BertForMaskedLM(config).train()
+    theirs.load_state_dict(state_to_bert(ours.state_dict(), ours.config), strict=False)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, theirs)]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.tensor(tok.encode(TEXT * 2)[:150]).view(5, 30)
+    for step in range(5):
+        targets = specials.wrap(ids.roll(step, 1))
+        inputs, selected = mask_tokens(targets, specials, 0.15, generator, False)
+        losses = [
+            mlm_loss(ours, inputs, targets, selected),
+            theirs(input_ids=inputs, labels=targets.masked_fill(~selected, -100)).loss,
+        ]
+        assert torch.allclose(losses[0], losses[1], atol=1e-5), (step, losses)
+        for loss in losses:
+            loss.backward()
+        if step == 0:  # every gradient, as transformers' names map to tlm's
+            grads = {n: p.grad for n, p in theirs.named_parameters()}
+            for name, grad in bert_weights(grads, ours.config):
+                assert torch.allclose(ours.get_parameter(name).grad, grad, atol=1e-6), name
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 def test_what_bert_cannot_express_is_refused(tmp_path, capsys):
     tok = encoder_tokenizer(train_tokenizer("char", [TEXT]))
     run = save_run(tmp_path / "run", varied_encoder(tok.vocab_size, norm="pre"), tok)
