@@ -19,7 +19,6 @@ from pathlib import Path
 
 from tlm.checkpoint import lock_run
 from tlm.data import prepare
-from tlm.data.labeled import read_labeled
 from tlm.data.prepare import FILES as PREPARED
 from tlm.io import write_text_atomic
 from tlm.tasks.baselines import bag_of_words
@@ -51,7 +50,7 @@ def encoder_demo(args: argparse.Namespace, claim, marker: str) -> int:
     (data / marker).touch(), (out / marker).touch()
     print(f"[2/4] pretrain by masked language modeling for {steps['mlm']} steps")
     values = PRETRAIN | {"data": str(data), "out": str(out / "mlm")}
-    results = _train(MODEL, values, steps["mlm"], args)
+    results, _ = _train(MODEL, values, steps["mlm"], args)
     figures = {"mlm": {k: round(results[k], 4) for k in ("val_loss", "val_accuracy")}}
     figures["mlm"]["minutes"] = round(results["elapsed"] / 60, 2)
     print(
@@ -60,8 +59,7 @@ def encoder_demo(args: argparse.Namespace, claim, marker: str) -> int:
     for n, (task, name) in enumerate(SETS.items(), start=3):
         print(f"[{n}/4] fine-tune to {task} ({name}) for {steps[task]} steps")
         values = FINETUNE | {"init_from": str(out / "mlm"), "data": name, "out": str(out / task)}
-        results = _train({"task": task}, values, steps[task], args)
-        labeled = read_labeled(name, task)
+        results, labeled = _train({"task": task}, values, steps[task], args)
         baseline = bag_of_words(labeled)
         figures[task] = {
             "accuracy": round(results["val_accuracy"], 4),
@@ -78,8 +76,9 @@ def encoder_demo(args: argparse.Namespace, claim, marker: str) -> int:
     return 0
 
 
-def _train(model_values: dict, values: dict, steps: int, args: argparse.Namespace) -> dict:
-    """Train a run; its final results with the last validation's figures."""
+def _train(model_values: dict, values: dict, steps: int, args: argparse.Namespace):
+    """Train a run: (its final results with the last validation's figures, the data it
+    read: the labeled examples the baseline is fitted and scored on)."""
     values = values | {"max_steps": steps, "device": args.device, "eval_interval": steps}
     model_config, train_config, data = new_run_configs(model_values, values)
     run = Path(train_config.out)
@@ -89,7 +88,7 @@ def _train(model_values: dict, values: dict, steps: int, args: argparse.Namespac
             progress_bar=not args.quiet,
         )  # fmt: skip
         results = trainer.fit()
-    return results | trainer.batches.logged("val")
+    return results | trainer.batches.logged("val"), trainer.batches.data
 
 
 def _line(figures: dict) -> str:

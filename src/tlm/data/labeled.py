@@ -104,15 +104,14 @@ def labeled_examples(
 ) -> list[Example]:
     """Every example of a file (or of a folder's `split` file), its labels indexed as
     `labels` orders them (a fine-tuned run's): what `tlm eval` scores a run on."""
+    index = {name: i for i, name in enumerate(labels)}
     if str(path) in BUILTIN:
         train, val, _ = builtin_labeled(str(path))
-        records = train if split == "train" else val
-        return [_indexed(_parse(w, r, task), {n: i for i, n in enumerate(labels)}, task)
-                for w, r in records]  # fmt: skip
-    path = Path(path)
-    file = _split_file(path, split) if path.is_dir() else path
-    index = {name: i for i, name in enumerate(labels)}
-    examples = [_indexed(_parse(w, r, task), index, task) for w, r in _records(file, task)]
+        file, records = str(path), train if split == "train" else val
+    else:
+        file = _split_file(Path(path), split) if Path(path).is_dir() else Path(path)
+        records = _records(file, task)
+    examples = [_indexed(_parse(w, r, task), index, task) for w, r in records]
     if not examples:
         raise CorpusError(f"{file}: no examples")
     return examples

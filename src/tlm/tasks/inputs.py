@@ -14,7 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from tlm.data.columnar import COLUMNAR, column_texts
+from tlm.data.chat import file_records
+from tlm.data.columnar import COLUMNAR
 from tlm.tasks.score import TaskError
 
 
@@ -70,15 +71,16 @@ def read_examples(
 
 
 def _columnar(path: str, text_field: str, gold_field: str | None) -> list[tuple[str, str | None]]:
-    if not Path(path).is_file():
-        raise TaskError(f"{path}: no such file")
-    texts = list(column_texts(Path(path), path, text_field))
-    golds = list(column_texts(Path(path), path, gold_field)) if gold_field else [None] * len(texts)
-    if len(golds) != len(texts):
-        raise TaskError(f"{path}: some rows lack a {text_field!r} or a {gold_field!r}")
-    if not texts:
+    """(text, gold or None) of each row of a .parquet or .arrow file."""
+    fields = (text_field,) if gold_field is None else (text_field, gold_field)
+    examples = []
+    for where, row in file_records(Path(path), fields):
+        if not all(isinstance(row[f], str) for f in fields):
+            raise TaskError(f"{where}: {' and '.join(map(repr, fields))} must be strings")
+        examples.append((row[text_field], row.get(gold_field)))
+    if not examples:
         raise TaskError(f"{path}: no input rows")
-    return list(zip(texts, golds, strict=True))
+    return examples
 
 
 def read_choices(path: str) -> list[dict]:
